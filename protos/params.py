@@ -1,0 +1,142 @@
+"""Request parameters shared by the gateway and the worker (no torch, no grpc).
+
+These are the plain-Python forms of the contract in `tokenrelay/v1/*.proto`.
+Both sides build them with `protos.convert.params_from_pb`, so a bad field is
+rejected with the same message at the gateway (INVALID_ARGUMENT) and, should a
+request bypass the gateway, again at the worker.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_TOP_LOGPROBS = 20
+MAX_SEED = 2**63 - 1
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+class FinishReason(enum.Enum):
+    """Why a request ended. Values mirror `tokenrelay.v1.FinishReason`."""
+
+    STOP = 1  # stop string or stop token id
+    LENGTH = 2  # max_tokens or context length reached
+    EOS = 3  # the model's end-of-sequence token
+    ABORT = 4  # cancelled by the caller (or its deadline passed)
+    ERROR = 5  # the request failed (e.g. non-finite logits)
+
+
+def _check_range(name: str, value: float, lo: float, hi: float, *, lo_open: bool = False) -> None:
+    ok = (lo < value if lo_open else lo <= value) and value <= hi
+    if not ok or math.isnan(value):
+        left = "(" if lo_open else "["
+        raise ValueError(f"{name} must be in {left}{lo}, {hi}], got {value}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples and when it stops. Validated on construction."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    min_p: float = 0.0  # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None  # None = the worker draws one and reports it
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False  # logprob of each chosen token
+    top_logprobs: int = 0  # and of the N most likely alternatives
+    truncate_prompt: bool = False  # left-truncate the prompt to fit the context
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        _check_range("temperature", self.temperature, 0.0, 100.0)
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = disabled), got {self.top_k}")
+        _check_range("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        _check_range("min_p", self.min_p, 0.0, 1.0)
+        _check_range("repetition_penalty", self.repetition_penalty, 0.0, 10.0, lo_open=True)
+        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be in [0, {MAX_SEED}], got {self.seed}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop accepts at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not s or len(s) > MAX_STOP_STRING_CHARS:
+                raise ValueError(f"stop strings must have 1..{MAX_STOP_STRING_CHARS} characters, got {s!r}")
+        for t in self.stop_token_ids:
+            if t < 0:
+                raise ValueError(f"stop_token_ids must be >= 0, got {t}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """None = no logprobs; otherwise how many alternatives per token."""
+        return self.top_logprobs if (self.logprobs or self.top_logprobs) else None
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+    def __post_init__(self) -> None:
+        if self.role not in CHAT_ROLES:
+            raise ValueError(f"messages.role must be one of {', '.join(CHAT_ROLES)}, got {self.role!r}")
+
+
+@dataclass(frozen=True)
+class PromptInput:
+    """Exactly one of `prompt` (raw text) or `messages` (chat)."""
+
+    prompt: str | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("exactly one of prompt or messages must be set")
+        if self.prompt is not None and not self.prompt:
+            raise ValueError("prompt must not be empty")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages must not be empty")
+
+
+@dataclass
+class Usage:
+    """Accounting for one finished request (times in seconds)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    queue_time_s: float = 0.0
+    time_to_first_token_s: float = 0.0
+    decode_time_s: float = 0.0
+    seed: int = 0
+    truncated_prompt_tokens: int = 0
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    text: str = ""
+
+
+@dataclass
+class Logprobs:
+    chosen: TokenLogprob
+    top: list[TokenLogprob] = field(default_factory=list)
