@@ -1,0 +1,34 @@
+"""Engine configuration: one frozen object, validated once at start-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    # GGUF file or Hugging Face folder; None = the default SmolLM2-135M-Instruct.
+    model: str | None = None
+    device: str = "cpu"  # "cpu", "cuda", "cuda:1", ...
+    dtype: str = "float32"
+    max_num_seqs: int = 16  # sequences decoded together (KV cache slots)
+    max_model_len: int | None = None  # tokens per sequence; None = min(model context, 4096)
+    kv_cache_memory_mb: int | None = None  # None = room for max_num_seqs full sequences
+    max_prefill_tokens: int = 2048  # prompt tokens prefetched per step (bounds decode stalls)
+    num_threads: int | None = None  # torch intra-op threads; None = torch's default
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.kv_cache_memory_mb is not None and self.kv_cache_memory_mb < 1:
+            raise ValueError(f"kv_cache_memory_mb must be >= 1, got {self.kv_cache_memory_mb}")
+        if self.max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
