@@ -1,0 +1,79 @@
+"""Small factories shared by tests: tiny seeded Llama models and engines."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from protos.params import SamplingParams
+from worker.engine import Engine
+from worker.model.config import ModelConfig
+from worker.model.llama import LlamaModel
+
+VOCAB = 128
+
+
+def make_hf_model(num_heads: int = 4, num_kv_heads: int = 2, tie: bool = False,
+                  rope_scaling: dict[str, Any] | None = None, seed: int = 0,
+                  attention_bias: bool = False) -> Any:
+    """A seeded random transformers.LlamaForCausalLM small enough for unit tests."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, rms_norm_eps=1e-5,
+        rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=tie,
+        rope_scaling=rope_scaling, attention_bias=attention_bias, bos_token_id=1, eos_token_id=2,
+    )
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def ours_from_hf(hf: Any) -> LlamaModel:
+    c = hf.config
+    config = ModelConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads,
+        num_kv_heads=c.num_key_value_heads, head_dim=c.hidden_size // c.num_attention_heads,
+        rms_norm_eps=c.rms_norm_eps, rope_theta=10000.0, rope_scaling=_rope_scaling(c),
+        max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=c.tie_word_embeddings, attention_bias=c.attention_bias,
+    )
+    weights = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    if config.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    return LlamaModel(config, weights)
+
+
+def _rope_scaling(c: Any) -> dict[str, Any] | None:
+    rs = getattr(c, "rope_scaling", None) or getattr(c, "rope_parameters", None)
+    if not rs or rs.get("rope_type", rs.get("type")) == "default":
+        return None
+    return dict(rs)
+
+
+def make_engine(model: LlamaModel | None = None, num_slots: int = 4, max_len: int = 128,
+                max_prefill_tokens: int = 512, eos: frozenset[int] = frozenset()) -> Engine:
+    return Engine(model or ours_from_hf(make_hf_model()), num_slots, max_len, max_prefill_tokens, eos)
+
+
+def make_prompts(n: int, lengths: tuple[int, ...] = (3, 9, 17, 30), seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]
+
+
+def greedy(max_tokens: int = 8, **kw: Any) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+def run_to_completion(engine: Engine, max_steps: int = 1000) -> dict[str, list[int]]:
+    """Step until idle; returns every request's generated ids."""
+    out: dict[str, list[int]] = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            return out
+        for o in engine.step():
+            if o.token is not None:
+                out.setdefault(o.seq.request_id, []).append(o.token.token_id)
+    raise AssertionError("engine did not finish")

@@ -1,0 +1,153 @@
+"""Engine core on a tiny random Llama: batching, cache reuse, aborts, failures."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from protos.params import FinishReason, SamplingParams  # noqa: E402
+from tests.factories import (  # noqa: E402
+    greedy,
+    make_engine,
+    make_hf_model,
+    make_prompts,
+    ours_from_hf,
+    run_to_completion,
+)
+
+
+@pytest.fixture(scope="module")
+def hf():  # type: ignore[no-untyped-def]
+    return make_hf_model()
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:  # type: ignore[no-untyped-def]
+    ids = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                      pad_token_id=0, eos_token_id=None)
+    return ids[0, len(prompt):].tolist()
+
+
+def test_greedy_equals_transformers_generate_in_a_mixed_batch(hf) -> None:  # type: ignore[no-untyped-def]
+    engine = make_engine(ours_from_hf(hf), num_slots=4)
+    prompts = make_prompts(6)  # 6 requests, 4 slots: two wait, then join mid-flight
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, greedy(max_tokens=12))
+    got = run_to_completion(engine)
+    for i, p in enumerate(prompts):
+        assert got[f"r{i}"] == hf_greedy(hf, p, 12), f"request r{i}"
+
+
+def test_batched_equals_alone(hf) -> None:  # type: ignore[no-untyped-def]
+    prompts = make_prompts(5, lengths=(2, 31, 7, 18, 11), seed=3)
+    alone = {}
+    for i, p in enumerate(prompts):
+        e = make_engine(ours_from_hf(hf))
+        e.add_request("x", p, greedy(10))
+        alone[f"r{i}"] = run_to_completion(e)["x"]
+    engine = make_engine(ours_from_hf(hf), num_slots=8)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, greedy(10))
+    assert run_to_completion(engine) == alone
+
+
+def test_full_cache_makes_requests_wait_not_drop() -> None:
+    engine = make_engine(num_slots=2)
+    for i, p in enumerate(make_prompts(5)):
+        engine.add_request(f"r{i}", p, greedy(4))
+    first = {o.seq.request_id: [o.token.token_id] for o in engine.step() if o.token}
+    assert engine.scheduler.num_running == 2 and engine.scheduler.num_waiting == 3
+    got = run_to_completion(engine)
+    for rid, ids in first.items():
+        got[rid] = ids + got[rid]
+    assert sorted(got) == [f"r{i}" for i in range(5)] and all(len(v) == 4 for v in got.values())
+    assert engine.kv.num_free_slots == 2
+
+
+def test_abort_frees_the_slot_at_the_next_step() -> None:
+    engine = make_engine(num_slots=1)
+    engine.add_request("a", [5, 6, 7], greedy(50))
+    engine.add_request("b", [8, 9], greedy(3))
+    engine.step()
+    engine.step()
+    engine.abort("a")
+    outs = engine.step()
+    assert [(o.seq.request_id, o.finish_reason) for o in outs][0] == ("a", FinishReason.ABORT)
+    assert engine.scheduler.running.get("b") is not None  # b took the freed slot in the same step
+    assert len(engine.scheduler.running["b"].output_ids) == 1
+    assert len(run_to_completion(engine)["b"]) == 2
+
+
+def test_abort_of_a_waiting_request() -> None:
+    engine = make_engine(num_slots=1)
+    engine.add_request("a", [5, 6, 7], greedy(5))
+    engine.add_request("b", [8, 9], greedy(5))
+    engine.abort("b")
+    outs = engine.step()
+    assert ("b", FinishReason.ABORT) in [(o.seq.request_id, o.finish_reason) for o in outs]
+    assert "b" not in run_to_completion(engine)
+
+
+@pytest.mark.parametrize("prompt_len, max_tokens, ok", [(100, 28, True), (100, 29, False), (128, 1, False)])
+def test_context_limit(prompt_len: int, max_tokens: int, ok: bool) -> None:
+    engine = make_engine(max_len=128)
+    if ok:
+        engine.add_request("r", [5] * prompt_len, greedy(max_tokens))
+        assert len(run_to_completion(engine)["r"]) == max_tokens
+    else:
+        with pytest.raises(ValueError, match="max_tokens"):
+            engine.add_request("r", [5] * prompt_len, greedy(max_tokens))
+
+
+def test_eos_and_stop_token_ids(hf) -> None:  # type: ignore[no-untyped-def]
+    prompt = make_prompts(1)[0]
+    first_two = hf_greedy(hf, prompt, 2)
+    engine = make_engine(ours_from_hf(hf), eos=frozenset({first_two[1]}))
+    engine.add_request("eos", prompt, greedy(10))
+    engine.add_request("ignore", prompt, greedy(4, ignore_eos=True))
+    engine.add_request("stop", prompt, greedy(10, stop_token_ids=(first_two[0],)))
+    reasons = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finish_reason:
+                reasons[o.seq.request_id] = (o.finish_reason, len(o.seq.output_ids))
+    assert reasons["eos"] == (FinishReason.EOS, 2)
+    assert reasons["ignore"] == (FinishReason.LENGTH, 4)
+    assert reasons["stop"] == (FinishReason.STOP, 1)
+
+
+def test_non_finite_logits_fail_one_request_only(hf) -> None:  # type: ignore[no-untyped-def]
+    model = ours_from_hf(hf)
+    model.embed[7] = float("nan")  # any prompt containing token 7 yields NaN logits
+    engine = make_engine(model)
+    engine.add_request("bad", [5, 7, 9], greedy(4))
+    engine.add_request("good", [5, 8, 9], greedy(4))
+    reasons = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finish_reason:
+                reasons[o.seq.request_id] = o.finish_reason
+    assert reasons == {"bad": FinishReason.ERROR, "good": FinishReason.LENGTH}
+
+
+def test_seeded_sampling_reproduces_alone_and_in_a_busy_batch(hf) -> None:  # type: ignore[no-untyped-def]
+    params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.95, seed=1234)
+    prompt = make_prompts(1, lengths=(9,))[0]
+    e = make_engine(ours_from_hf(hf))
+    e.add_request("x", prompt, params)
+    alone = run_to_completion(e)["x"]
+    e = make_engine(ours_from_hf(hf), num_slots=6)
+    for i, p in enumerate(make_prompts(5, seed=9)):
+        e.add_request(f"n{i}", p, SamplingParams(max_tokens=16, seed=i))
+    e.add_request("x", prompt, params)
+    assert run_to_completion(e)["x"] == alone
+
+
+def test_drawn_seed_is_recorded_and_reproduces(hf) -> None:  # type: ignore[no-untyped-def]
+    prompt = make_prompts(1)[0]
+    e = make_engine(ours_from_hf(hf))
+    seq = e.add_request("x", prompt, SamplingParams(max_tokens=8))
+    first = run_to_completion(e)["x"]
+    e.add_request("y", prompt, SamplingParams(max_tokens=8, seed=seq.seed))
+    assert run_to_completion(e)["y"] == first

@@ -1,0 +1,112 @@
+"""The engine core: token ids in, token ids out (no Redis, no text).
+
+`step()` = apply aborts → schedule → run the model → postprocess. Aborts are
+collected between steps (thread-safe) and applied at the start of the next, so
+an aborted request frees its KV cache slot within one step.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from dataclasses import dataclass
+
+from protos.params import FinishReason, SamplingParams
+from worker.kv_cache import KVCacheManager
+from worker.model.llama import KVCache, LlamaModel
+from worker.model_runner import ModelRunner, SampledToken
+from worker.scheduler import Scheduler
+from worker.sequence import Sequence
+from worker.stopping import StoppingCriteria
+
+
+@dataclass
+class EngineOutput:
+    """What one step produced for one request."""
+
+    seq: Sequence
+    token: SampledToken | None  # None when the request ended without a new token (abort)
+    finish_reason: FinishReason | None = None
+
+
+class Engine:
+    def __init__(self, model: LlamaModel, num_slots: int, max_len: int, max_prefill_tokens: int,
+                 eos_token_ids: frozenset[int]) -> None:
+        self.model = model
+        self.max_len = max_len
+        self.eos_token_ids = eos_token_ids
+        cache = KVCache(model.config, num_slots, max_len, model.dtype, model.device)
+        self.kv = KVCacheManager(num_slots, max_len)
+        self.scheduler = Scheduler(self.kv, max_prefill_tokens)
+        self.runner = ModelRunner(model, cache)
+        self._aborts: set[str] = set()
+        self._lock = threading.Lock()
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> Sequence:
+        if not prompt_ids:
+            raise ValueError("prompt must contain at least one token")
+        if self.scheduler.find(request_id) is not None:
+            raise ValueError(f"request_id {request_id!r} is already running")
+        room = self.max_len - len(prompt_ids)
+        if params.max_tokens > room:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"context of {self.max_len} tokens; lower max_tokens or set truncate_prompt")
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        seq = Sequence(request_id=request_id, prompt_ids=list(prompt_ids), params=params, seed=seed,
+                       stopping=StoppingCriteria(params, self.eos_token_ids, params.max_tokens),
+                       arrival_time=arrival_time if arrival_time is not None else time.time())
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> None:
+        """Thread-safe; takes effect at the start of the next step."""
+        with self._lock:
+            self._aborts.add(request_id)
+
+    def finish(self, request_id: str, reason: FinishReason) -> None:
+        """End a request now (e.g. a stop string matched); call between steps only."""
+        seq = self.scheduler.find(request_id)
+        if seq is not None:
+            self.scheduler.finish(seq, reason)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._aborts)
+
+    def step(self) -> list[EngineOutput]:
+        outputs = self._apply_aborts()
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return outputs
+        tokens = self.runner.run(sched.prefills, sched.decodes)
+        return outputs + self._postprocess(sched.prefills + sched.decodes, tokens)
+
+    def _apply_aborts(self) -> list[EngineOutput]:
+        with self._lock:
+            aborts, self._aborts = self._aborts, set()
+        outputs = []
+        for request_id in aborts:
+            seq = self.scheduler.find(request_id)
+            if seq is not None:
+                self.scheduler.finish(seq, FinishReason.ABORT)
+                outputs.append(EngineOutput(seq, None, FinishReason.ABORT))
+        return outputs
+
+    def _postprocess(self, seqs: list[Sequence], tokens: list[SampledToken]) -> list[EngineOutput]:
+        now = time.time()
+        outputs = []
+        for seq, tok in zip(seqs, tokens, strict=True):
+            if not tok.is_finite:
+                self.scheduler.finish(seq, FinishReason.ERROR, "the model produced non-finite logits")
+                outputs.append(EngineOutput(seq, None, FinishReason.ERROR))
+                continue
+            seq.output_ids.append(tok.token_id)
+            seq.first_token_time = seq.first_token_time or now
+            seq.last_token_time = now
+            reason = seq.stopping(tok.token_id, len(seq.output_ids))
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+            outputs.append(EngineOutput(seq, tok, reason))
+        return outputs

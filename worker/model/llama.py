@@ -1,0 +1,164 @@
+"""A Llama-family decoder as plain maths over a static, slot-indexed KV cache.
+
+No I/O, no scheduling: the model runner decides which cache slot and which
+positions each row of the batch uses. Shapes: B batch rows, T tokens per row,
+C hidden size, H query heads, K kv heads, D head dim, S cache slots, L tokens
+per slot, V vocab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from worker.model.config import ModelConfig
+from worker.model.rope import apply_rope, rope_tables
+
+
+@dataclass
+class ForwardBatch:
+    """Where each row of a forward pass reads and writes the KV cache."""
+
+    input_ids: torch.Tensor  # (B, T)
+    positions: torch.Tensor  # (B, T) absolute position of each token
+    slot_ids: torch.Tensor  # (B,) cache slot of each row
+    kv_len: int  # attend over cache positions [0, kv_len), masked per row by position
+    slot_range: slice | None = None  # slot_ids as a range: the cache is read as a view
+    last_index: torch.Tensor | None = None  # (B,) t whose logits are wanted; None = T-1
+    # Every row starts at position 0 with no padding: plain causal attention over
+    # the new tokens is exact and skips reading the cache back.
+    is_fresh_prefill: bool = False
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor  # (C,)
+    wqkv: torch.Tensor  # ((H + 2K) * D, C): q, k and v projections fused into one matmul
+    bqkv: torch.Tensor | None  # ((H + 2K) * D,) when attention_bias
+    wo: torch.Tensor  # (C, H * D)
+    mlp_norm: torch.Tensor  # (C,)
+    w_gate_up: torch.Tensor  # (2 * F, C): gate and up fused
+    w_down: torch.Tensor  # (C, F)
+
+
+class KVCache:
+    """K and V for every layer, allocated once: each (num_layers, S, K, L, D)."""
+
+    def __init__(self, config: ModelConfig, num_slots: int, max_len: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        shape = (config.num_layers, num_slots, config.num_kv_heads, max_len, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (N, S, K, L, D)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)  # (N, S, K, L, D)
+        self.num_slots = num_slots
+        self.max_len = max_len
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.embed = weights.pop("model.embed_tokens.weight").to(self.device, dtype)  # (V, C)
+        lm_head = weights.pop("lm_head.weight", None)
+        self.lm_head = self.embed if lm_head is None else lm_head.to(self.device, dtype)  # (V, C)
+        self.norm = weights.pop("model.norm.weight").to(self.device, dtype)  # (C,)
+        self.layers = [self._take_layer(weights, i) for i in range(config.num_layers)]
+        self.cos, self.sin = rope_tables(config, config.max_position_embeddings, self.device)  # (P, D)
+
+    def _take_layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
+        p = f"model.layers.{i}."
+
+        def take(name: str) -> torch.Tensor:
+            return w.pop(p + name).to(self.device, self.dtype)
+
+        qkv = [take(f"self_attn.{n}_proj.weight") for n in "qkv"]
+        bias = ([take(f"self_attn.{n}_proj.bias") for n in "qkv"]
+                if self.config.attention_bias else None)
+        return LayerWeights(
+            attn_norm=take("input_layernorm.weight"),
+            wqkv=torch.cat(qkv, dim=0),
+            bqkv=torch.cat(bias, dim=0) if bias else None,
+            wo=take("self_attn.o_proj.weight"),
+            mlp_norm=take("post_attention_layernorm.weight"),
+            w_gate_up=torch.cat([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")], dim=0),
+            w_down=take("mlp.down_proj.weight"),
+        )
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """Run B rows of T tokens, writing their K/V into the cache.
+
+        Returns float32 logits (B, V) of one token per row (batch.last_index).
+        """
+        input_ids, positions, kv_len = batch.input_ids, batch.positions, batch.kv_len
+        B, T = input_ids.shape
+        x = F.embedding(input_ids, self.embed)  # (B, T, C)
+        cos = self.cos[positions].unsqueeze(2)  # (B, T, 1, D)
+        sin = self.sin[positions].unsqueeze(2)  # (B, T, 1, D)
+        mask = None
+        if not batch.is_fresh_prefill:
+            # key j is visible to a query at position p iff j <= p (covers causal + padding)
+            key_pos = torch.arange(kv_len, device=self.device)  # (kv_len,)
+            mask = (key_pos[None, None, None, :] <= positions[:, None, :, None])  # (B, 1, T, kv_len)
+        for i, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.attn_norm, self.config.rms_norm_eps)  # (B, T, C)
+            x = x + self._attention(h, layer, cache, i, batch, cos, sin, mask)
+            h = rms_norm(x, layer.mlp_norm, self.config.rms_norm_eps)  # (B, T, C)
+            x = x + self._mlp(h, layer)
+        if batch.last_index is None:
+            x = x[:, -1]  # (B, C)
+        else:
+            x = x[torch.arange(B, device=self.device), batch.last_index]  # (B, C)
+        x = rms_norm(x, self.norm, self.config.rms_norm_eps)
+        return (x @ self.lm_head.T).float()  # (B, V)
+
+    def _attention(self, h: torch.Tensor, layer: LayerWeights, cache: KVCache, i: int,
+                   batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor,
+                   mask: torch.Tensor | None) -> torch.Tensor:
+        cfg = self.config
+        B, T, _ = h.shape
+        H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv = F.linear(h, layer.wqkv, layer.bqkv)  # (B, T, (H + 2K) * D)
+        q, k, v = qkv.split((H * D, K * D, K * D), dim=-1)
+        q = apply_rope(q.view(B, T, H, D), cos, sin).transpose(1, 2)  # (B, H, T, D)
+        k = apply_rope(k.view(B, T, K, D), cos, sin).transpose(1, 2)  # (B, K, T, D)
+        v = v.view(B, T, K, D).transpose(1, 2)  # (B, K, T, D)
+        self._write_cache(cache, i, batch.slot_ids, batch.positions, k, v)
+        kv_len, slots = batch.kv_len, batch.slot_range
+        if mask is None:  # fresh prefill: the new tokens are the whole context
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != K)
+        else:
+            if slots is not None:
+                keys = cache.k[i, slots, :, :kv_len]  # (B, K, kv_len, D) view, no copy
+                values = cache.v[i, slots, :, :kv_len]
+            else:
+                keys = cache.k[i, batch.slot_ids, :, :kv_len]  # (B, K, kv_len, D) gathered copy
+                values = cache.v[i, batch.slot_ids, :, :kv_len]
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=H != K)
+        out = out.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H * D)
+        return F.linear(out, layer.wo)  # (B, T, C)
+
+    @staticmethod
+    def _write_cache(cache: KVCache, i: int, slot_ids: torch.Tensor, positions: torch.Tensor,
+                     k: torch.Tensor, v: torch.Tensor) -> None:
+        # k, v: (B, K, T, D) → cache[i, slot, :, position]
+        num_kv = k.shape[1]
+        s = slot_ids[:, None, None]  # (B, 1, 1)
+        h = torch.arange(num_kv, device=k.device)[None, :, None]  # (1, K, 1)
+        p = positions[:, None, :]  # (B, 1, T)
+        cache.k[i].index_put_((s, h, p), k)
+        cache.v[i].index_put_((s, h, p), v)
+
+    def _mlp(self, h: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
+        gate, up = F.linear(h, layer.w_gate_up).chunk(2, dim=-1)  # (B, T, F) each
+        return F.linear(F.silu(gate) * up, layer.w_down)  # (B, T, C)
+

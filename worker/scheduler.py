@@ -1,0 +1,92 @@
+"""Who runs next: admit waiting requests into free KV cache slots (no torch).
+
+Each step runs every prefilled sequence for one decode token, plus the prompts
+of newly admitted sequences. Admission is FIFO and bounded by free slots and a
+prompt-token budget per step, so a burst of long prompts cannot stall the
+running streams for more than one budget's worth of prefill. A request that
+does not fit waits; it is never dropped.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from protos.params import FinishReason
+from worker.kv_cache import KVCacheManager
+from worker.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    prefills: list[Sequence] = field(default_factory=list)  # whole prompt runs this step
+    decodes: list[Sequence] = field(default_factory=list)  # one token each, sorted by slot
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_prefill_tokens: int) -> None:
+        self.kv = kv
+        self.max_prefill_tokens = max_prefill_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: dict[str, Sequence] = {}
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        if seq.num_tokens > self.kv.max_len:
+            raise ValueError(f"sequence of {seq.num_tokens} tokens exceeds max_model_len {self.kv.max_len}")
+        self.waiting.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        out.decodes = sorted((s for s in self.running.values() if s.is_prefilled),
+                             key=lambda s: s.slot if s.slot is not None else -1)
+        budget = self.max_prefill_tokens
+        while self.waiting and self.kv.can_allocate(self.waiting[0].num_tokens):
+            seq = self.waiting[0]
+            # the first prompt of a step is always admitted, however long, so it cannot starve
+            if out.prefills and seq.num_tokens > budget:
+                break
+            self.waiting.popleft()
+            seq.slot = self.kv.allocate(seq.request_id)
+            seq.status = SequenceStatus.RUNNING
+            seq.admitted_time = time.time()
+            self.running[seq.request_id] = seq
+            out.prefills.append(seq)
+            budget -= seq.num_tokens
+        return out
+
+    def finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
+        """End a sequence (stopped, aborted or failed) and free its slot at once."""
+        if seq.is_finished:
+            return
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.error = error
+        self.running.pop(seq.request_id, None)
+        try:
+            self.waiting.remove(seq)
+        except ValueError:
+            pass
+        self.kv.free(seq.request_id)
+        seq.slot = None
+
+    def find(self, request_id: str) -> Sequence | None:
+        seq = self.running.get(request_id)
+        if seq is not None:
+            return seq
+        return next((s for s in self.waiting if s.request_id == request_id), None)
