@@ -1,0 +1,277 @@
+"""Vectorised next-token sampling for a batch of running requests (torch only; no redis, no grpc).
+
+Pipeline, in the order HF and vLLM use:
+
+    penalties → greedy rows: argmax → temperature → top-k → top-p → min-p → sample
+
+Randomness is counter-based. The noise for vocab entry `v` of a row is a pure hash of
+`(seed, step, v)` (`counter_based_uniform`), turned into a sample with the exponential race
+`argmax(probs / E)`, `E = -log(u)` (equivalent to Gumbel-max). A request therefore draws the
+same token from the same logits wherever it sits in the batch and whoever its neighbours are,
+so a seeded request is reproducible across batch sizes, preemption and restarts. A shared
+`torch.Generator` cannot give that: its stream is consumed in batch order.
+
+Logprobs are `log_softmax` of the *raw* logits, before penalties, temperature and truncation
+(vLLM v1's default): they describe the model's distribution, are comparable between requests
+with different sampling settings, and the chosen token never reports -inf.
+
+Host syncs: none here; the caller syncs once with `.tolist()` on the output.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from protos.params import SamplingParams
+
+_MASK32 = 0xFFFF_FFFF
+# Arbitrary odd 32-bit keys that separate the hashed fields from each other.
+_STEP_KEY = 0x9E37_79B9
+_SEED_HI_KEY = 0x85EB_CA6B
+_VOCAB_KEY = 0xC2B2_AE35
+
+
+@dataclass
+class SamplingRow:
+    """One running request, as the sampler needs it."""
+
+    params: SamplingParams
+    seed: int  # the resolved seed: params.seed, or one the worker drew and reports
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]  # generated so far; len == the step being sampled
+
+
+@dataclass
+class SamplingBatch:
+    """Per-step tensors for the running requests. Built once per step by `build_sampling_batch`."""
+
+    temperatures: Tensor  # (B,) float32, 0 = greedy
+    top_k: Tensor  # (B,) int64, 0 = off
+    top_p: Tensor  # (B,) float32, 1 = off
+    min_p: Tensor  # (B,) float32, 0 = off
+    repetition_penalty: Tensor  # (B,) float32, 1 = off
+    presence_penalty: Tensor  # (B,) float32, 0 = off
+    frequency_penalty: Tensor  # (B,) float32, 0 = off
+    seeds: Tensor  # (B,) int64, in [0, 2**63)
+    steps: Tensor  # (B,) int64, index of the token being sampled (0 = first generated token)
+    prompt_mask: Tensor | None  # (B, V) bool, token is in the prompt; None unless a repetition penalty is on
+    output_counts: Tensor | None  # (B, V) float32, occurrences in the output; None unless a penalty is on
+    max_num_logprobs: int | None  # None = no row asked for logprobs; else max top_logprobs (may be 0)
+    is_all_greedy: bool
+    is_any_greedy: bool
+    enable_top_k: bool
+    enable_top_p: bool
+    enable_min_p: bool
+    enable_penalties: bool
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: Tensor  # (B,) int64
+    logprobs: Tensor | None  # (B,) float32, raw logprob of the chosen token; None unless a row asked
+    top_ids: Tensor | None  # (B, K) int64, K = max requested top_logprobs; None when K == 0
+    top_logprobs: Tensor | None  # (B, K) float32, raw logprobs of top_ids, descending
+    is_finite: Tensor  # (B,) bool; False: the row's logits had NaN/+inf (or were all -inf), fail it
+
+
+def build_sampling_batch(
+    rows: Sequence[SamplingRow], vocab_size: int, device: torch.device | str
+) -> SamplingBatch:
+    """Gather the per-request parameters into tensors (two small host→device copies + token counts)."""
+    params = [row.params for row in rows]
+    floats = torch.tensor(
+        [
+            [p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty]
+            for p in params
+        ],
+        dtype=torch.float32,
+    ).reshape(len(rows), 6)  # (B, 6); reshape keeps the shape when B == 0
+    ints = torch.tensor(
+        [[p.top_k, row.seed, len(row.output_token_ids)] for p, row in zip(params, rows, strict=True)],
+        dtype=torch.int64,
+    ).reshape(len(rows), 3)  # (B, 3)
+    float_cols, int_cols = floats.to(device).unbind(1), ints.to(device).unbind(1)  # (B,) each
+
+    enable_repetition = any(p.repetition_penalty != 1.0 for p in params)
+    enable_penalties = enable_repetition or any(
+        p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params
+    )
+    output_counts = prompt_mask = None
+    if enable_penalties:
+        output_counts = _token_counts([row.output_token_ids for row in rows], vocab_size, device)
+    if enable_repetition:
+        prompt_mask = _token_counts([row.prompt_token_ids for row in rows], vocab_size, device) > 0
+    requested = [p.num_logprobs for p in params if p.num_logprobs is not None]
+    return SamplingBatch(
+        temperatures=float_cols[0],
+        top_k=int_cols[0],
+        top_p=float_cols[1],
+        min_p=float_cols[2],
+        repetition_penalty=float_cols[3],
+        presence_penalty=float_cols[4],
+        frequency_penalty=float_cols[5],
+        seeds=int_cols[1],
+        steps=int_cols[2],
+        prompt_mask=prompt_mask,
+        output_counts=output_counts,
+        max_num_logprobs=max(requested) if requested else None,
+        is_all_greedy=all(p.is_greedy for p in params),
+        is_any_greedy=any(p.is_greedy for p in params),
+        enable_top_k=any(0 < p.top_k < vocab_size for p in params),
+        enable_top_p=any(p.top_p < 1.0 for p in params),
+        enable_min_p=any(p.min_p > 0.0 for p in params),
+        enable_penalties=enable_penalties,
+    )
+
+
+def _token_counts(seqs: Sequence[Sequence[int]], vocab_size: int, device: torch.device | str) -> Tensor:
+    """(B, V) float32 count of each token id per sequence; ids outside [0, V) are ignored."""
+    num_rows, width = len(seqs), vocab_size + 1  # column V collects out-of-range ids
+    ids = torch.tensor(list(itertools.chain.from_iterable(seqs)), dtype=torch.int64, device=device)  # (N,)
+    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.int64, device=device)  # (B,)
+    row_ids = torch.repeat_interleave(torch.arange(num_rows, device=device), lengths)  # (N,)
+    ids = torch.where((ids >= 0) & (ids < vocab_size), ids, vocab_size)
+    counts = torch.zeros(num_rows * width, dtype=torch.float32, device=device)  # (B * (V + 1),)
+    # index_add_ rather than bincount: bincount syncs with the host on CUDA.
+    counts.index_add_(0, row_ids * width + ids, torch.ones_like(ids, dtype=torch.float32))
+    return counts.view(num_rows, width)[:, :vocab_size]  # (B, V)
+
+
+# ---------------------------------------------------------------------------------------------
+# Counter-based noise. 32-bit lanes live in int64 tensors; every intermediate stays < 2**63.
+
+
+def _mul32(x: Tensor, c: int) -> Tensor:
+    """(x * c) mod 2**32 for x in [0, 2**32): split c into 16-bit halves so no product overflows int64."""
+    low = x * (c & 0xFFFF)  # < 2**48
+    high = ((x * (c >> 16)) & 0xFFFF) << 16  # < 2**32
+    return (low + high) & _MASK32
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """lowbias32 (C. Wellons): a bijective 32-bit finaliser with near-ideal avalanche."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB_352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846C_A68B)
+    return x ^ (x >> 16)
+
+
+def counter_based_uniform(seeds: Tensor, steps: Tensor, vocab_size: int) -> Tensor:
+    """Uniform noise in (0, 1), shape (B, V); entry [b, v] is a pure function of (seeds[b], steps[b], v).
+
+    Nothing depends on the batch position, the batch size or any other row, and no generator
+    state is kept, so the same request gets the same noise in any batch, on any device.
+    """
+    seed_lo, seed_hi = seeds & _MASK32, (seeds >> 32) & _MASK32  # (B,) each, seeds >= 0
+    step_keys = _mix32((steps & _MASK32) ^ _STEP_KEY)  # (B,)
+    row_keys = _mix32(seed_lo ^ _mix32(seed_hi ^ _SEED_HI_KEY ^ step_keys))  # (B,)
+    vocab_keys = _mix32(torch.arange(vocab_size, device=seeds.device) ^ _VOCAB_KEY)  # (V,)
+    bits = _mix32(row_keys[:, None] ^ vocab_keys[None, :])  # (B, V), distinct within a row (bijections)
+    # Top 23 bits: (n + 0.5) fits float32's 24-bit significand exactly, so u never rounds to 0 or 1
+    # and E = -log(u) is finite and > 0.
+    return ((bits >> 9).to(torch.float32) + 0.5) * (2.0**-23)  # (B, V)
+
+
+def sample_exponential_race(probs: Tensor, seeds: Tensor, steps: Tensor) -> Tensor:
+    """argmax(probs / E), E ~ Exp(1) from counter-based noise: a draw from probs (need not sum to 1)."""
+    exponentials = -torch.log(counter_based_uniform(seeds, steps, probs.shape[-1]))  # (B, V)
+    return (probs / exponentials).argmax(dim=-1)  # (B,)
+
+
+# ---------------------------------------------------------------------------------------------
+# Logits processing.
+
+
+def apply_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """Repetition (HF: tokens in prompt or output), then presence/frequency (OpenAI: output only)."""
+    if not batch.enable_penalties:
+        return logits
+    counts = batch.output_counts  # (B, V)
+    assert counts is not None, "build_sampling_batch sets output_counts whenever a penalty is on"
+    if batch.prompt_mask is not None:
+        seen = batch.prompt_mask | (counts > 0)  # (B, V)
+        penalty = batch.repetition_penalty[:, None]  # (B, 1)
+        logits = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+    presence = batch.presence_penalty[:, None] * (counts > 0)  # (B, V)
+    return logits - presence - batch.frequency_penalty[:, None] * counts  # (B, V)
+
+
+def apply_top_k_top_p(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """Set logits outside each row's top-k, then outside its top-p nucleus, to -inf (one sort for both).
+
+    top-k keeps exactly k tokens (ties broken arbitrarily). top-p keeps the smallest prefix of the
+    sorted distribution whose mass reaches p, and always the most likely token.
+    """
+    if not (batch.enable_top_k or batch.enable_top_p):
+        return logits
+    vocab_size = logits.shape[-1]
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)  # (B, V) each
+    if batch.enable_top_k:
+        k = torch.where(batch.top_k > 0, batch.top_k, vocab_size)  # (B,)
+        ranks = torch.arange(vocab_size, device=logits.device)  # (V,)
+        sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= k[:, None], float("-inf"))
+    if batch.enable_top_p:
+        sorted_probs = sorted_logits.softmax(dim=-1)  # (B, V)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # (B, V), exactly 0 for rank 0
+        # Rows with top_p == 1 are left alone: cumsum rounding could otherwise cut their tail.
+        drop = (mass_before >= batch.top_p[:, None]) & (batch.top_p < 1.0)[:, None]  # (B, V)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, sorted_ids, sorted_logits)  # (B, V)
+
+
+def logits_to_probs(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """Temperature → top-k → top-p → softmax → min-p. Greedy rows (temperature 0) get temperature 1.
+
+    min-p zeroes tokens whose probability is below min_p × the row's top probability; the result
+    is not renormalised (the exponential race does not need it).
+    """
+    temperatures = torch.where(batch.temperatures > 0, batch.temperatures, 1.0)  # (B,)
+    logits = apply_top_k_top_p(logits / temperatures[:, None], batch)  # (B, V)
+    probs = logits.softmax(dim=-1)  # (B, V)
+    if batch.enable_min_p:
+        threshold = batch.min_p[:, None] * probs.amax(dim=-1, keepdim=True)  # (B, 1)
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs
+
+
+class Sampler:
+    """Turns a step's logits into one token per row. Stateless: all randomness comes from the batch."""
+
+    def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
+        logits = logits.float()  # (B, V); a no-op for float32
+        # NaN/+inf (or no finite token at all) fails that request only; zeroing the row keeps
+        # it from poisoning batch-wide reductions, and every other row samples as usual.
+        is_bad = logits.isnan() | (logits == float("inf"))  # (B, V)
+        is_finite = ~is_bad.any(dim=-1) & (logits > float("-inf")).any(dim=-1)  # (B,)
+        logits = torch.where(is_finite[:, None], logits, 0.0)  # (B, V)
+        raw_logprobs = logits.log_softmax(dim=-1) if batch.max_num_logprobs is not None else None  # (B, V)
+
+        logits = apply_penalties(logits, batch)
+        if batch.is_all_greedy:
+            token_ids = logits.argmax(dim=-1)  # (B,)
+        else:
+            probs = logits_to_probs(logits, batch)  # (B, V)
+            token_ids = sample_exponential_race(probs, batch.seeds, batch.steps)  # (B,)
+            if batch.is_any_greedy:
+                token_ids = torch.where(batch.temperatures > 0, token_ids, logits.argmax(dim=-1))
+        return _with_logprobs(token_ids, raw_logprobs, batch.max_num_logprobs, is_finite)
+
+
+def _with_logprobs(
+    token_ids: Tensor, raw_logprobs: Tensor | None, max_num_logprobs: int | None, is_finite: Tensor
+) -> SamplerOutput:
+    """Rows that did not ask get values too (cheaper than masking); the caller drops them."""
+    if raw_logprobs is None or max_num_logprobs is None:
+        return SamplerOutput(token_ids, None, None, None, is_finite)
+    chosen = raw_logprobs.gather(-1, token_ids[:, None]).squeeze(-1)  # (B,)
+    if max_num_logprobs == 0:
+        return SamplerOutput(token_ids, chosen, None, None, is_finite)
+    k = min(max_num_logprobs, raw_logprobs.shape[-1])
+    top_logprobs, top_ids = raw_logprobs.topk(k, dim=-1)  # (B, K) each
+    return SamplerOutput(token_ids, chosen, top_ids, top_logprobs, is_finite)
