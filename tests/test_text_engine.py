@@ -1,0 +1,136 @@
+"""TextEngine on the real SmolLM2 GGUF: parity with transformers, streaming text, stops."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+from protos.params import ChatMessage, FinishReason, PromptInput, SamplingParams
+from worker.engine_config import EngineConfig
+from worker.outputs import RequestOutput
+from worker.text_engine import TextEngine
+
+PROMPTS = [
+    "Once upon a time, there was a little girl named Lily who",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "The three primary colours are",
+    "Voici une recette simple de crêpes : ",
+    "1, 1, 2, 3, 5, 8, 13,",
+]
+
+
+@pytest.fixture(scope="module")
+def engine() -> TextEngine:
+    return TextEngine.from_config(EngineConfig(max_model_len=512, max_num_seqs=8))
+
+
+def run(engine: TextEngine, requests: dict[str, tuple[PromptInput, SamplingParams]]
+        ) -> dict[str, list[RequestOutput]]:
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    outs: dict[str, list[RequestOutput]] = {rid: [] for rid in requests}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs[o.request_id].append(o)
+    return outs
+
+
+def text_of(outs: list[RequestOutput]) -> str:
+    return "".join(o.text for o in outs)
+
+
+def ids_of(outs: list[RequestOutput]) -> list[int]:
+    return [t for o in outs for t in o.token_ids]
+
+
+@pytest.fixture(scope="module")
+def hf_model() -> Any:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from worker.model.loader import default_model_path
+
+    path = default_model_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
+
+
+def test_greedy_64_tokens_equal_transformers_generate(engine: TextEngine, hf_model: Any) -> None:
+    import torch
+
+    greedy = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    outs = run(engine, {f"p{i}": (PromptInput(prompt=p), greedy) for i, p in enumerate(PROMPTS)})
+    for i, prompt in enumerate(PROMPTS):
+        ids = engine.tokenizer.encode(prompt)
+        with torch.inference_mode():
+            ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=64, min_new_tokens=64,
+                                    do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert ids_of(outs[f"p{i}"]) == ref[0, len(ids):].tolist(), prompt
+
+
+def test_chat_answer_and_streamed_text_equals_full_decode(engine: TextEngine) -> None:
+    chat = PromptInput(messages=(ChatMessage("user", "What is the capital of France?"),))
+    outs = run(engine, {"c": (chat, SamplingParams(max_tokens=40, temperature=0.0))})["c"]
+    final = outs[-1]
+    assert final.finish_reason is FinishReason.EOS and final.usage is not None
+    assert "Paris" in text_of(outs)
+    assert text_of(outs) == engine.tokenizer.decode(ids_of(outs), skip_special_tokens=True)
+    assert final.usage.completion_tokens == len(ids_of(outs))
+    assert final.usage.prompt_tokens > 10 and final.usage.time_to_first_token_s > 0
+
+
+def test_stop_string_is_cut_and_frees_the_request(engine: TextEngine) -> None:
+    p = PromptInput(prompt=PROMPTS[0])
+    full = text_of(run(engine, {"a": (p, SamplingParams(max_tokens=30, temperature=0.0))})["a"])
+    stop = "toy car"
+    assert stop in full
+    outs = run(engine, {"b": (p, SamplingParams(max_tokens=30, temperature=0.0, stop=(stop,)))})["b"]
+    assert outs[-1].finish_reason is FinishReason.STOP
+    assert text_of(outs) == full[: full.index(stop)]
+    assert engine.stats().num_running == 0
+
+
+def test_logprobs_are_returned_per_token(engine: TextEngine) -> None:
+    params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=True, top_logprobs=3)
+    outs = run(engine, {"l": (PromptInput(prompt=PROMPTS[2]), params)})["l"]
+    for o in outs:
+        assert o.logprobs is not None and len(o.logprobs) == len(o.token_ids)
+        for lp, tok in zip(o.logprobs, o.token_ids, strict=True):
+            assert lp.chosen.token_id == tok and lp.chosen.logprob <= 0
+            assert len(lp.top) == 3 and lp.top[0].token_id == tok  # greedy picks the top one
+            assert lp.top[0].logprob >= lp.top[1].logprob >= lp.top[2].logprob
+
+
+def test_too_long_prompt_is_rejected_unless_truncation_is_asked(engine: TextEngine) -> None:
+    long_prompt = PromptInput(prompt="word " * 600)
+    with pytest.raises(ValueError, match="context"):
+        engine.add_request("x", long_prompt, SamplingParams(max_tokens=8))
+    outs = run(engine, {"t": (long_prompt, SamplingParams(max_tokens=8, truncate_prompt=True))})["t"]
+    usage = outs[-1].usage
+    assert usage is not None and usage.prompt_tokens == 512 - 8 and usage.truncated_prompt_tokens > 0
+
+
+def test_chat_truncation_keeps_the_system_message(engine: TextEngine) -> None:
+    history = [ChatMessage("system", "You are terse."),
+               *[ChatMessage("user" if i % 2 == 0 else "assistant", f"message {i} " + "blah " * 40)
+                 for i in range(20)],
+               ChatMessage("user", "Say hi.")]
+    params = SamplingParams(max_tokens=4, temperature=0.0, truncate_prompt=True)
+    seen: list[list[int]] = []
+    original = engine.engine.add_request
+
+    def spy(request_id: str, prompt_ids: list[int], *a: Any, **kw: Any) -> Any:
+        seen.append(prompt_ids)
+        return original(request_id, prompt_ids, *a, **kw)
+
+    engine.engine.add_request = spy  # type: ignore[method-assign]
+    try:
+        outs = run(engine, {"s": (PromptInput(messages=tuple(history)), params)})["s"]
+    finally:
+        engine.engine.add_request = original  # type: ignore[method-assign]
+    text = engine.tokenizer.decode(seen[0])
+    assert "You are terse." in text and "Say hi." in text and "message 0 " not in text
+    assert len(seen[0]) <= 512 - 4 and outs[-1].usage and outs[-1].usage.truncated_prompt_tokens > 0
