@@ -30,7 +30,7 @@ def build_text_engine(config: EngineConfig) -> TextEngine:
     max_len, num_slots = cache_shape(config, model_config, dtype)
     eos = frozenset(tokenizer.eos_token_ids) | frozenset(model_config.eos_token_ids)
     engine = Engine(model, num_slots, max_len, config.max_prefill_tokens, eos)
-    return TextEngine(engine, tokenizer, model_name=model_config.name or path.stem)
+    return TextEngine(engine, tokenizer, model_name=path.stem if path.is_file() else path.name)
 
 
 def cache_shape(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> tuple[int, int]:
