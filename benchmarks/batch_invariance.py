@@ -1,0 +1,74 @@
+"""How often does a seeded request's output change with its batch neighbours?
+
+The sampler's noise depends only on (seed, step), so any divergence comes from
+fp32 logits that differ in the last bits between batch shapes (different
+matmul kernels / reduction orders). Runs N seeded requests on SmolLM2 alone,
+then all together plus filler requests, and reports how many token sequences
+differ and where the first difference falls. Prints a table, then one JSON line.
+
+    python benchmarks/batch_invariance.py [--requests 12] [--tokens 48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+
+import torch
+
+from protos.params import SamplingParams
+from worker.engine import Engine
+from worker.model.llama import LlamaModel
+from worker.model.loader import load_model
+
+
+def run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[int]]:
+    for rid, (ids, params) in requests.items():
+        engine.add_request(rid, ids, params)
+    out: dict[str, list[int]] = {rid: [] for rid in requests}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.token is not None:
+                out[o.seq.request_id].append(o.token.token_id)
+    return out
+
+
+def first_diff(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=12)
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    config, weights = load_model(None)
+    engine = Engine(LlamaModel(config, weights), 2 * args.requests, 512 + args.tokens, 4096, frozenset())
+    rng = random.Random(0)
+    results = {}
+    for mode, temperature in (("sampled", 0.8), ("greedy", 0.0)):
+        reqs = {f"r{i}": ([rng.randrange(100, config.vocab_size) for _ in range(rng.randint(8, 256))],
+                          SamplingParams(max_tokens=args.tokens, temperature=temperature, top_p=0.95,
+                                         seed=1000 + i, ignore_eos=True))
+                for i in range(args.requests)}
+        alone = {rid: run(engine, {rid: r})[rid] for rid, r in reqs.items()}
+        fillers = {f"f{i}": ([rng.randrange(100, config.vocab_size) for _ in range(rng.randint(8, 256))],
+                             SamplingParams(max_tokens=args.tokens, seed=i)) for i in range(args.requests)}
+        busy = run(engine, {**reqs, **fillers})
+        diffs = [first_diff(alone[r], busy[r]) for r in reqs]
+        diverged = [d for d in diffs if d is not None]
+        results[mode] = {"requests": len(reqs), "diverged": len(diverged),
+                         "diverged_fraction": len(diverged) / len(reqs),
+                         "median_first_divergent_step": statistics.median(diverged) if diverged else None}
+    print(f"{'mode':8} {'requests':>8} {'diverged':>8} {'median first step':>18}")
+    for mode, r in results.items():
+        print(f"{mode:8} {r['requests']:8} {r['diverged']:8} {str(r['median_first_divergent_step']):>18}")
+    print(json.dumps({"tokens": args.tokens, **results}))
+
+
+if __name__ == "__main__":
+    main()
