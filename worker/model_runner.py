@@ -77,7 +77,7 @@ class ModelRunner:
             input_ids=torch.tensor(last, device=self.device)[:, None],  # (B, 1)
             positions=torch.tensor(pos, device=self.device)[:, None],  # (B, 1)
             slot_ids=torch.tensor(slots, device=self.device), kv_len=max(pos) + 1,
-            slot_range=_as_range(slots),
+            slot_range=_as_range(slots), needs_mask=len(set(pos)) > 1,
         )
         logits = self.model.forward(batch, self.cache)  # (B, V)
         for s in seqs:

@@ -30,6 +30,9 @@ class ForwardBatch:
     # Every row starts at position 0 with no padding: plain causal attention over
     # the new tokens is exact and skips reading the cache back.
     is_fresh_prefill: bool = False
+    # False when every query may see all kv_len keys (one decode row, or rows all
+    # at the same position): attention then runs without a mask.
+    needs_mask: bool = True
 
 
 @dataclass
@@ -105,7 +108,7 @@ class LlamaModel:
         cos = self.cos[positions].unsqueeze(2)  # (B, T, 1, D)
         sin = self.sin[positions].unsqueeze(2)  # (B, T, 1, D)
         mask = None
-        if not batch.is_fresh_prefill:
+        if not batch.is_fresh_prefill and batch.needs_mask:
             # key j is visible to a query at position p iff j <= p (covers causal + padding)
             key_pos = torch.arange(kv_len, device=self.device)  # (kv_len,)
             mask = (key_pos[None, None, None, :] <= positions[:, None, :, None])  # (B, 1, T, kv_len)
@@ -128,13 +131,14 @@ class LlamaModel:
         B, T, _ = h.shape
         H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv = F.linear(h, layer.wqkv, layer.bqkv)  # (B, T, (H + 2K) * D)
-        q, k, v = qkv.split((H * D, K * D, K * D), dim=-1)
-        q = apply_rope(q.view(B, T, H, D), cos, sin).transpose(1, 2)  # (B, H, T, D)
-        k = apply_rope(k.view(B, T, K, D), cos, sin).transpose(1, 2)  # (B, K, T, D)
+        qk, v = qkv.split(((H + K) * D, K * D), dim=-1)
+        qk = apply_rope(qk.view(B, T, H + K, D), cos, sin)  # (B, T, H + K, D): one rotation for both
+        q = qk[:, :, :H].transpose(1, 2)  # (B, H, T, D)
+        k = qk[:, :, H:].transpose(1, 2)  # (B, K, T, D)
         v = v.view(B, T, K, D).transpose(1, 2)  # (B, K, T, D)
         self._write_cache(cache, i, batch.slot_ids, batch.positions, k, v)
         kv_len, slots = batch.kv_len, batch.slot_range
-        if mask is None:  # fresh prefill: the new tokens are the whole context
+        if batch.is_fresh_prefill:  # the new tokens are the whole context
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != K)
         else:
             if slots is not None:
