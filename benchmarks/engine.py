@@ -46,16 +46,17 @@ def peak_rss_mb() -> float:
 def run_ours() -> dict[str, float]:
     from protos.params import SamplingParams
     from worker.engine import Engine
+    from worker.memory import use_mmap_for_large_allocations
     from worker.model.llama import LlamaModel
     from worker.model.loader import load_model
 
+    use_mmap_for_large_allocations()
     config, weights = load_model(None)
     model = LlamaModel(config, weights)
     del weights
     short, long, mixed = prompts(config.vocab_size)
     max_len = PREFILL_LEN + NEW_TOKENS
     engine = Engine(model, NUM_CONCURRENT, max_len, 4096, frozenset())
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
     def submit(batch: list[list[int]], max_tokens: int = NEW_TOKENS) -> float:
         t0 = time.perf_counter()
@@ -78,7 +79,6 @@ def run_ours() -> dict[str, float]:
         engine.step()
     decode = (NEW_TOKENS - 1) / (time.perf_counter() - t1)
 
-    del params
     t0 = submit(mixed)
     n = 0
     while engine.has_unfinished():
