@@ -1,0 +1,205 @@
+"""End-to-end overhead: the engine in-process vs the same workload through
+gateway + Redis + one worker, in one run.
+
+Workload: 16 concurrent requests, 128 new tokens each (EOS ignored), greedy.
+  * in-process: a TextEngine in this process, all 16 added at once, stepped to the end;
+  * end to end: a private Redis, `python -m gateway` and `python -m worker` as
+    child processes, 16 concurrent grpc.aio streams from this process.
+Reports aggregate output tokens/s for both and their ratio (target >= 0.9),
+time to first token p50/p99 (target: end to end adds <= 10 ms at p50), Redis
+commands per generated token from `INFO commandstats` (target <= 0.5) and the
+gateway's peak RSS (target <= 150 MB: it must not load torch). Prints a table,
+then one JSON line (medians over --runs).
+
+    python benchmarks/e2e.py [--runs 1] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import grpc  # noqa: E402
+import redis  # noqa: E402
+
+from gateway.redis_server import EmbeddedRedis, free_port  # noqa: E402
+from protos.convert import build_request  # noqa: E402
+from protos.tokenrelay.v1 import generate_pb2, generate_pb2_grpc  # noqa: E402
+
+NUM_CONCURRENT = 16
+NEW_TOKENS = 128
+PROMPTS = [f"Story number {i}. Once upon a time, in a land far away, there lived"
+           for i in range(NUM_CONCURRENT)]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+# -- in-process ---------------------------------------------------------------------------------------
+
+def run_inproc(threads: int, max_model_len: int, runs: int) -> list[dict[str, float]]:
+    from protos.params import PromptInput, SamplingParams
+    from worker.engine_config import EngineConfig
+    from worker.text_engine import TextEngine
+
+    engine = TextEngine.from_config(EngineConfig(max_num_seqs=NUM_CONCURRENT, num_threads=threads,
+                                                 max_model_len=max_model_len))
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+    def once(tag: str, prompts: list[str]) -> dict[str, float]:
+        start = time.perf_counter()
+        first: dict[str, float] = {}
+        num_tokens = 0
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"{tag}-{i}", PromptInput(prompt=prompt), params)
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.token_ids:
+                    first.setdefault(out.request_id, time.perf_counter() - start)
+                    num_tokens += len(out.token_ids)
+        return summary(num_tokens, time.perf_counter() - start, list(first.values()))
+
+    once("warmup", PROMPTS[:2])
+    return [once(f"run{r}", PROMPTS) for r in range(runs)]
+
+
+def summary(num_tokens: int, wall_s: float, ttfts_s: list[float]) -> dict[str, float]:
+    return {"tokens": num_tokens, "tps": num_tokens / wall_s, "ttft_p50_ms": percentile(ttfts_s, 0.5) * 1000,
+            "ttft_p99_ms": percentile(ttfts_s, 0.99) * 1000}
+
+
+# -- end to end ---------------------------------------------------------------------------------------
+
+async def stream_one(stub: Any, prompt: str) -> tuple[float, int, float]:
+    """(TTFT seen by the client, tokens, TTFT the worker reports from enqueue)."""
+    request = build_request(prompt, max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    ttft, num_tokens, worker_ttft = 0.0, 0, 0.0
+    async for response in stub.Generate(request, timeout=600):
+        if response.HasField("chunk") and response.chunk.token_ids:
+            ttft = ttft or time.perf_counter() - start
+            num_tokens += len(response.chunk.token_ids)
+        elif response.HasField("final"):
+            worker_ttft = response.final.usage.time_to_first_token_s
+    return ttft, num_tokens, worker_ttft
+
+
+async def run_streams(target: str, prompts: list[str]) -> dict[str, float]:
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = generate_pb2_grpc.TokenRelayStub(channel)
+        start = time.perf_counter()
+        results = await asyncio.gather(*(stream_one(stub, p) for p in prompts))
+        wall = time.perf_counter() - start
+    report = summary(sum(n for _, n, _ in results), wall, [t for t, _, _ in results])
+    report["ttft_p50_ms_worker"] = percentile([w for _, _, w in results], 0.5) * 1000
+    return report
+
+
+def wait_for_worker(target: str, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(target) as channel:
+        stub = generate_pb2_grpc.TokenRelayStub(channel)
+        while time.monotonic() < deadline:
+            try:
+                if stub.GetServerInfo(generate_pb2.GetServerInfoRequest(), timeout=1).workers:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)  # the worker is loading its model
+    raise TimeoutError("the worker did not come up")
+
+
+def peak_rss_mb(pid: int) -> float:
+    """VmHWM: the process's resident-set high-water mark."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def commands_since_reset(client: redis.Redis) -> int:
+    stats = client.info("commandstats")
+    return sum(int(v["calls"]) for k, v in stats.items() if k not in ("cmdstat_info", "cmdstat_config"))
+
+
+def run_e2e(threads: int, max_model_len: int, runs: int) -> tuple[list[dict[str, float]], float]:
+    with EmbeddedRedis() as server:
+        target = f"127.0.0.1:{free_port()}"
+        common = ["--redis-url", server.url, "--log-level", "WARNING"]
+        gateway = subprocess.Popen([sys.executable, "-m", "gateway", "--listen", target, *common], cwd=ROOT)
+        worker = subprocess.Popen([sys.executable, "-m", "worker", "--max-num-seqs", str(NUM_CONCURRENT),
+                                   "--num-threads", str(threads), "--max-model-len", str(max_model_len),
+                                   *common], cwd=ROOT)
+        client = redis.Redis.from_url(server.url)
+        try:
+            wait_for_worker(target)
+            asyncio.run(run_streams(target, PROMPTS[:2]))  # warm-up
+            results = []
+            for _ in range(runs):
+                client.config_resetstat()
+                result = asyncio.run(run_streams(target, PROMPTS))
+                result["redis_cmds_per_token"] = commands_since_reset(client) / result["tokens"]
+                results.append(result)
+            return results, peak_rss_mb(gateway.pid)
+        finally:
+            client.close()
+            for proc in (worker, gateway):
+                proc.terminate()
+                proc.wait(60)
+
+
+def median(results: list[dict[str, float]], key: str) -> float:
+    return statistics.median(r[key] for r in results)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=1, help="measured runs per side (medians are reported)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads, both sides")
+    parser.add_argument("--max-model-len", type=int, default=512,
+                        help="KV cache tokens per sequence, both sides (the prompts + 128 tokens fit in 512)")
+    args = parser.parse_args()
+
+    inproc = run_inproc(args.threads, args.max_model_len, args.runs)
+    e2e, gateway_rss = run_e2e(args.threads, args.max_model_len, args.runs)
+    report = {
+        "inproc_tps": median(inproc, "tps"), "e2e_tps": median(e2e, "tps"),
+        "ratio": median(e2e, "tps") / median(inproc, "tps"),
+        "ttft_p50_ms_inproc": median(inproc, "ttft_p50_ms"),
+        "ttft_p99_ms_inproc": median(inproc, "ttft_p99_ms"),
+        "ttft_p50_ms_e2e": median(e2e, "ttft_p50_ms"), "ttft_p99_ms_e2e": median(e2e, "ttft_p99_ms"),
+        # Enqueue -> first token as the worker measured it (Usage.time_to_first_token_s).
+        "ttft_p50_ms_e2e_worker": median(e2e, "ttft_p50_ms_worker"),
+        "redis_cmds_per_token": median(e2e, "redis_cmds_per_token"), "gateway_peak_rss_mb": gateway_rss,
+        "num_concurrent": NUM_CONCURRENT, "new_tokens": NEW_TOKENS, "runs": args.runs,
+        "threads": args.threads, "max_model_len": args.max_model_len,
+    }
+    rows = [("aggregate tokens/s", report["inproc_tps"], report["e2e_tps"], ">= 0.9x in-process"),
+            ("TTFT p50 (ms)", report["ttft_p50_ms_inproc"], report["ttft_p50_ms_e2e"], "<= in-process + 10"),
+            ("TTFT p99 (ms)", report["ttft_p99_ms_inproc"], report["ttft_p99_ms_e2e"], ""),
+            ("  p50 worker-side (ms)", float("nan"), report["ttft_p50_ms_e2e_worker"], "from enqueue")]
+    print(f"{'':22}{'in-process':>12}{'end to end':>12}  target")
+    for name, a, b, target in rows:
+        print(f"{name:22}{a:12.1f}{b:12.1f}  {target}")
+    print(f"{'ratio e2e / inproc':22}{report['ratio']:24.3f}  >= 0.9")
+    print(f"{'Redis cmds / token':22}{report['redis_cmds_per_token']:24.3f}  <= 0.5")
+    print(f"{'gateway peak RSS (MB)':22}{gateway_rss:24.1f}  <= 150")
+    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in report.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""`tokenrelay-gateway` / `python -m gateway`: the gRPC front end.
+
+Every flag has an environment variable (shown in --help); flags win.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+from gateway.config import DEFAULT_LISTEN, DEFAULT_REDIS_URL, GatewayConfig, default_gateway_id
+from gateway.server import Gateway
+from protos.keys import DEFAULT_PREFIX
+
+
+def _env(name: str, default: object) -> str:
+    """A string default: argparse converts it with the flag's type, so bad values get a clean error."""
+    return os.environ.get(name, str(default))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tokenrelay-gateway",
+        description="tokenrelay gateway: accepts gRPC Generate calls, queues them in Redis for the "
+                    "workers and streams their tokens back.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--listen", default=_env("TOKENRELAY_LISTEN", DEFAULT_LISTEN),
+                   help="host:port to serve gRPC on [env TOKENRELAY_LISTEN]")
+    p.add_argument("--redis-url", default=_env("REDIS_URL", DEFAULT_REDIS_URL),
+                   help="Redis to queue requests in: redis://[:password@]host:port/db, rediss://... for TLS, "
+                        "or unix:///path.sock [env REDIS_URL]")
+    p.add_argument("--key-prefix", default=_env("TOKENRELAY_KEY_PREFIX", DEFAULT_PREFIX),
+                   help="prefix of every Redis key; gateways and workers must agree "
+                        "[env TOKENRELAY_KEY_PREFIX]")
+    p.add_argument("--gateway-id", default=os.environ.get("TOKENRELAY_GATEWAY_ID"),
+                   help="unique name of this gateway (names its reply channel); default host-pid-random "
+                        "[env TOKENRELAY_GATEWAY_ID]")
+    p.add_argument("--max-queue-depth", type=int, default=_env("TOKENRELAY_MAX_QUEUE_DEPTH", 256),
+                   help="waiting requests beyond which calls get RESOURCE_EXHAUSTED "
+                        "[env TOKENRELAY_MAX_QUEUE_DEPTH]")
+    p.add_argument("--retry-pushback-ms", type=int, default=_env("TOKENRELAY_RETRY_PUSHBACK_MS", 1000),
+                   help="grpc-retry-pushback-ms trailer sent with RESOURCE_EXHAUSTED "
+                        "[env TOKENRELAY_RETRY_PUSHBACK_MS]")
+    p.add_argument("--shutdown-grace", type=float, default=_env("TOKENRELAY_SHUTDOWN_GRACE_S", 10),
+                   help="seconds in-flight calls get to finish on SIGTERM [env TOKENRELAY_SHUTDOWN_GRACE_S]")
+    p.add_argument("--log-level", default=_env("TOKENRELAY_LOG_LEVEL", "INFO"),
+                   help="DEBUG, INFO, WARNING or ERROR [env TOKENRELAY_LOG_LEVEL]")
+    return p
+
+
+def config_from_args(argv: list[str] | None = None) -> tuple[GatewayConfig, str]:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = GatewayConfig(
+            listen=args.listen, redis_url=args.redis_url, key_prefix=args.key_prefix,
+            gateway_id=args.gateway_id or default_gateway_id(), max_queue_depth=args.max_queue_depth,
+            retry_pushback_ms=args.retry_pushback_ms, shutdown_grace_s=args.shutdown_grace)
+    except ValueError as e:
+        parser.error(str(e))
+    return config, args.log_level
+
+
+async def serve(config: GatewayConfig) -> None:
+    """Run until SIGTERM/SIGINT, then stop admitting and let calls finish."""
+    gateway = Gateway(config)
+    port = await gateway.start()
+    print(f"tokenrelay gateway listening on {config.listen.rpartition(':')[0]}:{port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logging.getLogger(__name__).info("shutting down (grace %.1fs)", config.shutdown_grace_s)
+    await gateway.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    config, log_level = config_from_args(argv)
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s gateway %(levelname)s %(message)s")
+    asyncio.run(serve(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

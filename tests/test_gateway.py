@@ -1,0 +1,185 @@
+"""Gateway behaviour that needs no model: validation, health, reflection, relay rules."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import grpc
+import pytest
+import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from gateway.config import GatewayConfig
+from gateway.errors import PUSHBACK_TRAILER, QueueFull, Unavailable, WorkerError
+from gateway.queue import EntryState, RequestQueue, connect
+from gateway.redis_server import free_port
+from gateway.relay import relay
+from protos.convert import build_request
+from protos.tokenrelay.v1 import generate_pb2, queue_pb2
+from tests.service import GatewayThread, stub_for
+
+NO_TORCH_MODULES = ["gateway.server", "gateway.client", "gateway.cli", "gateway.launcher", "gateway.__main__",
+                    "worker.consumer", "worker.config", "worker.__main__"]
+
+
+def test_gateway_and_consumer_never_import_torch() -> None:
+    code = ("import importlib, sys\n"
+            f"for m in {NO_TORCH_MODULES!r}: importlib.import_module(m)\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.mark.parametrize("fields", [
+    {"listen": "nohost"}, {"listen": "h:99999"}, {"redis_url": "http://x"}, {"max_queue_depth": 0},
+    {"gateway_id": "a b"}, {"redis_timeout_s": 0}, {"key_prefix": ""},
+])
+def test_gateway_config_rejects_bad_values(fields: dict) -> None:
+    with pytest.raises(ValueError):
+        GatewayConfig(**fields)
+
+
+def test_queue_full_error_carries_pushback_trailer() -> None:
+    error = QueueFull(depth=9, limit=8, pushback_ms=250)
+    assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert (PUSHBACK_TRAILER, "250") in error.trailers
+
+
+def test_worker_error_codes_map_to_statuses() -> None:
+    code = queue_pb2.ERROR_CODE_INVALID_ARGUMENT
+    error = WorkerError(queue_pb2.RequestError(code=code, message="too long"))
+    assert (error.code, str(error)) == (grpc.StatusCode.INVALID_ARGUMENT, "too long")
+
+
+# -- relay rules, with a scripted call queue ---------------------------------------------------------
+
+class FakeQueue:
+    def __init__(self, states: list[EntryState]) -> None:
+        self.states = states
+
+    async def entry_state(self, entry_id: bytes) -> EntryState:
+        return self.states.pop(0) if self.states else EntryState.RUNNING
+
+
+def chunk(seq: int) -> queue_pb2.TokenEvent:
+    return queue_pb2.TokenEvent(request_id="r", seq=seq, chunk=generate_pb2.Chunk(index=seq, text=f"<{seq}>"))
+
+
+def final(seq: int) -> queue_pb2.TokenEvent:
+    return queue_pb2.TokenEvent(request_id="r", seq=seq, final=generate_pb2.Final(text="done"))
+
+
+def run_relay(items: list, states: list[EntryState] | None = None, liveness_s: float = 1.0) -> list[str]:
+    async def go() -> list[str]:
+        calls: asyncio.Queue = asyncio.Queue()
+        for item in items:
+            calls.put_nowait(item)
+        responses = relay("r", b"1-0", calls, FakeQueue(states or []), liveness_s)  # type: ignore[arg-type]
+        return [r.chunk.text if r.HasField("chunk") else "final" async for r in responses]
+    return asyncio.run(go())
+
+
+def test_relay_drops_duplicate_events() -> None:
+    assert run_relay([chunk(0), chunk(1), chunk(0), chunk(1), chunk(2), final(3)]) == \
+        ["<0>", "<1>", "<2>", "final"]
+
+
+def test_relay_fails_on_a_gap() -> None:
+    with pytest.raises(Unavailable, match="lost token events 1..1"):
+        run_relay([chunk(0), chunk(2)])
+
+
+def test_relay_raises_the_workers_error() -> None:
+    error = queue_pb2.TokenEvent(request_id="r", seq=0, error=queue_pb2.RequestError(
+        code=queue_pb2.ERROR_CODE_DEADLINE_EXCEEDED, message="late"))
+    with pytest.raises(WorkerError) as e:
+        run_relay([error])
+    assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_relay_gives_up_when_the_worker_died() -> None:
+    start = time.monotonic()
+    with pytest.raises(Unavailable, match="heartbeat expired"):
+        run_relay([chunk(0)], [EntryState.ORPHANED, EntryState.ORPHANED], liveness_s=0.05)
+    assert time.monotonic() - start < 1
+
+
+def test_relay_keeps_waiting_while_queued_or_running() -> None:
+    states = [EntryState.QUEUED, EntryState.RUNNING, EntryState.QUEUED]
+    with pytest.raises(Unavailable, match="left the queue"):
+        run_relay([], [*states, EntryState.GONE, EntryState.GONE], liveness_s=0.02)
+
+
+# -- a real gateway, no workers ---------------------------------------------------------------------
+
+def test_health_and_reflection(make_gateway: Callable[..., GatewayThread]) -> None:
+    gateway = make_gateway()
+    channel, _ = stub_for(gateway.target)
+    with channel:
+        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+        services = ProtoReflectionDescriptorDatabase(channel).get_services()
+        assert "tokenrelay.v1.TokenRelay" in services and "grpc.health.v1.Health" in services
+
+
+def test_invalid_request_is_rejected_by_the_gateway_alone(make_gateway: Callable[..., GatewayThread]) -> None:
+    channel, stub = stub_for(make_gateway().target)  # no worker: the gateway answers alone
+    with channel, pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(build_request("x", top_p=2.0), timeout=5))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sampling.top_p" in (e.value.details() or "")
+
+
+def test_redis_unreachable_from_the_start_is_unavailable_not_a_hang(prefix: str) -> None:
+    config = GatewayConfig(listen="127.0.0.1:0", redis_url=f"redis://127.0.0.1:{free_port()}/0",
+                           key_prefix=prefix, redis_timeout_s=0.5)
+    gateway = GatewayThread(config)
+    gateway.start()
+    try:
+        channel, stub = stub_for(gateway.target)
+        with channel:
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            start = time.monotonic()
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(build_request("hi"), timeout=10))
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert time.monotonic() - start < 1
+    finally:
+        gateway.stop()
+
+
+def test_entry_state_follows_a_request_through_redis(redis_url: str, prefix: str) -> None:
+    """queued -> claimed by a live worker -> its worker died -> finished (acked and deleted)."""
+    config = GatewayConfig(listen="127.0.0.1:0", redis_url=redis_url, key_prefix=prefix)
+    keys = config.keys
+    sync = redis.Redis.from_url(redis_url)
+
+    async def go() -> list[EntryState]:
+        client = connect(config)
+        queue = RequestQueue(client, config)
+        states = []
+        entry_id = await queue.enqueue(queue_pb2.QueuedRequest(request_id="r"))
+        sync.xgroup_create(keys.requests, keys.group, id="0")
+        states.append(await queue.entry_state(entry_id))
+        sync.xreadgroup(keys.group, "w1", {keys.requests: ">"}, count=1)
+        sync.set(keys.worker("w1"), "alive")
+        states.append(await queue.entry_state(entry_id))
+        assert await queue.read_depth() == (0, 1)
+        sync.delete(keys.worker("w1"))
+        states.append(await queue.entry_state(entry_id))
+        sync.xack(keys.requests, keys.group, entry_id)
+        sync.xdel(keys.requests, entry_id)
+        states.append(await queue.entry_state(entry_id))
+        await client.aclose()
+        return states
+
+    try:
+        assert asyncio.run(go()) == [EntryState.QUEUED, EntryState.RUNNING, EntryState.ORPHANED,
+                                     EntryState.GONE]
+    finally:
+        sync.close()

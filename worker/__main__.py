@@ -1,0 +1,98 @@
+"""`tokenrelay-worker` / `python -m worker`: load the model, serve the Redis queue.
+
+Every flag has an environment variable (shown in --help); flags win. SIGTERM
+or Ctrl-C: stop claiming, finish running requests (up to --drain-timeout),
+exit 0. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from types import FrameType
+
+from protos.keys import DEFAULT_PREFIX
+from worker.config import DEFAULT_REDIS_URL, WorkerConfig, default_worker_id
+from worker.engine_config import DTYPES, EngineConfig
+
+
+def _env(name: str, default: object = None) -> str | None:
+    """A string default: argparse converts it with the flag's type, so bad values get a clean error."""
+    value = os.environ.get(name)
+    return value if value is not None else (None if default is None else str(default))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tokenrelay-worker",
+        description="tokenrelay worker: takes requests from the Redis queue, generates with the model and "
+                    "streams the tokens back to the gateway. Run several for more throughput.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--redis-url", default=_env("REDIS_URL", DEFAULT_REDIS_URL),
+                   help="Redis holding the queue (redis://, rediss://, unix://) [env REDIS_URL]")
+    p.add_argument("--key-prefix", default=_env("TOKENRELAY_KEY_PREFIX", DEFAULT_PREFIX),
+                   help="prefix of every Redis key; must match the gateway's [env TOKENRELAY_KEY_PREFIX]")
+    p.add_argument("--worker-id", default=_env("TOKENRELAY_WORKER_ID"),
+                   help="unique name (Redis consumer name, Final.worker_id); default host-pid-random "
+                        "[env TOKENRELAY_WORKER_ID]")
+    p.add_argument("--model", default=_env("TOKENRELAY_MODEL"),
+                   help="GGUF file or Hugging Face folder; default: the bundled SmolLM2-135M-Instruct "
+                        "[env TOKENRELAY_MODEL]")
+    p.add_argument("--device", default=_env("TOKENRELAY_DEVICE", "cpu"),
+                   help="cpu, cuda, cuda:1, ... [env TOKENRELAY_DEVICE]")
+    p.add_argument("--dtype", choices=DTYPES, default=_env("TOKENRELAY_DTYPE", "float32"),
+                   help="weight/activation dtype (use float32 on CPU) [env TOKENRELAY_DTYPE]")
+    p.add_argument("--max-num-seqs", type=int, default=_env("TOKENRELAY_MAX_NUM_SEQS", 16),
+                   help="requests generated together (KV cache slots) [env TOKENRELAY_MAX_NUM_SEQS]")
+    p.add_argument("--max-model-len", type=int, default=_env("TOKENRELAY_MAX_MODEL_LEN"),
+                   help="tokens per sequence; default min(context, 4096) [env TOKENRELAY_MAX_MODEL_LEN]")
+    p.add_argument("--num-threads", type=int, default=_env("TOKENRELAY_NUM_THREADS"),
+                   help="torch CPU threads; default torch's choice [env TOKENRELAY_NUM_THREADS]")
+    p.add_argument("--drain-timeout", type=float, default=_env("TOKENRELAY_DRAIN_TIMEOUT_S", 30),
+                   help="seconds running requests get to finish on SIGTERM [env TOKENRELAY_DRAIN_TIMEOUT_S]")
+    p.add_argument("--log-level", default=_env("TOKENRELAY_LOG_LEVEL", "INFO"),
+                   help="DEBUG, INFO, WARNING or ERROR [env TOKENRELAY_LOG_LEVEL]")
+    return p
+
+
+def config_from_args(argv: list[str] | None = None) -> tuple[WorkerConfig, str]:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        engine = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
+                              max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                              num_threads=args.num_threads)
+        config = WorkerConfig(engine=engine, redis_url=args.redis_url, key_prefix=args.key_prefix,
+                              worker_id=args.worker_id or default_worker_id(),
+                              drain_timeout_s=args.drain_timeout)
+    except ValueError as e:
+        parser.error(str(e))
+    return config, args.log_level
+
+
+def main(argv: list[str] | None = None) -> int:
+    config, log_level = config_from_args(argv)
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s worker %(levelname)s %(message)s")
+    from worker.consumer import Consumer
+    from worker.text_engine import TextEngine  # torch: only once the flags are known to be good
+
+    engine = TextEngine.from_config(config.engine)
+    consumer = Consumer(engine, config)
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        if consumer.is_stopping:
+            os._exit(1)  # second Ctrl-C: the user does not want to wait for the drain
+        logging.getLogger(__name__).info("signal %d: draining (up to %.0fs)", signum, config.drain_timeout_s)
+        consumer.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    consumer.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

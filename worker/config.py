@@ -1,0 +1,68 @@
+"""Worker process configuration: one frozen object built once in `worker.__main__`."""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from dataclasses import dataclass, field
+
+from protos.keys import DEFAULT_PREFIX, Keys
+from worker.engine_config import EngineConfig
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+def default_worker_id() -> str:
+    """Unique per process and readable in GetServerInfo: host-pid-random."""
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    redis_url: str = DEFAULT_REDIS_URL
+    key_prefix: str = DEFAULT_PREFIX
+    # Consumer name in the Redis group and the name reported in Final.worker_id.
+    worker_id: str = field(default_factory=default_worker_id)
+    # On SIGTERM: how long running requests may take to finish before they are
+    # aborted with an UNAVAILABLE error event.
+    drain_timeout_s: float = 30.0
+    heartbeat_interval_s: float = 0.5
+    # A worker whose heartbeat key expired is considered dead by the gateways.
+    heartbeat_ttl_s: float = 5.0
+    # How long an idle worker blocks in XREADGROUP before looking around again.
+    claim_block_ms: int = 500
+    # An idle worker woken by a request claims again after this pause, as long as
+    # more keep arriving, so a burst is prefilled in one step, not one by one.
+    claim_coalesce_ms: float = 5.0
+    # Socket timeout of every Redis command (must exceed claim_block_ms).
+    redis_timeout_s: float = 5.0
+    # Reconnect backoff after a Redis error grows up to this.
+    max_backoff_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        Keys(self.key_prefix)  # validates the prefix
+        if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("redis_url must start with redis://, rediss:// or unix://, "
+                             f"got {self.redis_url!r}")
+        if not self.worker_id or any(c.isspace() for c in self.worker_id):
+            raise ValueError(f"worker_id must be non-empty without spaces, got {self.worker_id!r}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if not 0 < self.heartbeat_interval_s < self.heartbeat_ttl_s:
+            raise ValueError("heartbeat_interval_s must be > 0 and < heartbeat_ttl_s, got "
+                             f"{self.heartbeat_interval_s} and {self.heartbeat_ttl_s}")
+        if self.claim_block_ms < 1:
+            raise ValueError(f"claim_block_ms must be >= 1, got {self.claim_block_ms}")
+        if self.claim_coalesce_ms < 0:
+            raise ValueError(f"claim_coalesce_ms must be >= 0, got {self.claim_coalesce_ms}")
+        if self.redis_timeout_s * 1000 <= self.claim_block_ms:
+            raise ValueError(f"redis_timeout_s ({self.redis_timeout_s}) must exceed claim_block_ms "
+                             f"({self.claim_block_ms} ms)")
+        if self.max_backoff_s <= 0:
+            raise ValueError(f"max_backoff_s must be > 0, got {self.max_backoff_s}")
+
+    @property
+    def keys(self) -> Keys:
+        return Keys(self.key_prefix)

@@ -1,0 +1,309 @@
+"""The worker's Redis side: claim requests, feed the engine, publish its tokens.
+
+One loop on one thread owns the engine (torch lives behind the `Engine`
+protocol; this module imports none):
+
+    apply aborts -> claim up to free slots (XREADGROUP) -> engine.step()
+    -> hand that step's events to the publisher thread
+
+The publisher thread sends each step's events as ONE pipelined round trip (one
+PUBLISH of a `TokenEventBatch` per reply channel, then XACK+XDEL of finished
+entries, then the heartbeat when due) while the next step computes. It is a
+single FIFO thread, so events of one request leave in order. Delivery
+guarantees and key names are in `protos/keys.py`.
+
+Redis failures never crash the loop: claiming backs off while the engine keeps
+generating, and the publisher resends a failed pipeline until Redis is back
+(the gateway drops events it already has by `seq`), so no token generated while
+Redis was reachable is lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol, cast
+
+import redis
+
+from protos.convert import chunk_to_pb, finish_reason_to_pb, params_from_pb, usage_to_pb
+from protos.keys import STREAM_DATA_FIELD
+from protos.params import FinishReason, PromptInput, SamplingParams
+from protos.tokenrelay.v1 import generate_pb2, queue_pb2
+from worker.config import WorkerConfig
+from worker.outputs import RequestOutput
+from worker.redis_io import AbortListener, Backoff, Outbox, Publisher, connect
+
+log = logging.getLogger(__name__)
+
+ErrorCode = queue_pb2.ErrorCode
+
+
+class Engine(Protocol):
+    """What the consumer needs from `worker.text_engine.TextEngine`."""
+
+    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams, *,
+                    arrival_time: float | None = None) -> None: ...
+    def abort(self, request_id: str) -> None: ...
+    def step(self) -> list[RequestOutput]: ...
+    def has_unfinished(self) -> bool: ...
+    def stats(self) -> Any: ...
+
+
+@dataclass
+class Tracked:
+    """A request this worker claimed and is generating."""
+
+    entry_id: bytes
+    reply_channel: str
+    deadline_unix: float  # 0 = none
+    seq: int = 0
+    num_chunks: int = 0
+    text_parts: list[str] = field(default_factory=list)
+    # Set when the worker aborted it (deadline, shutdown): replaces the final event.
+    error: tuple[queue_pb2.ErrorCode, str] | None = None
+
+    def event(self, request_id: str, **kind: Any) -> queue_pb2.TokenEvent:
+        self.seq += 1
+        return queue_pb2.TokenEvent(request_id=request_id, seq=self.seq - 1, **kind)
+
+
+def claim_capacity(stats: Any) -> int:
+    """Requests to claim now: free sequence slots not already promised to waiting ones."""
+    free = min(stats.num_free_slots, stats.max_num_seqs - stats.num_running)
+    return max(0, free - stats.num_waiting)
+
+
+class Consumer:
+    """Runs one engine against the request stream until `stop()`, then drains."""
+
+    def __init__(self, engine: Engine, config: WorkerConfig, client: redis.Redis | None = None) -> None:
+        self.engine, self.config, self.keys = engine, config, config.keys
+        self._client = client or connect(config)
+        self._publisher = Publisher(self._client, config)
+        self._aborts = AbortListener(self._client, config)
+        self._running: dict[str, Tracked] = {}
+        self._outbox = Outbox()
+        self._stopping = threading.Event()
+        self._backoff = Backoff(config.max_backoff_s)
+        self._retry_claim_at = 0.0
+        self._has_group = False
+        self.num_finished = 0
+
+    def stop(self) -> None:
+        """Stop claiming; `run` finishes what runs (up to drain_timeout_s) and returns.
+
+        Safe to call from a signal handler or another thread.
+        """
+        self._stopping.set()
+
+    @property
+    def is_stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    def run(self) -> None:
+        self._publisher.set_load(self._load())  # the first heartbeat already describes the worker
+        self._publisher.start()
+        self._aborts.start()
+        log.info("worker %s consuming %s", self.config.worker_id, self.keys.requests)
+        try:
+            while not self._stopping.is_set():
+                self._run_once(can_claim=True)
+            self._drain()
+        except Exception:
+            # An engine bug: answer every caller and release the entries, then crash loudly.
+            log.exception("worker failed; failing %d running requests", len(self._running))
+            for request_id, tracked in self._running.items():
+                self._reject(request_id, tracked, ErrorCode.ERROR_CODE_INTERNAL, "the worker failed")
+            self._running.clear()
+            self._publisher.submit(self._outbox)
+            raise
+        finally:
+            self._aborts.close()
+            self._publisher.close()
+        log.info("worker %s stopped after %d requests", self.config.worker_id, self.num_finished)
+
+    def _run_once(self, *, can_claim: bool) -> None:
+        self._apply_aborts()
+        if can_claim:
+            self._claim()
+        if self.engine.has_unfinished():
+            self._emit(self.engine.step())
+        self._flush()
+
+    def _drain(self) -> None:
+        """Finish running requests within drain_timeout_s, then abort the rest."""
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while self.engine.has_unfinished() and time.monotonic() < deadline:
+            self._run_once(can_claim=False)
+        for request_id, tracked in self._running.items():
+            tracked.error = (ErrorCode.ERROR_CODE_UNAVAILABLE, "the worker shut down before it finished")
+            self.engine.abort(request_id)
+        for _ in range(3):  # aborted requests finish in the next step
+            if not self.engine.has_unfinished():
+                break
+            self._emit(self.engine.step())
+        self._flush()
+
+    # -- claiming ---------------------------------------------------------------------------------
+
+    def _claim(self) -> None:
+        is_idle = not self.engine.has_unfinished()
+        count = claim_capacity(self.engine.stats())
+        wait = self._retry_claim_at - time.monotonic()
+        if count <= 0 or wait > 0:
+            if is_idle and wait > 0:
+                self._stopping.wait(wait)  # Redis is down and there is nothing to compute
+            return
+        try:
+            entries = self._read(count, block_ms=self.config.claim_block_ms if is_idle else None)
+            if is_idle and entries:
+                entries += self._read_burst(count - len(entries))
+            aborted = self._aborted_entries(entries)
+            self._backoff.reset()
+        except redis.RedisError as e:
+            delay = self._backoff.failed()
+            log.warning("claiming failed (%s); retrying in %.2fs", e, delay)
+            self._retry_claim_at = time.monotonic() + delay
+            return
+        for entry_id, qr in entries:
+            if qr is None:
+                self._outbox.acks.append(entry_id)  # unreadable: nobody to answer, drop it
+            elif entry_id in aborted:
+                self._outbox.acks.append(entry_id)  # cancelled while queued; the caller is gone
+            else:
+                self._admit(entry_id, qr)
+
+    def _read(self, count: int, block_ms: int | None) -> list[tuple[bytes, queue_pb2.QueuedRequest | None]]:
+        if not self._has_group:
+            self._create_group()
+        try:
+            reply = self._client.xreadgroup(self.keys.group, self.config.worker_id, {self.keys.requests: ">"},
+                                            count=count, block=block_ms)
+        except redis.ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            self._has_group = False  # Redis restarted without our group: recreate it next round
+            return []
+        entries: list[tuple[bytes, dict[bytes, bytes]]] = cast(Any, reply)[0][1] if reply else []
+        return [(entry_id, _parse_entry(entry_id, fields)) for entry_id, fields in entries]
+
+    def _read_burst(self, count: int) -> list[tuple[bytes, queue_pb2.QueuedRequest | None]]:
+        """After an idle wake-up: claim what keeps arriving every claim_coalesce_ms, so a burst
+        is prefilled in one step rather than its first request alone."""
+        entries: list[tuple[bytes, queue_pb2.QueuedRequest | None]] = []
+        while count > len(entries) and self.config.claim_coalesce_ms > 0:
+            time.sleep(self.config.claim_coalesce_ms / 1000)  # a one-off pause, not a poll loop
+            more = self._read(count - len(entries), block_ms=None)
+            if not more:
+                break
+            entries += more
+        return entries
+
+    def _create_group(self) -> None:
+        try:
+            # Id 0, not $: requests added before the group existed must be served too.
+            self._client.xgroup_create(self.keys.requests, self.keys.group, id="0", mkstream=True)
+        except redis.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+        self._has_group = True
+
+    def _aborted_entries(self, entries: list[tuple[bytes, queue_pb2.QueuedRequest | None]]) -> set[bytes]:
+        """Entry ids of the claimed requests that were cancelled while queued."""
+        readable = [(entry_id, qr) for entry_id, qr in entries if qr is not None]
+        if not readable:
+            return set()
+        marks = self._client.mget([self.keys.aborted(qr.request_id) for _, qr in readable])
+        return {entry_id for (entry_id, _), mark in zip(readable, marks, strict=True) if mark == entry_id}
+
+    def _admit(self, entry_id: bytes, qr: queue_pb2.QueuedRequest) -> None:
+        tracked = Tracked(entry_id, qr.reply_channel, qr.deadline_unix)
+        request_id = qr.request_id
+        if qr.deadline_unix and time.time() > qr.deadline_unix:
+            return self._reject(request_id, tracked, ErrorCode.ERROR_CODE_DEADLINE_EXCEEDED,
+                                "the deadline passed while the request was queued")
+        if request_id in self._running:
+            return self._reject(request_id, tracked, ErrorCode.ERROR_CODE_INVALID_ARGUMENT,
+                                f"request_id {request_id!r} is already running")
+        try:
+            prompt, params = params_from_pb(qr.request)
+            self.engine.add_request(request_id, prompt, params, arrival_time=qr.enqueued_unix or None)
+        except ValueError as e:  # bad field, or prompt + max_tokens longer than the context
+            return self._reject(request_id, tracked, ErrorCode.ERROR_CODE_INVALID_ARGUMENT, str(e))
+        except Exception as e:
+            log.exception("add_request failed for %s", request_id)
+            return self._reject(request_id, tracked, ErrorCode.ERROR_CODE_INTERNAL, f"worker error: {e}")
+        self._running[request_id] = tracked
+
+    def _reject(self, request_id: str, tracked: Tracked, code: queue_pb2.ErrorCode,
+                message: str) -> None:
+        error = queue_pb2.RequestError(code=code, message=message)
+        self._outbox.add(tracked.reply_channel, tracked.event(request_id, error=error))
+        self._outbox.acks.append(tracked.entry_id)
+
+    # -- aborts and events ------------------------------------------------------------------------
+
+    def _apply_aborts(self) -> None:
+        for request_id in self._aborts.drain():
+            if request_id in self._running:
+                self.engine.abort(request_id)  # the next step returns its ABORT output
+        now = time.time()
+        for request_id, tracked in self._running.items():
+            if tracked.deadline_unix and now > tracked.deadline_unix and tracked.error is None:
+                tracked.error = (ErrorCode.ERROR_CODE_DEADLINE_EXCEEDED, "deadline passed while generating")
+                self.engine.abort(request_id)
+
+    def _emit(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            tracked = self._running.get(out.request_id)
+            if tracked is None:
+                continue
+            if out.token_ids or out.text:
+                chunk = chunk_to_pb(tracked.num_chunks, out.token_ids, out.text, out.logprobs)
+                tracked.num_chunks += 1
+                tracked.text_parts.append(out.text)
+                self._outbox.add(tracked.reply_channel, tracked.event(out.request_id, chunk=chunk))
+            if out.finished:
+                self._finish(out, tracked)
+
+    def _finish(self, out: RequestOutput, tracked: Tracked) -> None:
+        del self._running[out.request_id]
+        self.num_finished += 1
+        if tracked.error is not None and out.finish_reason is FinishReason.ABORT:
+            code, message = tracked.error
+            return self._reject(out.request_id, tracked, code, message)
+        assert out.finish_reason is not None
+        final = generate_pb2.Final(finish_reason=finish_reason_to_pb(out.finish_reason),
+                                   text="".join(tracked.text_parts), error_message=out.error or "",
+                                   worker_id=self.config.worker_id)
+        if out.usage is not None:
+            final.usage.CopyFrom(usage_to_pb(out.usage))
+        self._outbox.add(tracked.reply_channel, tracked.event(out.request_id, final=final))
+        self._outbox.acks.append(tracked.entry_id)
+
+    def _flush(self) -> None:
+        self._publisher.set_load(self._load())
+        if self._outbox:
+            self._publisher.submit(self._outbox)
+            self._outbox = Outbox()
+
+    def _load(self) -> dict[str, str]:
+        """Heartbeat fields (strings: they go into a Redis hash)."""
+        s = self.engine.stats()
+        fields = {"worker_id": self.config.worker_id, "model": s.model_name, "num_running": s.num_running,
+                  "num_waiting": s.num_waiting, "max_num_seqs": s.max_num_seqs,
+                  "num_free_slots": s.num_free_slots, "num_finished": self.num_finished,
+                  "max_model_len": s.max_model_len}
+        return {k: str(v) for k, v in fields.items()}
+
+
+def _parse_entry(entry_id: bytes, fields: dict[bytes, bytes]) -> queue_pb2.QueuedRequest | None:
+    try:
+        return queue_pb2.QueuedRequest.FromString(fields[STREAM_DATA_FIELD])
+    except Exception:  # a foreign or corrupt entry must not stop the worker
+        log.error("dropping unreadable stream entry %r", entry_id)
+        return None
+
