@@ -8,6 +8,7 @@ per slot, V vocab.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -58,7 +59,30 @@ class KVCache:
         self.max_len = max_len
 
 
+def _onednn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [None], "")
+
+
+def pick_linear(device: torch.device, dtype: torch.dtype) -> Callable[..., torch.Tensor]:
+    """oneDNN's matmul on CPU fp32, else F.linear.
+
+    For decode-sized inputs (few rows, a wide weight) oneDNN streams the weight
+    ~1.5-2x faster than the default BLAS path on our CPUs (measured: LM head
+    49152x576, 1 row: 5.3 ms vs 10.8 ms). It is the kernel torch.compile's CPU
+    backend calls, but it is a private op, so fall back when it is missing.
+    """
+    if device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available():
+        try:
+            _onednn_linear(torch.ones(1, 2), torch.ones(3, 2))
+            return _onednn_linear
+        except (RuntimeError, AttributeError):
+            pass
+    return F.linear
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:  # one fused op, bit-identical to the maths below in fp32
+        return torch.rms_norm(x, weight.shape, weight, eps)
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
@@ -76,6 +100,7 @@ class LlamaModel:
         self.norm = weights.pop("model.norm.weight").to(self.device, dtype)  # (C,)
         self.layers = [self._take_layer(weights, i) for i in range(config.num_layers)]
         self.cos, self.sin = rope_tables(config, config.max_position_embeddings, self.device)  # (P, D)
+        self.linear = pick_linear(self.device, dtype)
 
     def _take_layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"model.layers.{i}."
@@ -107,6 +132,10 @@ class LlamaModel:
         x = F.embedding(input_ids, self.embed)  # (B, T, C)
         cos = self.cos[positions].unsqueeze(2)  # (B, T, 1, D)
         sin = self.sin[positions].unsqueeze(2)  # (B, T, 1, D)
+        # new K/V go to cache[layer, slot, kv head, position]: index tensors broadcast to (B, K, T)
+        write_index = (batch.slot_ids[:, None, None],  # (B, 1, 1)
+                       torch.arange(self.config.num_kv_heads, device=self.device)[None, :, None],  # (1, K, 1)
+                       positions[:, None, :])  # (B, 1, T)
         mask = None
         if not batch.is_fresh_prefill and batch.needs_mask:
             # key j is visible to a query at position p iff j <= p (covers causal + padding)
@@ -114,7 +143,7 @@ class LlamaModel:
             mask = (key_pos[None, None, None, :] <= positions[:, None, :, None])  # (B, 1, T, kv_len)
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm, self.config.rms_norm_eps)  # (B, T, C)
-            x = x + self._attention(h, layer, cache, i, batch, cos, sin, mask)
+            x = x + self._attention(h, layer, cache, i, batch, cos, sin, mask, write_index)
             h = rms_norm(x, layer.mlp_norm, self.config.rms_norm_eps)  # (B, T, C)
             x = x + self._mlp(h, layer)
         if batch.last_index is None:
@@ -122,21 +151,22 @@ class LlamaModel:
         else:
             x = x[torch.arange(B, device=self.device), batch.last_index]  # (B, C)
         x = rms_norm(x, self.norm, self.config.rms_norm_eps)
-        return (x @ self.lm_head.T).float()  # (B, V)
+        return self.linear(x, self.lm_head).float()  # (B, V)
 
     def _attention(self, h: torch.Tensor, layer: LayerWeights, cache: KVCache, i: int,
                    batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor,
-                   mask: torch.Tensor | None) -> torch.Tensor:
+                   mask: torch.Tensor | None, write_index: tuple[torch.Tensor, ...]) -> torch.Tensor:
         cfg = self.config
         B, T, _ = h.shape
         H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv = F.linear(h, layer.wqkv, layer.bqkv)  # (B, T, (H + 2K) * D)
+        qkv = self.linear(h, layer.wqkv, layer.bqkv)  # (B, T, (H + 2K) * D)
         qk, v = qkv.split(((H + K) * D, K * D), dim=-1)
         qk = apply_rope(qk.view(B, T, H + K, D), cos, sin)  # (B, T, H + K, D): one rotation for both
         q = qk[:, :, :H].transpose(1, 2)  # (B, H, T, D)
         k = qk[:, :, H:].transpose(1, 2)  # (B, K, T, D)
         v = v.view(B, T, K, D).transpose(1, 2)  # (B, K, T, D)
-        self._write_cache(cache, i, batch.slot_ids, batch.positions, k, v)
+        cache.k[i].index_put_(write_index, k)
+        cache.v[i].index_put_(write_index, v)
         kv_len, slots = batch.kv_len, batch.slot_range
         if batch.is_fresh_prefill:  # the new tokens are the whole context
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != K)
@@ -149,20 +179,9 @@ class LlamaModel:
                 values = cache.v[i, batch.slot_ids, :, :kv_len]
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=H != K)
         out = out.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H * D)
-        return F.linear(out, layer.wo)  # (B, T, C)
-
-    @staticmethod
-    def _write_cache(cache: KVCache, i: int, slot_ids: torch.Tensor, positions: torch.Tensor,
-                     k: torch.Tensor, v: torch.Tensor) -> None:
-        # k, v: (B, K, T, D) → cache[i, slot, :, position]
-        num_kv = k.shape[1]
-        s = slot_ids[:, None, None]  # (B, 1, 1)
-        h = torch.arange(num_kv, device=k.device)[None, :, None]  # (1, K, 1)
-        p = positions[:, None, :]  # (B, 1, T)
-        cache.k[i].index_put_((s, h, p), k)
-        cache.v[i].index_put_((s, h, p), v)
+        return self.linear(out, layer.wo)  # (B, T, C)
 
     def _mlp(self, h: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
-        gate, up = F.linear(h, layer.w_gate_up).chunk(2, dim=-1)  # (B, T, F) each
-        return F.linear(F.silu(gate) * up, layer.w_down)  # (B, T, C)
+        gate, up = self.linear(h, layer.w_gate_up).chunk(2, dim=-1)  # (B, T, F) each
+        return self.linear(F.silu(gate) * up, layer.w_down)  # (B, T, C)
 
