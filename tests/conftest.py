@@ -75,6 +75,22 @@ def smollm_engine() -> Any:
                                                max_model_len=TEST_MAX_MODEL_LEN))
 
 
+@pytest.fixture(scope="session")
+def hf_smollm2() -> Any:
+    """transformers' own GGUF loading of the default model (the reference); ~20 s, once."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # transformers needs it for gguf_file=
+    from worker.model.loader import default_model_path
+
+    path = default_model_path()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
+
+
 @pytest.fixture
 def make_gateway(redis_url: str, prefix: str) -> Iterator[Callable[..., GatewayThread]]:
     """Start a real gRPC gateway on 127.0.0.1:<free port>; stopped after the test."""

@@ -251,19 +251,11 @@ def test_gguf_unsupported(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def smollm2() -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, torch.Tensor], Any]:
-    """(our config, our tensors, transformers' state dict, transformers' config); ~25 s."""
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")  # transformers needs it for gguf_file=
-    path = default_model_path()
-    config, ours = load_model(path)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            path.parent, gguf_file=path.name, dtype=torch.float32
-        )
-    theirs = {k: v.detach() for k, v in model.state_dict().items()}
-    return config, ours, theirs, model.config
+def smollm2(hf_smollm2: Any) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, torch.Tensor], Any]:
+    """(our config, our tensors, transformers' state dict, transformers' config)."""
+    config, ours = load_model(default_model_path())
+    theirs = {k: v.detach() for k, v in hf_smollm2.state_dict().items()}
+    return config, ours, theirs, hf_smollm2.config
 
 
 @pytest.mark.slow

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
 
 from protos.params import ChatMessage, FinishReason, PromptInput, SamplingParams
-from worker.engine_config import EngineConfig
 from worker.outputs import RequestOutput
 from worker.text_engine import TextEngine
 
@@ -21,9 +19,11 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def engine() -> TextEngine:
-    return TextEngine.from_config(EngineConfig(max_model_len=512, max_num_seqs=8))
+@pytest.fixture
+def engine(smollm_engine: TextEngine) -> TextEngine:
+    """The session's shared SmolLM2 engine (max_model_len 512, 8 slots)."""
+    assert smollm_engine.max_model_len == 512
+    return smollm_engine
 
 
 def run(engine: TextEngine, requests: dict[str, tuple[PromptInput, SamplingParams]]
@@ -45,20 +45,7 @@ def ids_of(outs: list[RequestOutput]) -> list[int]:
     return [t for o in outs for t in o.token_ids]
 
 
-@pytest.fixture(scope="module")
-def hf_model() -> Any:
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from worker.model.loader import default_model_path
-
-    path = default_model_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    return model.eval()
-
-
-def test_greedy_64_tokens_equal_transformers_generate(engine: TextEngine, hf_model: Any) -> None:
+def test_greedy_64_tokens_equal_transformers_generate(engine: TextEngine, hf_smollm2: Any) -> None:
     import torch
 
     greedy = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
@@ -66,7 +53,7 @@ def test_greedy_64_tokens_equal_transformers_generate(engine: TextEngine, hf_mod
     for i, prompt in enumerate(PROMPTS):
         ids = engine.tokenizer.encode(prompt)
         with torch.inference_mode():
-            ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=64, min_new_tokens=64,
+            ref = hf_smollm2.generate(torch.tensor([ids]), max_new_tokens=64, min_new_tokens=64,
                                     do_sample=False, eos_token_id=None, pad_token_id=0)
         assert ids_of(outs[f"p{i}"]) == ref[0, len(ids):].tolist(), prompt
 

@@ -48,7 +48,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=_env("TOKENRELAY_MAX_NUM_SEQS", 16),
                    help="requests generated together (KV cache slots) [env TOKENRELAY_MAX_NUM_SEQS]")
     p.add_argument("--max-model-len", type=int, default=_env("TOKENRELAY_MAX_MODEL_LEN"),
-                   help="tokens per sequence; default min(context, 4096) [env TOKENRELAY_MAX_MODEL_LEN]")
+                   help="tokens per sequence (prompt + output); default min(context, 2048) "
+                        "[env TOKENRELAY_MAX_MODEL_LEN]")
+    p.add_argument("--kv-cache-memory-mb", type=int, default=_env("TOKENRELAY_KV_CACHE_MEMORY_MB"),
+                   help="memory budget of the KV cache, allocated once at start-up; caps the number of "
+                        "slots; default: room for max-num-seqs full sequences "
+                        "[env TOKENRELAY_KV_CACHE_MEMORY_MB]")
+    p.add_argument("--max-prefill-tokens", type=int, default=_env("TOKENRELAY_MAX_PREFILL_TOKENS", 2048),
+                   help="prompt tokens admitted per engine step; bounds how long new prompts stall the "
+                        "running streams [env TOKENRELAY_MAX_PREFILL_TOKENS]")
     p.add_argument("--num-threads", type=int, default=_env("TOKENRELAY_NUM_THREADS"),
                    help="torch CPU threads; default torch's choice [env TOKENRELAY_NUM_THREADS]")
     p.add_argument("--drain-timeout", type=float, default=_env("TOKENRELAY_DRAIN_TIMEOUT_S", 30),
@@ -64,7 +72,8 @@ def config_from_args(argv: list[str] | None = None) -> tuple[WorkerConfig, str]:
     try:
         engine = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                              num_threads=args.num_threads)
+                              kv_cache_memory_mb=args.kv_cache_memory_mb,
+                              max_prefill_tokens=args.max_prefill_tokens, num_threads=args.num_threads)
         config = WorkerConfig(engine=engine, redis_url=args.redis_url, key_prefix=args.key_prefix,
                               worker_id=args.worker_id or default_worker_id(),
                               drain_timeout_s=args.drain_timeout)
