@@ -46,14 +46,14 @@ def peak_rss_mb() -> float:
 def run_ours() -> dict[str, float]:
     from protos.params import SamplingParams
     from worker.engine import Engine
-    from worker.memory import use_mmap_for_large_allocations
+    from worker.memory import weights_loading
     from worker.model.llama import LlamaModel
     from worker.model.loader import load_model
 
-    use_mmap_for_large_allocations()
-    config, weights = load_model(None)
-    model = LlamaModel(config, weights)
-    del weights
+    with weights_loading():
+        config, weights = load_model(None)
+        model = LlamaModel(config, weights)
+        del weights
     short, long, mixed = prompts(config.vocab_size)
     max_len = PREFILL_LEN + NEW_TOKENS
     engine = Engine(model, NUM_CONCURRENT, max_len, 4096, frozenset())

@@ -8,7 +8,7 @@ import torch
 
 from worker.engine import Engine
 from worker.engine_config import EngineConfig
-from worker.memory import use_mmap_for_large_allocations
+from worker.memory import weights_loading
 from worker.model.config import ModelConfig
 from worker.model.llama import LlamaModel
 from worker.model.loader import default_model_path, load_model
@@ -20,14 +20,14 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def build_text_engine(config: EngineConfig) -> TextEngine:
-    use_mmap_for_large_allocations()
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     path = Path(config.model) if config.model else default_model_path()
     dtype = DTYPES[config.dtype]
-    model_config, weights = load_model(path, dtype=dtype)
-    model = LlamaModel(model_config, weights, dtype=dtype, device=config.device)
-    del weights
+    with weights_loading():
+        model_config, weights = load_model(path, dtype=dtype)
+        model = LlamaModel(model_config, weights, dtype=dtype, device=config.device)
+        del weights
     tokenizer = Tokenizer.load(path)
     max_len, num_slots = cache_shape(config, model_config, dtype)
     eos = frozenset(tokenizer.eos_token_ids) | frozenset(model_config.eos_token_ids)
