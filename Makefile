@@ -30,6 +30,7 @@ serve: $(STAMP)  ## keep the stack up (Ctrl-C to stop)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 	$(BIN)/ruff check protos gateway worker tests benchmarks
+	$(BIN)/mypy protos gateway worker
 
 lint: $(STAMP)
 	$(BIN)/ruff check protos gateway worker tests benchmarks

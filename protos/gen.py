@@ -17,8 +17,8 @@ PROTOS = ("generate.proto", "queue.proto")
 
 def generate(out_dir: Path = ROOT) -> list[Path]:
     """Run protoc (grpcio-tools) into out_dir; returns the files written."""
-    from grpc_tools import protoc  # build-time dependency only
     import grpc_tools
+    from grpc_tools import protoc  # build-time dependency only
 
     include = Path(grpc_tools.__file__).parent / "_proto"
     files = [str((PROTO_DIR / p).relative_to(ROOT)) for p in PROTOS]
