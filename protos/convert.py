@@ -8,6 +8,7 @@ it again on what it claims. Error messages name the proto field
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterable
 from typing import Any, cast
@@ -93,27 +94,11 @@ def _prompt_from_pb(req: generate_pb2.GenerateRequest) -> PromptInput:
 
 
 def usage_to_pb(usage: Usage) -> generate_pb2.Usage:
-    return generate_pb2.Usage(
-        prompt_tokens=usage.prompt_tokens,
-        completion_tokens=usage.completion_tokens,
-        queue_time_s=usage.queue_time_s,
-        time_to_first_token_s=usage.time_to_first_token_s,
-        decode_time_s=usage.decode_time_s,
-        seed=usage.seed,
-        truncated_prompt_tokens=usage.truncated_prompt_tokens,
-    )
+    return generate_pb2.Usage(**dataclasses.asdict(usage))  # field names are the same on both sides
 
 
 def usage_from_pb(pb: generate_pb2.Usage) -> Usage:
-    return Usage(
-        prompt_tokens=pb.prompt_tokens,
-        completion_tokens=pb.completion_tokens,
-        queue_time_s=pb.queue_time_s,
-        time_to_first_token_s=pb.time_to_first_token_s,
-        decode_time_s=pb.decode_time_s,
-        seed=pb.seed,
-        truncated_prompt_tokens=pb.truncated_prompt_tokens,
-    )
+    return Usage(**{f.name: getattr(pb, f.name) for f in dataclasses.fields(Usage)})
 
 
 def finish_reason_to_pb(reason: FinishReason) -> generate_pb2.FinishReason:
