@@ -81,3 +81,32 @@ def test_batched_mixed_lengths_match_each_alone() -> None:
         with torch.no_grad():
             ref = hf(torch.tensor([p + [tok]])).logits[0, -1]
         assert (row - ref).abs().max() <= TOL
+
+
+def test_packed_prefill_of_several_prompts_matches_each_alone() -> None:
+    hf = make_hf_model()
+    ours = ours_from_hf(hf)
+    cache = KVCache(ours.config, num_slots=4, max_len=64, dtype=torch.float32, device=torch.device("cpu"))
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (6, 1, 13)]
+    slots = [2, 0, 3]
+    lengths = [len(p) for p in prompts]
+    batch = ForwardBatch(
+        input_ids=torch.tensor([[t for p in prompts for t in p]]),
+        positions=torch.cat([torch.arange(n) for n in lengths])[None],
+        slot_ids=torch.tensor([slots[0]]), kv_len=max(lengths),
+        last_index=torch.tensor(lengths).cumsum(0) - 1, is_fresh_prefill=True,
+        segment_lens=tuple(lengths),
+        token_slots=torch.tensor([s for s, n in zip(slots, lengths, strict=True) for _ in range(n)])[None],
+    )
+    got = ours.forward(batch, cache)  # (3, V)
+    for p, row in zip(prompts, got, strict=True):
+        with torch.no_grad():
+            assert (row - hf(torch.tensor([p])).logits[0, -1]).abs().max() <= TOL
+    # the cache now holds each prompt in its own slot: a decode step continues each correctly
+    nxt = [int(r.argmax()) for r in got]
+    step = ForwardBatch(input_ids=torch.tensor(nxt)[:, None], positions=torch.tensor(lengths)[:, None],
+                        slot_ids=torch.tensor(slots), kv_len=max(lengths) + 1)
+    for p, tok, row in zip(prompts, nxt, ours.forward(step, cache), strict=True):
+        with torch.no_grad():
+            assert (row - hf(torch.tensor([p + [tok]])).logits[0, -1]).abs().max() <= TOL

@@ -1,8 +1,8 @@
 """Owns every tensor: builds forward batches, runs the model, samples.
 
-One call per engine step: the prompts of newly admitted sequences (grouped into
-padded batches of similar length) and one decode token for every running
-sequence, then one sampler call over all their logits and one host sync.
+One call per engine step: the prompts of newly admitted sequences (packed
+into one row, no padding) and one decode token for every running sequence,
+then one sampler call over all their logits and one host sync.
 """
 
 from __future__ import annotations
@@ -14,9 +14,6 @@ import torch
 from worker.model.llama import ForwardBatch, KVCache, LlamaModel
 from worker.sampling import Sampler, SamplingRow, build_sampling_batch
 from worker.sequence import Sequence
-
-# Prompts are batched together while padding wastes at most this fraction.
-MAX_PADDING_WASTE = 0.25
 
 
 @dataclass
@@ -36,36 +33,34 @@ class ModelRunner:
 
     def run(self, prefills: list[Sequence], decodes: list[Sequence]) -> list[SampledToken]:
         """Sample the next token of every sequence; results in order prefills + decodes."""
-        groups = group_prompts(prefills)
-        logits = [self._prefill(group) for group in groups]
+        logits = []
+        if prefills:
+            logits.append(self._prefill(prefills))
         if decodes:
             logits.append(self._decode(decodes))
-        seqs = [s for group in groups for s in group] + decodes
         all_logits = torch.cat(logits)  # (B, V)
+        seqs = prefills + decodes
         rows = [SamplingRow(params=s.params, seed=s.seed, prompt_token_ids=s.prompt_ids,
                             output_token_ids=s.output_ids) for s in seqs]
         batch = build_sampling_batch(rows, all_logits.shape[-1], self.device)
-        out = self.sampler(all_logits, batch)
-        order = {id(s): i for i, s in enumerate(seqs)}
-        tokens = self._to_host(out)
-        return [tokens[order[id(s)]] for s in prefills + decodes]
+        return self._to_host(self.sampler(all_logits, batch))
 
-    def _prefill(self, group: list[Sequence]) -> torch.Tensor:
-        lengths = [len(s.prompt_ids) for s in group]
-        t = max(lengths)
-        ids = torch.tensor([s.prompt_ids + [0] * (t - len(s.prompt_ids)) for s in group],
-                           device=self.device)  # (B, T) right-padded
-        positions = torch.arange(t, device=self.device).expand(len(group), t)  # (B, T)
-        slots = [s.slot for s in group]
+    def _prefill(self, seqs: list[Sequence]) -> torch.Tensor:
+        """All new prompts packed into one row: no padding, one big matmul per weight."""
+        lengths = [len(s.prompt_ids) for s in seqs]
+        ids = torch.tensor([t for s in seqs for t in s.prompt_ids], device=self.device)  # (T,)
+        positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])  # (T,)
+        token_slots = torch.tensor([s.slot for s, n in zip(seqs, lengths, strict=True) for _ in range(n)],
+                                   device=self.device)  # (T,)
+        ends = torch.tensor(lengths, device=self.device).cumsum(0) - 1  # (S,) last token of each prompt
         batch = ForwardBatch(
-            input_ids=ids, positions=positions,
-            slot_ids=torch.tensor(slots, device=self.device), kv_len=t,
-            slot_range=_as_range(slots),
-            last_index=torch.tensor([n - 1 for n in lengths], device=self.device),
-            is_fresh_prefill=len(set(lengths)) == 1,  # no padding: causal over new tokens is exact
+            input_ids=ids[None], positions=positions[None],
+            slot_ids=torch.tensor([seqs[0].slot], device=self.device), kv_len=max(lengths),
+            last_index=ends, is_fresh_prefill=True, segment_lens=tuple(lengths),
+            token_slots=token_slots[None],
         )
-        logits = self.model.forward(batch, self.cache)  # (B, V)
-        for s in group:
+        logits = self.model.forward(batch, self.cache)  # (S, V)
+        for s in seqs:
             s.num_computed_tokens = len(s.prompt_ids)
         return logits
 
@@ -96,22 +91,6 @@ class ModelRunner:
             top = list(zip(top_ids[i], top_lps[i], strict=True)) if top_ids and top_lps else None
             tokens.append(SampledToken(tok, bool(finite[i]), lps[i] if lps else None, top))
         return tokens
-
-
-def group_prompts(seqs: list[Sequence]) -> list[list[Sequence]]:
-    """Group prompts of similar length (sorted) so padding stays cheap."""
-    groups: list[list[Sequence]] = []
-    for s in sorted(seqs, key=lambda s: len(s.prompt_ids)):
-        if groups:
-            g = groups[-1]
-            n = len(g) + 1
-            padded = n * len(s.prompt_ids)
-            real = sum(len(x.prompt_ids) for x in g) + len(s.prompt_ids)
-            if padded <= real * (1 + MAX_PADDING_WASTE):
-                g.append(s)
-                continue
-        groups.append([s])
-    return groups
 
 
 def _as_range(slots: list[int | None]) -> slice | None:
