@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -17,7 +19,7 @@ def run_prefill(model: LlamaModel, cache: KVCache, ids: list[int], slot: int) ->
     t = len(ids)
     batch = ForwardBatch(
         input_ids=torch.tensor([ids]), positions=torch.arange(t)[None], slot_ids=torch.tensor([slot]),
-        kv_len=t, slot_range=slice(slot, slot + 1), is_fresh_prefill=True,
+        kv_len=t, slot_range=slice(slot, slot + 1), segment_bounds=(0, t),
     )
     return model.forward(batch, cache)[0]
 
@@ -52,37 +54,6 @@ def test_prefill_and_every_decode_step_match_transformers(case: str) -> None:
         assert (step_logits - ref[pos]).abs().max() <= TOL, f"decode step {j}"
 
 
-def test_batched_mixed_lengths_match_each_alone() -> None:
-    hf = make_hf_model()
-    ours = ours_from_hf(hf)
-    cache = KVCache(ours.config, num_slots=4, max_len=64, dtype=torch.float32, device=torch.device("cpu"))
-    g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (5, 17, 11)]
-    alone = []
-    for p in prompts:
-        with torch.no_grad():
-            alone.append(hf(torch.tensor([p])).logits[0, -1])
-    # one padded prefill over non-contiguous slots 3, 0, 2 (gathered cache reads)
-    t = max(len(p) for p in prompts)
-    ids = torch.tensor([p + [0] * (t - len(p)) for p in prompts])  # (3, t) right-padded
-    batch = ForwardBatch(input_ids=ids, positions=torch.arange(t).expand(3, t),
-                         slot_ids=torch.tensor([3, 0, 2]), kv_len=t,
-                         last_index=torch.tensor([len(p) - 1 for p in prompts]))
-    got = ours.forward(batch, cache)
-    for row, ref in zip(got, alone, strict=True):
-        assert (row - ref).abs().max() <= TOL
-    # one decode step for all three rows at different positions
-    nxt = [int(r.argmax()) for r in got]
-    batch = ForwardBatch(input_ids=torch.tensor(nxt)[:, None],
-                         positions=torch.tensor([[len(p)] for p in prompts]),
-                         slot_ids=torch.tensor([3, 0, 2]), kv_len=t + 1)
-    got = ours.forward(batch, cache)
-    for p, tok, row in zip(prompts, nxt, got, strict=True):
-        with torch.no_grad():
-            ref = hf(torch.tensor([p + [tok]])).logits[0, -1]
-        assert (row - ref).abs().max() <= TOL
-
-
 def test_packed_prefill_of_several_prompts_matches_each_alone() -> None:
     hf = make_hf_model()
     ours = ours_from_hf(hf)
@@ -95,8 +66,7 @@ def test_packed_prefill_of_several_prompts_matches_each_alone() -> None:
         input_ids=torch.tensor([[t for p in prompts for t in p]]),
         positions=torch.cat([torch.arange(n) for n in lengths])[None],
         slot_ids=torch.tensor([slots[0]]), kv_len=max(lengths),
-        last_index=torch.tensor(lengths).cumsum(0) - 1, is_fresh_prefill=True,
-        segment_lens=tuple(lengths),
+        segment_bounds=(0, *itertools.accumulate(lengths)),
         token_slots=torch.tensor([s for s, n in zip(slots, lengths, strict=True) for _ in range(n)])[None],
     )
     got = ours.forward(batch, cache)  # (3, V)

@@ -7,12 +7,13 @@ then one sampler call over all their logits and one host sync.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 
 from worker.model.llama import ForwardBatch, KVCache, LlamaModel
-from worker.sampling import Sampler, SamplingRow, build_sampling_batch
+from worker.sampling import Sampler, SamplerOutput, SamplingRow, build_sampling_batch
 from worker.sequence import Sequence
 
 
@@ -52,12 +53,10 @@ class ModelRunner:
         positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])  # (T,)
         token_slots = torch.tensor([s.slot for s, n in zip(seqs, lengths, strict=True) for _ in range(n)],
                                    device=self.device)  # (T,)
-        ends = torch.tensor(lengths, device=self.device).cumsum(0) - 1  # (S,) last token of each prompt
         batch = ForwardBatch(
             input_ids=ids[None], positions=positions[None],
             slot_ids=torch.tensor([seqs[0].slot], device=self.device), kv_len=max(lengths),
-            last_index=ends, is_fresh_prefill=True, segment_lens=tuple(lengths),
-            token_slots=token_slots[None],
+            segment_bounds=(0, *itertools.accumulate(lengths)), token_slots=token_slots[None],
         )
         logits = self.model.forward(batch, self.cache)  # (S, V)
         for s in seqs:
@@ -80,7 +79,7 @@ class ModelRunner:
         return logits
 
     @staticmethod
-    def _to_host(out) -> list[SampledToken]:  # type: ignore[no-untyped-def]
+    def _to_host(out: SamplerOutput) -> list[SampledToken]:
         ids = out.token_ids.tolist()  # the step's one host sync (plus logprobs when asked)
         finite = out.is_finite.tolist()
         lps = out.logprobs.tolist() if out.logprobs is not None else None

@@ -27,17 +27,15 @@ class ForwardBatch:
     slot_ids: torch.Tensor  # (B,) cache slot of each row
     kv_len: int  # attend over cache positions [0, kv_len), masked per row by position
     slot_range: slice | None = None  # slot_ids as a range: the cache is read as a view
-    last_index: torch.Tensor | None = None  # (B,) t whose logits are wanted; None = T-1
-    # Every row starts at position 0 with no padding: plain causal attention over
-    # the new tokens is exact and skips reading the cache back.
-    is_fresh_prefill: bool = False
     # False when every query may see all kv_len keys (one decode row, or rows all
     # at the same position): attention then runs without a mask.
     needs_mask: bool = True
-    # Packed prefill: B == 1 and the row holds several fresh prompts back to back,
-    # of these lengths; each attends causally within itself. The matmuls see all
-    # their tokens at once and no compute goes to padding.
-    segment_lens: tuple[int, ...] | None = None
+    # Packed prefill: B == 1 and the row holds fresh prompts (starting at position 0)
+    # back to back; prompt s spans [bounds[s], bounds[s + 1]). Each attends causally
+    # within itself over its new tokens, so the cache is not read back; the
+    # matmuls see all tokens at once and no compute goes to padding. Logits are
+    # returned for the last token of each prompt: (num_prompts, V).
+    segment_bounds: tuple[int, ...] | None = None
     token_slots: torch.Tensor | None = None  # (B, T) cache slot of each token; None = slot_ids per row
 
 
@@ -115,6 +113,7 @@ class LlamaModel:
         self.layers = [self._take_layer(weights, i) for i in range(config.num_layers)]
         self.cos, self.sin = rope_tables(config, config.max_position_embeddings, self.device)  # (P, D)
         self.linear = pick_linear(self.device, dtype)
+        self.kv_head_index = torch.arange(config.num_kv_heads, device=self.device)[None, :, None]  # (1, K, 1)
 
     def _take_layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"model.layers.{i}."
@@ -139,20 +138,20 @@ class LlamaModel:
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Run B rows of T tokens, writing their K/V into the cache.
 
-        Returns float32 logits (B, V) of one token per row (batch.last_index).
+        Returns float32 logits of the last token of each row (B, V), or of each
+        packed prompt (num_prompts, V).
         """
         input_ids, positions, kv_len = batch.input_ids, batch.positions, batch.kv_len
-        B, T = input_ids.shape
         x = F.embedding(input_ids, self.embed)  # (B, T, C)
         cos = self.cos[positions].unsqueeze(2)  # (B, T, 1, D)
         sin = self.sin[positions].unsqueeze(2)  # (B, T, 1, D)
         # new K/V go to cache[layer, slot, kv head, position]: index tensors broadcast to (B, K, T)
         slots = batch.slot_ids[:, None] if batch.token_slots is None else batch.token_slots  # (B, 1 or T)
         write_index = (slots[:, None, :],  # (B, 1, 1 or T)
-                       torch.arange(self.config.num_kv_heads, device=self.device)[None, :, None],  # (1, K, 1)
+                       self.kv_head_index,  # (1, K, 1)
                        positions[:, None, :])  # (B, 1, T)
         mask = None
-        if not batch.is_fresh_prefill and batch.needs_mask:
+        if batch.segment_bounds is None and batch.needs_mask:
             # key j is visible to a query at position p iff j <= p (covers causal + padding)
             key_pos = torch.arange(kv_len, device=self.device)  # (kv_len,)
             mask = (key_pos[None, None, None, :] <= positions[:, None, :, None])  # (B, 1, T, kv_len)
@@ -161,12 +160,10 @@ class LlamaModel:
             x = x + self._attention(h, layer, cache, i, batch, cos, sin, mask, write_index)
             h = rms_norm(x, layer.mlp_norm, self.config.rms_norm_eps)  # (B, T, C)
             x = x + self._mlp(h, layer)
-        if batch.last_index is None:
-            x = x[:, -1]  # (B, C)
-        elif batch.segment_lens is not None:
-            x = x[0, batch.last_index]  # (num_segments, C)
+        if batch.segment_bounds is not None:
+            x = x[0, [b - 1 for b in batch.segment_bounds[1:]]]  # (num_prompts, C)
         else:
-            x = x[torch.arange(B, device=self.device), batch.last_index]  # (B, C)
+            x = x[:, -1]  # (B, C)
         x = rms_norm(x, self.norm, self.config.rms_norm_eps)
         return self.linear(x, self.lm_head).float()  # (B, V)
 
@@ -185,13 +182,11 @@ class LlamaModel:
         cache.k[i].index_put_(write_index, k)
         cache.v[i].index_put_(write_index, v)
         kv_len, slots = batch.kv_len, batch.slot_range
-        if batch.segment_lens is not None:  # packed fresh prompts: causal within each
-            bounds = torch.tensor((0, *batch.segment_lens)).cumsum(0).tolist()
+        if batch.segment_bounds is not None:  # packed fresh prompts: causal within each
+            bounds = batch.segment_bounds
             out = torch.cat([F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b],
                                                             is_causal=True, enable_gqa=H != K)
                              for a, b in zip(bounds[:-1], bounds[1:], strict=True)], dim=2)  # (1, H, T, D)
-        elif batch.is_fresh_prefill:  # the new tokens are the whole context
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != K)
         else:
             if slots is not None:
                 keys = cache.k[i, slots, :, :kv_len]  # (B, K, kv_len, D) view, no copy
