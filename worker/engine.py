@@ -21,6 +21,11 @@ from worker.sequence import Sequence
 from worker.stopping import StoppingCriteria
 
 
+def context_overflow(prompt_tokens: int, max_tokens: int, context: int) -> ValueError:
+    return ValueError(f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the context "
+                      f"of {context} tokens; lower max_tokens or set truncate_prompt")
+
+
 @dataclass
 class EngineOutput:
     """What one step produced for one request."""
@@ -51,9 +56,7 @@ class Engine:
             raise ValueError(f"request_id {request_id!r} is already running")
         room = self.max_len - len(prompt_ids)
         if params.max_tokens > room:
-            raise ValueError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"context of {self.max_len} tokens; lower max_tokens or set truncate_prompt")
+            raise context_overflow(len(prompt_ids), params.max_tokens, self.max_len)
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         seq = Sequence(request_id=request_id, prompt_ids=list(prompt_ids), params=params, seed=seed,
                        stopping=StoppingCriteria(params, self.eos_token_ids, params.max_tokens),

@@ -10,7 +10,7 @@ the engine before the next step).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from protos.params import (
     ChatMessage,
@@ -21,7 +21,7 @@ from protos.params import (
     TokenLogprob,
     Usage,
 )
-from worker.engine import Engine, EngineOutput
+from worker.engine import Engine, EngineOutput, context_overflow
 from worker.engine_config import EngineConfig
 from worker.outputs import RequestOutput
 from worker.sequence import Sequence
@@ -37,7 +37,6 @@ class EngineStats:
     max_num_seqs: int
     num_free_slots: int
     max_model_len: int
-    num_finished: int
 
 
 @dataclass
@@ -45,7 +44,6 @@ class _TextState:
     detokenizer: IncrementalDetokenizer
     matcher: StopStringMatcher | None
     truncated_prompt_tokens: int
-    text: list[str] = field(default_factory=list)
 
 
 class TextEngine:
@@ -55,7 +53,6 @@ class TextEngine:
         self.model_name = model_name
         self.max_model_len = engine.max_len
         self._states: dict[str, _TextState] = {}
-        self._num_finished = 0
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> TextEngine:
@@ -84,7 +81,7 @@ class TextEngine:
     def stats(self) -> EngineStats:
         sched = self.engine.scheduler
         return EngineStats(self.model_name, sched.num_running, sched.num_waiting, self.engine.kv.num_slots,
-                           self.engine.kv.num_free_slots, self.max_model_len, self._num_finished)
+                           self.engine.kv.num_free_slots, self.max_model_len)
 
     def step(self) -> list[RequestOutput]:
         return [self._to_output(o) for o in self.engine.step() if o.seq.request_id in self._states]
@@ -102,7 +99,7 @@ class TextEngine:
         if len(ids) <= room:
             return ids, 0
         if not params.truncate_prompt:
-            raise _too_long(len(ids), params.max_tokens, self.max_model_len)
+            raise context_overflow(len(ids), params.max_tokens, self.max_model_len)
         return ids[len(ids) - room:], len(ids) - room
 
     def _encode_chat(self, messages: list[ChatMessage], room: int, truncate: bool) -> tuple[list[int], int]:
@@ -116,7 +113,7 @@ class TextEngine:
             del messages[drop]
             ids = self._render(messages)
         if len(ids) > room:
-            raise _too_long(len(ids), self.max_model_len - room, self.max_model_len)
+            raise context_overflow(len(ids), self.max_model_len - room, self.max_model_len)
         return ids, full - len(ids)
 
     def _render(self, messages: list[ChatMessage]) -> list[int]:
@@ -144,13 +141,11 @@ class TextEngine:
                 elif reason is not None:
                     delta += state.matcher.flush()
             out.text = delta
-            state.text.append(delta)
         if reason is not None:
             out.finish_reason = reason
             out.error = seq.error
             out.usage = self._usage(seq, state)
             del self._states[seq.request_id]
-            self._num_finished += 1
         return out
 
     def _logprobs(self, o: EngineOutput) -> list[Logprobs]:
@@ -175,7 +170,3 @@ class TextEngine:
             seed=seq.seed, truncated_prompt_tokens=state.truncated_prompt_tokens,
         )
 
-
-def _too_long(prompt_tokens: int, max_tokens: int, context: int) -> ValueError:
-    return ValueError(f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the context "
-                      f"of {context} tokens; lower max_tokens or set truncate_prompt")
