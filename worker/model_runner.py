@@ -39,7 +39,7 @@ class ModelRunner:
             logits.append(self._prefill(prefills))
         if decodes:
             logits.append(self._decode(decodes))
-        all_logits = torch.cat(logits)  # (B, V)
+        all_logits = logits[0] if len(logits) == 1 else torch.cat(logits)  # (B, V); no copy in pure decode
         seqs = prefills + decodes
         rows = [SamplingRow(params=s.params, seed=s.seed, prompt_token_ids=s.prompt_ids,
                             output_token_ids=s.output_ids) for s in seqs]
