@@ -2,9 +2,11 @@
 
 Events carry a per-request `seq`: a duplicate (a worker resent a pipeline after
 a Redis hiccup) is dropped, a gap fails the call. A call that hears nothing for
-`liveness_check_s` asks Redis whether its request is still queued or held by a
-live worker, so a crashed worker or a lost entry ends the call instead of
-hanging it, while a long healthy generation (events keep coming) never times out.
+`liveness_check_s` asks Redis whether its request is still in the stream, so a
+lost entry (Redis restarted empty) ends the call instead of hanging it. An entry
+whose worker crashed stays: another worker re-claims it and resumes the stream
+where it stopped (protos/keys.py), so the call waits for it like for a queued
+request, bounded by its deadline.
 """
 
 from __future__ import annotations
@@ -60,10 +62,8 @@ async def _check_alive(entry_id: bytes, queue: RequestQueue, num_bad_checks: int
         state = await queue.entry_state(entry_id)
     except RedisError as e:
         raise redis_unavailable(e) from e
-    if state in (EntryState.QUEUED, EntryState.RUNNING):
+    if state is not EntryState.GONE:  # ORPHANED: a live worker will re-claim and resume it
         return 0
     if num_bad_checks + 1 < MAX_BAD_CHECKS:
         return num_bad_checks + 1
-    if state is EntryState.ORPHANED:
-        raise Unavailable("the worker serving this request stopped (its heartbeat expired); retry")
     raise Unavailable("the request left the queue without an answer (was Redis restarted?); retry")

@@ -11,6 +11,8 @@ or test runs can share one Redis. ``{p}`` below is that prefix.
 | {p}:aborts               | channel | -            | gateway PUBLISH           | every worker (SUBSCRIBE) |
 | {p}:aborted:{request_id} | string  | ABORTED_TTL  | gateway SET EX (entry id) | worker MGET on claim     |
 | {p}:worker:{worker_id}   | hash    | worker's TTL | worker HSET+PEXPIRE       | gateway (GetServerInfo)  |
+| {p}:progress             | hash    | none (*)     | worker HSET, HDEL on XACK | worker resuming an entry |
+(*) fields are deleted with their entry's XACK; the hash itself has no TTL.
 
 Requests (stream + consumer group)
   The gateway XADDs one entry per request: ``data`` = ``queue.QueuedRequest``
@@ -20,16 +22,28 @@ Requests (stream + consumer group)
   needs it first (and again after a Redis restart lost it), so nothing added
   before the group existed is skipped.
 
-Delivery guarantee: at most once per request, acknowledged late.
+Delivery guarantee: at least once per request, acknowledged late; streams resume.
   An entry is XACKed and XDELed in the same pipeline that publishes the
   request's final (or error) event, so it leaves the stream only once the
   answer is out. Queue depth = XLEN - group pending (entries claimed, not yet
-  finished). If a worker crashes, its claimed entries stay in the group's
-  pending list (PEL) under its consumer name; the gateway notices (the
-  worker's heartbeat key expired while the entry is pending) and fails the
-  call with UNAVAILABLE. Entries are not re-delivered automatically: a
-  half-streamed answer cannot be resumed, and a retry is the caller's call.
-  A future XAUTOCLAIM sweep can re-run entries that never produced a token.
+  finished). After every step a worker also writes each running request's
+  ``queue.Progress`` (tokens streamed so far, seed, next seq) into
+  ``{p}:progress`` under its entry id, after that step's events in the same
+  pipeline; the field is deleted with the XACK.
+
+  If a worker crashes, its claimed entries stay in the group's pending list
+  (PEL) under its consumer name. Every worker sweeps the group about once a
+  second (XINFO CONSUMERS): a consumer whose heartbeat key expired is dead,
+  and its entries that have been idle longer than the heartbeat TTL are
+  XCLAIMed (the idle-time guard makes two sweepers racing for one entry
+  safe) and resumed from their progress: the prompt plus the streamed tokens
+  are prefilled, sampling continues with the same seed at the next step, and
+  events continue at the next seq, so the caller's stream has no gap and no
+  duplicate (a resent event is dropped by seq). An entry delivered
+  ``max_deliveries`` times (it keeps killing workers) is failed with
+  UNAVAILABLE instead. Dead consumers with nothing pending are deleted from
+  the group. While an entry waits to be re-claimed the gateway keeps the
+  call open (as for a queued request, bounded by the call's deadline).
 
 Token events (pub/sub, fire and forget)
   After every engine step a worker publishes, per reply channel, one
@@ -95,6 +109,11 @@ class Keys:
     def aborted(self, request_id: str) -> str:
         """Marker of a request cancelled before (or while) it was claimed."""
         return f"{self.prefix}:aborted:{request_id}"
+
+    @property
+    def progress(self) -> str:
+        """Hash: stream entry id -> queue.Progress of a request being generated."""
+        return f"{self.prefix}:progress"
 
     def worker(self, worker_id: str) -> str:
         """Heartbeat hash of one worker."""

@@ -3,9 +3,11 @@ directly (no gateway): claiming, batching, queued aborts and deadlines, draining
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import redis
@@ -17,6 +19,7 @@ from protos.tokenrelay.v1 import queue_pb2
 from tests.service import WorkerThread, wait_until
 from worker.config import WorkerConfig
 from worker.consumer import Consumer, claim_capacity
+from worker.outputs import Admitted
 
 REPLIES = "test-replies"
 
@@ -171,8 +174,9 @@ class BrokenEngine:
     def __init__(self) -> None:
         self.request_ids: list[str] = []
 
-    def add_request(self, request_id: str, *args: object, **kwargs: object) -> None:
+    def add_request(self, request_id: str, *args: object, **kwargs: object) -> Admitted:
         self.request_ids.append(request_id)
+        return Admitted(seed=0)
 
     def abort(self, request_id: str) -> None:
         pass
@@ -197,3 +201,78 @@ def test_an_engine_failure_answers_every_caller_before_the_worker_dies(
     events = replies(1, timeout=10)
     assert events["doomed"][-1].error.code == queue_pb2.ERROR_CODE_INTERNAL
     assert client.xlen(keys.requests) == 0
+
+
+# -- crash recovery: re-claiming a dead worker's requests -------------------------------------------
+
+FAST_SWEEP = {"heartbeat_interval_s": 0.1, "heartbeat_ttl_s": 0.5, "sweep_interval_s": 0.1}
+
+
+def claim_as(client: redis.Redis, keys: Keys, consumer: str) -> bytes:
+    """Take the oldest queued entry as `consumer` (a worker that then dies: no heartbeat)."""
+    with contextlib.suppress(redis.ResponseError):
+        client.xgroup_create(keys.requests, keys.group, id="0", mkstream=True)
+    reply = client.xreadgroup(keys.group, consumer, {keys.requests: ">"}, count=1)
+    return reply[0][1][0][0]
+
+
+def greedy_ids(engine: Any, prompt: str, max_tokens: int) -> tuple[list[int], str]:
+    from protos.params import PromptInput, SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    engine.add_request("reference", PromptInput(prompt=prompt), params)
+    ids, text = [], ""
+    while engine.has_unfinished():
+        for out in engine.step():
+            ids += out.token_ids
+            text += out.text
+    return ids, text
+
+
+@pytest.mark.slow
+def test_a_dead_workers_request_is_reclaimed_and_resumed_without_a_gap(
+        client: redis.Redis, prefix: str, replies: Callable, smollm_engine: Any,
+        make_worker: Callable[..., WorkerThread]) -> None:
+    keys = Keys(prefix)
+    ref_ids, ref_text = greedy_ids(smollm_engine, "Once upon a time", 12)
+    entry_id = enqueue(client, keys, "r", max_tokens=12, ignore_eos=True)
+    assert claim_as(client, keys, "ghost") == entry_id
+    # The ghost streamed 5 tokens (events 0..4) before it died.
+    client.hset(keys.progress, entry_id, queue_pb2.Progress(
+        token_ids=ref_ids[:5], seed=3, next_seq=5, num_chunks=5, first_token_unix=time.time()
+    ).SerializeToString())
+    worker = make_worker(**FAST_SWEEP)
+    events = replies(1)["r"]
+    assert [e.seq for e in events] == list(range(5, 5 + len(events)))  # continues at the next seq
+    chunks = [e.chunk for e in events if e.HasField("chunk")]
+    assert [c.index for c in chunks] == list(range(5, 12))
+    assert [t for c in chunks for t in c.token_ids] == ref_ids[5:]
+    final = events[-1].final
+    assert (final.text, final.usage.completion_tokens, final.worker_id) == (
+        ref_text, 12, worker.config.worker_id)
+    wait_until(lambda: client.xlen(keys.requests) == 0 and not client.hlen(keys.progress), timeout=5)
+    names = lambda: {c["name"] for c in client.xinfo_consumers(keys.requests, keys.group)}  # noqa: E731
+    wait_until(lambda: b"ghost" not in names() and "ghost" not in names(), timeout=5)  # tidied up
+
+
+@pytest.mark.slow
+def test_requests_of_live_workers_are_left_alone_and_serial_killers_are_failed(
+        client: redis.Redis, prefix: str, replies: Callable,
+        make_worker: Callable[..., WorkerThread]) -> None:
+    keys = Keys(prefix)
+    busy = enqueue(client, keys, "busy", max_tokens=2)
+    assert claim_as(client, keys, "alive") == busy
+    client.hset(keys.worker("alive"), "worker_id", "alive")
+    client.expire(keys.worker("alive"), 60)  # its heartbeat is fresh: it is not dead, only slow
+    poison = enqueue(client, keys, "poison", max_tokens=2)
+    assert claim_as(client, keys, "first") == poison
+    for name in ("second", "third"):  # handed out three times: three workers died on it
+        client.xclaim(keys.requests, keys.group, name, 0, [poison])
+    make_worker(**FAST_SWEEP, max_deliveries=3)
+    events = replies(1)
+    assert list(events) == ["poison"]
+    assert events["poison"][-1].error.code == queue_pb2.ERROR_CODE_UNAVAILABLE
+    assert "3 workers stopped" in events["poison"][-1].error.message
+    time.sleep(0.5)  # several sweeps later the live worker's entry is still its own
+    pending = client.xpending_range(keys.requests, keys.group, min="-", max="+", count=10)
+    assert [(p["message_id"], p["consumer"]) for p in pending] == [(busy, b"alive")]

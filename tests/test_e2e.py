@@ -100,6 +100,34 @@ def test_32_concurrent_streams_over_two_workers(
         assert process.stop() == 0, "the worker process did not drain and exit cleanly on SIGTERM"
 
 
+def test_a_killed_worker_loses_no_request_and_its_stream_goes_on_without_a_gap(
+        redis_url: str, prefix: str, smollm_engine: Any, make_gateway: Callable[..., GatewayThread],
+        make_worker: Callable[..., WorkerThread]) -> None:
+    prompt = PromptInput(messages=tuple(ChatMessage(r, c) for r, c in CHAT))
+    params = {"max_tokens": 40, "temperature": 0.0, "ignore_eos": True}
+    reference = run_in_process(smollm_engine, prompt, SamplingParams(**params))  # type: ignore[arg-type]
+    gateway = make_gateway()
+    doomed = WorkerProcess(redis_url, prefix, "doomed", "--max-num-seqs", "2", "--max-model-len",
+                           str(TEST_MAX_MODEL_LEN), "--num-threads", "1", "--heartbeat-ttl", "1")
+    try:
+        channel, stub = stub_for(gateway.target)
+        with channel:
+            wait_until(workers_ready(stub, 1), timeout=180, interval=0.2)
+            stream = stub.Generate(build_request(messages=CHAT, **params), timeout=180)
+            responses = [next(stream) for _ in range(6)]
+            doomed.proc.kill()  # SIGKILL mid-stream: no drain, no goodbye
+            doomed.proc.wait()
+            rescuer = make_worker(heartbeat_ttl_s=1.0, heartbeat_interval_s=0.2)
+            responses += list(stream)
+    finally:
+        doomed.stop()
+    token_ids, final = check_stream(responses)  # indices 0, 1, 2, ... with no gap or repeat
+    assert token_ids == [t for o in reference for t in o.token_ids]
+    assert final.text == "".join(o.text for o in reference)
+    assert final.worker_id == rescuer.config.worker_id
+    assert final.usage.completion_tokens == 40
+
+
 INVALID = [  # (request, words the status message must contain)
     (build_request(""), ["prompt"]),
     (build_request("Hi", max_tokens=-5), ["max_tokens"]),

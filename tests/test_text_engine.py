@@ -107,17 +107,60 @@ def test_chat_truncation_keeps_the_system_message(engine: TextEngine) -> None:
                ChatMessage("user", "Say hi.")]
     params = SamplingParams(max_tokens=4, temperature=0.0, truncate_prompt=True)
     seen: list[list[int]] = []
-    original = engine.engine.add_request
+    original = engine.engine.new_sequence
 
     def spy(request_id: str, prompt_ids: list[int], *a: Any, **kw: Any) -> Any:
         seen.append(prompt_ids)
         return original(request_id, prompt_ids, *a, **kw)
 
-    engine.engine.add_request = spy  # type: ignore[method-assign]
+    engine.engine.new_sequence = spy  # type: ignore[method-assign]
     try:
         outs = run(engine, {"s": (PromptInput(messages=tuple(history)), params)})["s"]
     finally:
-        engine.engine.add_request = original  # type: ignore[method-assign]
+        engine.engine.new_sequence = original  # type: ignore[method-assign]
     text = engine.tokenizer.decode(seen[0])
     assert "You are terse." in text and "Say hi." in text and "message 0 " not in text
     assert len(seen[0]) <= 512 - 4 and outs[-1].usage and outs[-1].usage.truncated_prompt_tokens > 0
+
+
+# -- resuming a request another worker started (crash recovery) ----------------------------------
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=7, repetition_penalty=1.3),
+    SamplingParams(max_tokens=16, temperature=0.0, frequency_penalty=0.5, ignore_eos=True),
+], ids=["seeded-sampled", "greedy-penalised"])
+def test_a_resumed_request_continues_exactly_where_it_stopped(
+        engine: TextEngine, params: SamplingParams) -> None:
+    from worker.outputs import Resume
+
+    prompt = PromptInput(prompt="Voici une recette simple de crêpes : ")
+    full = run(engine, {"alone": (prompt, params)})["alone"]
+    done = ids_of(full)
+    assert len(done) == 16
+    seed = full[-1].usage.seed if full[-1].usage else -1
+    admitted = engine.add_request("resumed", prompt, params, resume=Resume(tuple(done[:6]), seed))
+    assert admitted.seed == seed
+    outs: list[RequestOutput] = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert ids_of(outs) == done[6:]  # penalties saw the resumed tokens, the RNG is at step 6
+    assert admitted.text + text_of(outs) == text_of(full)  # the text state was rebuilt exactly
+    assert outs[-1].usage is not None and outs[-1].usage.completion_tokens == 16
+
+
+@pytest.mark.parametrize(("stop", "max_tokens", "reason"), [
+    ((), 5, FinishReason.LENGTH), (("a",), 16, FinishReason.STOP)])
+def test_a_resumed_request_that_had_already_ended_only_gets_its_final(
+        engine: TextEngine, stop: tuple[str, ...], max_tokens: int, reason: FinishReason) -> None:
+    from worker.outputs import Resume
+
+    prompt = PromptInput(prompt="Once upon a time, there was a little girl named Lily who")
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, stop=stop)
+    full = run(engine, {"alone": (prompt, params)})["alone"]
+    assert full[-1].finish_reason is reason
+    admitted = engine.add_request("resumed", prompt, params, resume=Resume(tuple(ids_of(full)), 1))
+    assert admitted.text == text_of(full)
+    outs = engine.step()
+    assert [(o.token_ids, o.text, o.finish_reason) for o in outs] == [([], "", reason)]
+    assert outs[0].usage is not None and outs[0].usage.completion_tokens == len(ids_of(full))
+    assert not engine.has_unfinished()

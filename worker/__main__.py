@@ -61,6 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch CPU threads; default torch's choice [env TOKENRELAY_NUM_THREADS]")
     p.add_argument("--drain-timeout", type=float, default=_env("TOKENRELAY_DRAIN_TIMEOUT_S", 30),
                    help="seconds running requests get to finish on SIGTERM [env TOKENRELAY_DRAIN_TIMEOUT_S]")
+    p.add_argument("--heartbeat-ttl", type=float, default=_env("TOKENRELAY_HEARTBEAT_TTL_S", 5),
+                   help="seconds without a heartbeat after which this worker counts as dead and other "
+                        "workers resume its requests; use the same value on every worker "
+                        "[env TOKENRELAY_HEARTBEAT_TTL_S]")
+    p.add_argument("--max-deliveries", type=int, default=_env("TOKENRELAY_MAX_DELIVERIES", 3),
+                   help="a request whose workers died this many times fails with UNAVAILABLE instead of "
+                        "being resumed again [env TOKENRELAY_MAX_DELIVERIES]")
     p.add_argument("--log-level", default=_env("TOKENRELAY_LOG_LEVEL", "INFO"),
                    help="DEBUG, INFO, WARNING or ERROR [env TOKENRELAY_LOG_LEVEL]")
     return p
@@ -76,7 +83,9 @@ def config_from_args(argv: list[str] | None = None) -> tuple[WorkerConfig, str]:
                               max_prefill_tokens=args.max_prefill_tokens, num_threads=args.num_threads)
         config = WorkerConfig(engine=engine, redis_url=args.redis_url, key_prefix=args.key_prefix,
                               worker_id=args.worker_id or default_worker_id(),
-                              drain_timeout_s=args.drain_timeout)
+                              drain_timeout_s=args.drain_timeout, heartbeat_ttl_s=args.heartbeat_ttl,
+                              heartbeat_interval_s=min(0.5, args.heartbeat_ttl / 5),
+                              max_deliveries=args.max_deliveries)
     except ValueError as e:
         parser.error(str(e))
     return config, args.log_level

@@ -36,6 +36,10 @@ class WorkerConfig:
     # An idle worker woken by a request claims again after this pause, as long as
     # more keep arriving, so a burst is prefilled in one step, not one by one.
     claim_coalesce_ms: float = 5.0
+    # How often the worker looks for requests of dead workers to re-claim and resume.
+    sweep_interval_s: float = 1.0
+    # A request handed out this often (its workers keep dying) fails with UNAVAILABLE.
+    max_deliveries: int = 3
     # Socket timeout of every Redis command (must exceed claim_block_ms).
     redis_timeout_s: float = 5.0
     # Reconnect backoff after a Redis error grows up to this.
@@ -60,6 +64,10 @@ class WorkerConfig:
         if self.redis_timeout_s * 1000 <= self.claim_block_ms:
             raise ValueError(f"redis_timeout_s ({self.redis_timeout_s}) must exceed claim_block_ms "
                              f"({self.claim_block_ms} ms)")
+        if self.sweep_interval_s <= 0:
+            raise ValueError(f"sweep_interval_s must be > 0, got {self.sweep_interval_s}")
+        if self.max_deliveries < 1:
+            raise ValueError(f"max_deliveries must be >= 1, got {self.max_deliveries}")
         if self.max_backoff_s <= 0:
             raise ValueError(f"max_backoff_s must be > 0, got {self.max_backoff_s}")
 

@@ -3,8 +3,9 @@
 One loop on one thread owns the engine (torch lives behind the `Engine`
 protocol; this module imports none):
 
-    apply aborts -> claim up to free slots (XREADGROUP) -> engine.step()
-    -> hand that step's events to the publisher thread
+    apply aborts -> claim up to free slots (re-claim crashed workers' entries
+    first, then XREADGROUP) -> engine.step() -> hand that step's events and
+    progress to the publisher thread
 
 The publisher thread sends each step's events as ONE pipelined round trip (one
 PUBLISH of a `TokenEventBatch` per reply channel, then XACK+XDEL of finished
@@ -33,7 +34,7 @@ from protos.keys import STREAM_DATA_FIELD
 from protos.params import FinishReason, PromptInput, SamplingParams
 from protos.tokenrelay.v1 import generate_pb2, queue_pb2
 from worker.config import WorkerConfig
-from worker.outputs import RequestOutput
+from worker.outputs import Admitted, RequestOutput, Resume
 from worker.redis_io import AbortListener, Backoff, Outbox, Publisher, connect
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ class Engine(Protocol):
     """What the consumer needs from `worker.text_engine.TextEngine`."""
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams, *,
-                    arrival_time: float | None = None) -> None: ...
+                    arrival_time: float | None = None, resume: Resume | None = None) -> Admitted: ...
     def abort(self, request_id: str) -> None: ...
     def step(self) -> list[RequestOutput]: ...
     def has_unfinished(self) -> bool: ...
@@ -62,12 +63,30 @@ class Tracked:
     seq: int = 0
     num_chunks: int = 0
     text_parts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # every generated token, for `progress`
+    seed: int = 0
+    first_token_unix: float = 0.0
     # Set when the worker aborted it (deadline, shutdown): replaces the final event.
     error: tuple[queue_pb2.ErrorCode, str] | None = None
 
     def event(self, request_id: str, **kind: Any) -> queue_pb2.TokenEvent:
         self.seq += 1
         return queue_pb2.TokenEvent(request_id=request_id, seq=self.seq - 1, **kind)
+
+    def progress(self, worker_id: str) -> bytes:
+        return queue_pb2.Progress(token_ids=self.token_ids, seed=self.seed, next_seq=self.seq,
+                                  num_chunks=self.num_chunks, first_token_unix=self.first_token_unix,
+                                  worker_id=worker_id).SerializeToString()
+
+
+@dataclass
+class Claimed:
+    """A stream entry this worker just took: new (XREADGROUP) or re-claimed from a dead worker."""
+
+    entry_id: bytes
+    request: queue_pb2.QueuedRequest | None  # None: unreadable
+    progress: queue_pb2.Progress | None = None  # where the dead worker got to
+    num_deliveries: int = 1
 
 
 def claim_capacity(stats: Any) -> int:
@@ -89,6 +108,7 @@ class Consumer:
         self._stopping = threading.Event()
         self._backoff = Backoff(config.max_backoff_s)
         self._retry_claim_at = 0.0
+        self._next_sweep_at = 0.0
         self._has_group = False
         self.num_finished = 0
 
@@ -158,7 +178,9 @@ class Consumer:
                 self._stopping.wait(wait)  # Redis is down and there is nothing to compute
             return
         try:
-            entries = self._read(count, block_ms=self.config.claim_block_ms if is_idle else None)
+            entries = self._sweep(count) if time.monotonic() >= self._next_sweep_at else []
+            block_ms = self.config.claim_block_ms if is_idle and not entries else None
+            entries += self._read(count - len(entries), block_ms) if count > len(entries) else []
             if is_idle and entries:
                 entries += self._read_burst(count - len(entries))
             aborted = self._aborted_entries(entries)
@@ -168,15 +190,22 @@ class Consumer:
             log.warning("claiming failed (%s); retrying in %.2fs", e, delay)
             self._retry_claim_at = time.monotonic() + delay
             return
-        for entry_id, qr in entries:
+        for claimed in entries:
+            entry_id, qr = claimed.entry_id, claimed.request
             if qr is None:
-                self._outbox.acks.append(entry_id)  # unreadable: nobody to answer, drop it
+                self._outbox.ack(entry_id)  # unreadable: nobody to answer, drop it
             elif entry_id in aborted:
-                self._outbox.acks.append(entry_id)  # cancelled while queued; the caller is gone
+                self._outbox.ack(entry_id)  # cancelled while queued; the caller is gone
+            elif claimed.num_deliveries > self.config.max_deliveries:
+                tracked = Tracked(entry_id, qr.reply_channel, qr.deadline_unix,
+                                  seq=claimed.progress.next_seq if claimed.progress else 0)
+                self._reject(qr.request_id, tracked, ErrorCode.ERROR_CODE_UNAVAILABLE,
+                             f"{claimed.num_deliveries - 1} workers stopped while running this request; "
+                             "not trying again")
             else:
-                self._admit(entry_id, qr)
+                self._admit(entry_id, qr, claimed.progress)
 
-    def _read(self, count: int, block_ms: int | None) -> list[tuple[bytes, queue_pb2.QueuedRequest | None]]:
+    def _read(self, count: int, block_ms: int | None) -> list[Claimed]:
         if not self._has_group:
             self._create_group()
         try:
@@ -188,12 +217,12 @@ class Consumer:
             self._has_group = False  # Redis restarted without our group: recreate it next round
             return []
         entries: list[tuple[bytes, dict[bytes, bytes]]] = cast(Any, reply)[0][1] if reply else []
-        return [(entry_id, _parse_entry(entry_id, fields)) for entry_id, fields in entries]
+        return [Claimed(entry_id, _parse_entry(entry_id, fields)) for entry_id, fields in entries]
 
-    def _read_burst(self, count: int) -> list[tuple[bytes, queue_pb2.QueuedRequest | None]]:
+    def _read_burst(self, count: int) -> list[Claimed]:
         """After an idle wake-up: claim what keeps arriving every claim_coalesce_ms, so a burst
         is prefilled in one step rather than its first request alone."""
-        entries: list[tuple[bytes, queue_pb2.QueuedRequest | None]] = []
+        entries: list[Claimed] = []
         while count > len(entries) and self.config.claim_coalesce_ms > 0:
             time.sleep(self.config.claim_coalesce_ms / 1000)  # a one-off pause, not a poll loop
             more = self._read(count - len(entries), block_ms=None)
@@ -211,16 +240,73 @@ class Consumer:
                 raise
         self._has_group = True
 
-    def _aborted_entries(self, entries: list[tuple[bytes, queue_pb2.QueuedRequest | None]]) -> set[bytes]:
+    def _sweep(self, count: int) -> list[Claimed]:
+        """Re-claim up to `count` entries of dead workers (heartbeat expired), with their progress.
+
+        XCLAIM's min-idle-time makes it safe against other workers sweeping at the
+        same moment: once one of them claims an entry its idle time restarts, and
+        the others' XCLAIM skips it.
+        """
+        self._next_sweep_at = time.monotonic() + self.config.sweep_interval_s
+        keys, me = self.keys, self.config.worker_id
+        try:
+            consumers = self._client.xinfo_consumers(keys.requests, keys.group)
+        except redis.ResponseError:  # no stream or group yet: nothing was ever claimed
+            return []
+        others = [c for c in consumers if _text(c["name"]) != me]
+        if not others:
+            return []
+        pipe = self._client.pipeline(transaction=False)
+        for c in others:
+            pipe.exists(keys.worker(_text(c["name"])))
+        dead = [c for c, alive in zip(others, pipe.execute(), strict=True) if not alive]
+        min_idle_ms = int(self.config.heartbeat_ttl_s * 1000)
+        claimed: list[Claimed] = []
+        for c in dead:
+            name = _text(c["name"])
+            if int(c["pending"]) == 0:
+                if int(c["idle"]) > min_idle_ms:
+                    self._client.xgroup_delconsumer(keys.requests, keys.group, name)  # tidy: nothing lost
+                continue
+            if len(claimed) >= count:
+                continue
+            pending = self._client.xpending_range(keys.requests, keys.group, min="-", max="+",
+                                                  count=count - len(claimed), consumername=name,
+                                                  idle=min_idle_ms)
+            if not pending:
+                continue
+            deliveries = {p["message_id"]: int(p["times_delivered"]) for p in pending}
+            entries = self._client.xclaim(keys.requests, keys.group, me, min_idle_ms, list(deliveries))
+            taken = [(entry_id, fields) for entry_id, fields in cast(Any, entries) if entry_id is not None]
+            gone = [entry_id for entry_id, fields in taken if not fields]  # deleted while pending
+            if gone:
+                self._client.xack(keys.requests, keys.group, *gone)
+            live = [(entry_id, fields) for entry_id, fields in taken if fields]
+            progress = self._client.hmget(keys.progress, [entry_id for entry_id, _ in live]) if live else []
+            for (entry_id, fields), data in zip(live, progress, strict=True):
+                claimed.append(Claimed(entry_id, _parse_entry(entry_id, fields), _parse_progress(data),
+                                       deliveries.get(entry_id, 1) + 1))
+            if live:
+                log.warning("re-claimed %d requests of stopped worker %s", len(live), name)
+        return claimed
+
+    def _aborted_entries(self, entries: list[Claimed]) -> set[bytes]:
         """Entry ids of the claimed requests that were cancelled while queued."""
-        readable = [(entry_id, qr) for entry_id, qr in entries if qr is not None]
+        readable = [(c.entry_id, c.request) for c in entries if c.request is not None]
         if not readable:
             return set()
         marks = self._client.mget([self.keys.aborted(qr.request_id) for _, qr in readable])
         return {entry_id for (entry_id, _), mark in zip(readable, marks, strict=True) if mark == entry_id}
 
-    def _admit(self, entry_id: bytes, qr: queue_pb2.QueuedRequest) -> None:
+    def _admit(self, entry_id: bytes, qr: queue_pb2.QueuedRequest,
+               progress: queue_pb2.Progress | None = None) -> None:
         tracked = Tracked(entry_id, qr.reply_channel, qr.deadline_unix)
+        resume = None
+        if progress is not None:  # continue a dead worker's stream where its events stopped
+            tracked.seq, tracked.num_chunks = progress.next_seq, progress.num_chunks
+            tracked.token_ids = list(progress.token_ids)
+            tracked.first_token_unix = progress.first_token_unix
+            resume = Resume(tuple(progress.token_ids), progress.seed, progress.first_token_unix)
         request_id = qr.request_id
         if qr.deadline_unix and time.time() > qr.deadline_unix:
             return self._reject(request_id, tracked, ErrorCode.ERROR_CODE_DEADLINE_EXCEEDED,
@@ -230,19 +316,23 @@ class Consumer:
                                 f"request_id {request_id!r} is already running")
         try:
             prompt, params = params_from_pb(qr.request)
-            self.engine.add_request(request_id, prompt, params, arrival_time=qr.enqueued_unix or None)
+            admitted = self.engine.add_request(request_id, prompt, params,
+                                               arrival_time=qr.enqueued_unix or None, resume=resume)
         except ValueError as e:  # bad field, or prompt + max_tokens longer than the context
             return self._reject(request_id, tracked, ErrorCode.ERROR_CODE_INVALID_ARGUMENT, str(e))
         except Exception as e:
             log.exception("add_request failed for %s", request_id)
             return self._reject(request_id, tracked, ErrorCode.ERROR_CODE_INTERNAL, f"worker error: {e}")
+        tracked.seed = admitted.seed
+        if admitted.text:
+            tracked.text_parts.append(admitted.text)
         self._running[request_id] = tracked
 
     def _reject(self, request_id: str, tracked: Tracked, code: queue_pb2.ErrorCode,
                 message: str) -> None:
         error = queue_pb2.RequestError(code=code, message=message)
         self._outbox.add(tracked.reply_channel, tracked.event(request_id, error=error))
-        self._outbox.acks.append(tracked.entry_id)
+        self._outbox.ack(tracked.entry_id)
 
     # -- aborts and events ------------------------------------------------------------------------
 
@@ -265,7 +355,10 @@ class Consumer:
                 chunk = chunk_to_pb(tracked.num_chunks, out.token_ids, out.text, out.logprobs)
                 tracked.num_chunks += 1
                 tracked.text_parts.append(out.text)
+                tracked.token_ids += out.token_ids
+                tracked.first_token_unix = tracked.first_token_unix or time.time()
                 self._outbox.add(tracked.reply_channel, tracked.event(out.request_id, chunk=chunk))
+                self._outbox.progress[tracked.entry_id] = tracked.progress(self.config.worker_id)
             if out.finished:
                 self._finish(out, tracked)
 
@@ -282,7 +375,7 @@ class Consumer:
         if out.usage is not None:
             final.usage.CopyFrom(usage_to_pb(out.usage))
         self._outbox.add(tracked.reply_channel, tracked.event(out.request_id, final=final))
-        self._outbox.acks.append(tracked.entry_id)
+        self._outbox.ack(tracked.entry_id)
 
     def _flush(self) -> None:
         self._publisher.set_load(self._load())
@@ -298,6 +391,20 @@ class Consumer:
                   "num_free_slots": s.num_free_slots, "num_finished": self.num_finished,
                   "max_model_len": s.max_model_len}
         return {k: str(v) for k, v in fields.items()}
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _parse_progress(data: bytes | str | None) -> queue_pb2.Progress | None:
+    if data is None:
+        return None  # claimed but never stepped: start from scratch
+    try:
+        return queue_pb2.Progress.FromString(data if isinstance(data, bytes) else data.encode())
+    except Exception:
+        log.error("ignoring unreadable progress; restarting the request")
+        return None
 
 
 def _parse_entry(entry_id: bytes, fields: dict[bytes, bytes]) -> queue_pb2.QueuedRequest | None:

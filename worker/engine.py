@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from protos.params import FinishReason, SamplingParams
@@ -49,7 +50,26 @@ class Engine:
         self._lock = threading.Lock()
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> Sequence:
+                    arrival_time: float | None = None, *, seed: int | None = None,
+                    resume_ids: Seq[int] = ()) -> Sequence:
+        """Queue a request. `seed` overrides params.seed (a resumed request keeps its
+        first worker's seed); `resume_ids` are tokens an earlier worker already generated."""
+        seq = self.new_sequence(request_id, prompt_ids, params, arrival_time, seed=seed,
+                                resume_ids=resume_ids)
+        self.submit(seq)
+        return seq
+
+    def submit(self, seq: Sequence) -> None:
+        """Queue a sequence built by `new_sequence`."""
+        if len(seq.output_ids) >= seq.params.max_tokens:
+            raise ValueError(f"resumed request {seq.request_id!r} already has max_tokens "
+                             f"({seq.params.max_tokens}) tokens")
+        self.scheduler.add(seq)
+
+    def new_sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                     arrival_time: float | None = None, *, seed: int | None = None,
+                     resume_ids: Seq[int] = ()) -> Sequence:
+        """A validated Sequence, not queued (`add_request` queues it)."""
         if not prompt_ids:
             raise ValueError("prompt must contain at least one token")
         if self.scheduler.find(request_id) is not None:
@@ -57,12 +77,12 @@ class Engine:
         room = self.max_len - len(prompt_ids)
         if params.max_tokens > room:
             raise context_overflow(len(prompt_ids), params.max_tokens, self.max_len)
-        seed = params.seed if params.seed is not None else random.getrandbits(63)
-        seq = Sequence(request_id=request_id, prompt_ids=list(prompt_ids), params=params, seed=seed,
-                       stopping=StoppingCriteria(params, self.eos_token_ids, params.max_tokens),
-                       arrival_time=arrival_time if arrival_time is not None else time.time())
-        self.scheduler.add(seq)
-        return seq
+        if seed is None:
+            seed = params.seed if params.seed is not None else random.getrandbits(63)
+        return Sequence(request_id=request_id, prompt_ids=list(prompt_ids), params=params, seed=seed,
+                        stopping=StoppingCriteria(params, self.eos_token_ids, params.max_tokens),
+                        arrival_time=arrival_time if arrival_time is not None else time.time(),
+                        output_ids=list(resume_ids), num_resumed=len(resume_ids))
 
     def abort(self, request_id: str) -> None:
         """Thread-safe; takes effect at the start of the next step."""

@@ -48,8 +48,9 @@ class ModelRunner:
 
     def _prefill(self, seqs: list[Sequence]) -> torch.Tensor:
         """All new prompts packed into one row: no padding, one big matmul per weight."""
-        lengths = [len(s.prompt_ids) for s in seqs]
-        ids = torch.tensor([t for s in seqs for t in s.prompt_ids], device=self.device)  # (T,)
+        prefill_ids = [s.prefill_ids for s in seqs]
+        lengths = [len(ids) for ids in prefill_ids]
+        ids = torch.tensor([t for p in prefill_ids for t in p], device=self.device)  # (T,)
         positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])  # (T,)
         token_slots = torch.tensor([s.slot for s, n in zip(seqs, lengths, strict=True) for _ in range(n)],
                                    device=self.device)  # (T,)
@@ -59,8 +60,8 @@ class ModelRunner:
             segment_bounds=(0, *itertools.accumulate(lengths)), token_slots=token_slots[None],
         )
         logits = self.model.forward(batch, self.cache)  # (S, V)
-        for s in seqs:
-            s.num_computed_tokens = len(s.prompt_ids)
+        for s, n in zip(seqs, lengths, strict=True):
+            s.num_computed_tokens = n
         return logits
 
     def _decode(self, seqs: list[Sequence]) -> torch.Tensor:

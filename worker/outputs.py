@@ -1,4 +1,4 @@
-"""What the text engine hands back after each step (plain Python, no torch)."""
+"""What goes in and out of the text engine besides text (plain Python, no torch)."""
 
 from __future__ import annotations
 
@@ -22,3 +22,18 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Where an earlier worker left a request (from `queue.Progress`)."""
+
+    token_ids: tuple[int, ...]  # generated and already streamed
+    seed: int
+    first_token_unix: float = 0.0
+
+
+@dataclass(frozen=True)
+class Admitted:
+    seed: int  # the sampling seed in use (drawn when the request gave none)
+    text: str = ""  # text already streamed for the resumed tokens ("" for a new request)

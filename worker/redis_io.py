@@ -54,21 +54,28 @@ class Backoff:
 
 @dataclass
 class Outbox:
-    """Events per reply channel and stream entries to acknowledge, in order."""
+    """Events per reply channel, progress per running entry, entries to acknowledge."""
 
     events: dict[str, list[queue_pb2.TokenEvent]] = field(default_factory=dict)
+    progress: dict[bytes, bytes] = field(default_factory=dict)  # entry id -> queue.Progress bytes
     acks: list[bytes] = field(default_factory=list)
 
     def add(self, channel: str, event: queue_pb2.TokenEvent) -> None:
         self.events.setdefault(channel, []).append(event)
 
+    def ack(self, entry_id: bytes) -> None:
+        self.acks.append(entry_id)
+        self.progress.pop(entry_id, None)  # acknowledged: its progress is deleted, not written
+
     def merge(self, other: Outbox) -> None:
         for channel, events in other.events.items():
             self.events.setdefault(channel, []).extend(events)
-        self.acks.extend(other.acks)
+        self.progress.update(other.progress)  # the later step knows more
+        for entry_id in other.acks:
+            self.ack(entry_id)
 
     def __bool__(self) -> bool:
-        return bool(self.events or self.acks)
+        return bool(self.events or self.progress or self.acks)
 
 
 class Publisher:
@@ -152,10 +159,15 @@ class Publisher:
         for channel, events in outbox.events.items():
             pipe.publish(channel, queue_pb2.TokenEventBatch(worker_id=worker_id, events=events)
                          .SerializeToString())
+        if outbox.progress:
+            # After the events it describes: a resume may repeat an event (dropped by
+            # seq at the gateway), never skip one.
+            pipe.hset(self._keys.progress, mapping=outbox.progress)  # type: ignore[arg-type]
         if outbox.acks:
             # Acked only here, after the final event is out: see protos/keys.py.
             pipe.xack(self._keys.requests, self._keys.group, *outbox.acks)
             pipe.xdel(self._keys.requests, *outbox.acks)
+            pipe.hdel(self._keys.progress, *outbox.acks)
         key = self._keys.worker(worker_id)
         if load is not None:
             fields: dict[Any, Any] = {**load, "heartbeat_unix": repr(time.time())}  # (narrow stub)

@@ -23,7 +23,7 @@ from protos.params import (
 )
 from worker.engine import Engine, EngineOutput, context_overflow
 from worker.engine_config import EngineConfig
-from worker.outputs import RequestOutput
+from worker.outputs import Admitted, RequestOutput, Resume
 from worker.sequence import Sequence
 from worker.stopping import StopStringMatcher
 from worker.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -53,6 +53,7 @@ class TextEngine:
         self.model_name = model_name
         self.max_model_len = engine.max_len
         self._states: dict[str, _TextState] = {}
+        self._ready: list[RequestOutput] = []  # resumed requests that had already ended
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> TextEngine:
@@ -62,21 +63,44 @@ class TextEngine:
 
     # -- requests -----------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams, *,
-                    arrival_time: float | None = None) -> None:
-        """Queue a request; ValueError (naming the field) if it cannot be served."""
+                    arrival_time: float | None = None, resume: Resume | None = None) -> Admitted:
+        """Queue a request; ValueError (naming the field) if it cannot be served.
+
+        With `resume`, the tokens an earlier worker streamed are replayed through the
+        detokenizer and stop checks (rebuilding exactly the text state it had) and
+        prefilled with the prompt; generation continues with the same seed at the
+        next step, so a seeded or greedy answer goes on as if nothing happened.
+        """
         if request_id in self._states:
             raise ValueError(f"request_id {request_id!r} is already running")
         ids, truncated = self._encode(prompt, params)
-        self.engine.add_request(request_id, ids, params, arrival_time)
+        resumed = resume.token_ids if resume is not None else ()
+        seq = self.engine.new_sequence(request_id, ids, params, arrival_time,
+                                       seed=resume.seed if resume is not None else None, resume_ids=resumed)
         matcher = StopStringMatcher(params.stop) if params.stop else None
         detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=True)
-        self._states[request_id] = _TextState(detok, matcher, truncated)
+        state = _TextState(detok, matcher, truncated)
+        text, reason = [], None
+        for i, token_id in enumerate(resumed):
+            delta, reason = self._advance_text(state, [token_id], seq.stopping(token_id, i + 1))
+            text.append(delta)
+            if reason is not None:
+                break
+        if resume is not None and resume.first_token_unix:
+            seq.first_token_time = seq.last_token_time = resume.first_token_unix
+        if reason is not None:  # it had already ended: only the final message is missing
+            seq.finish_reason = reason
+            self._ready.append(RequestOutput(request_id, finish_reason=reason, usage=self._usage(seq, state)))
+        else:
+            self.engine.submit(seq)
+            self._states[request_id] = state
+        return Admitted(seq.seed, "".join(text))
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.engine.has_unfinished()
+        return self.engine.has_unfinished() or bool(self._ready)
 
     def stats(self) -> EngineStats:
         sched = self.engine.scheduler
@@ -84,7 +108,8 @@ class TextEngine:
                            self.engine.kv.num_free_slots, self.max_model_len)
 
     def step(self) -> list[RequestOutput]:
-        return [self._to_output(o) for o in self.engine.step() if o.seq.request_id in self._states]
+        ready, self._ready = self._ready, []
+        return ready + [self._to_output(o) for o in self.engine.step() if o.seq.request_id in self._states]
 
     # -- prompt -------------------------------------------------------------
     def _encode(self, prompt: PromptInput, params: SamplingParams) -> tuple[list[int], int]:
@@ -129,17 +154,10 @@ class TextEngine:
         if o.token is not None:
             out.token_ids = [o.token.token_id]
             out.logprobs = self._logprobs(o) if seq.params.num_logprobs is not None else None
-            delta = state.detokenizer.add(out.token_ids)
-            if reason is not None:
-                delta += state.detokenizer.flush()
-            if state.matcher is not None:
-                delta, is_stopped = state.matcher.feed(delta)
-                if is_stopped:
-                    if reason is None:
-                        self.engine.finish(seq.request_id, FinishReason.STOP)
-                    reason = FinishReason.STOP
-                elif reason is not None:
-                    delta += state.matcher.flush()
+            delta, text_reason = self._advance_text(state, out.token_ids, reason)
+            if text_reason is not None and reason is None:  # a stop string: end it before the next step
+                self.engine.finish(seq.request_id, text_reason)
+            reason = text_reason
             out.text = delta
         if reason is not None:
             out.finish_reason = reason
@@ -147,6 +165,21 @@ class TextEngine:
             out.usage = self._usage(seq, state)
             del self._states[seq.request_id]
         return out
+
+    @staticmethod
+    def _advance_text(state: _TextState, token_ids: list[int],
+                      reason: FinishReason | None) -> tuple[str, FinishReason | None]:
+        """The text delta for new tokens, and the finish reason once a stop string matched."""
+        delta = state.detokenizer.add(token_ids)
+        if reason is not None:
+            delta += state.detokenizer.flush()
+        if state.matcher is not None:
+            delta, is_stopped = state.matcher.feed(delta)
+            if is_stopped:
+                reason = FinishReason.STOP
+            elif reason is not None:
+                delta += state.matcher.flush()
+        return delta, reason
 
     def _logprobs(self, o: EngineOutput) -> list[Logprobs]:
         tok = o.token
