@@ -247,9 +247,11 @@ class Sampler:
         logits = logits.float()  # (B, V); a no-op for float32
         # NaN/+inf (or no finite token at all) fails that request only; zeroing the row keeps
         # it from poisoning batch-wide reductions, and every other row samples as usual.
-        is_bad = logits.isnan() | (logits == float("inf"))  # (B, V)
-        is_finite = ~is_bad.any(dim=-1) & (logits > float("-inf")).any(dim=-1)  # (B,)
-        logits = torch.where(is_finite[:, None], logits, 0.0)  # (B, V)
+        is_finite = torch.isfinite(logits.sum(dim=-1))  # (B,): one pass settles every normal row
+        if logits.device.type != "cpu" or not bool(is_finite.all()):  # (a host check is free on CPU)
+            is_bad = logits.isnan() | (logits == float("inf"))  # (B, V)
+            is_finite = ~is_bad.any(dim=-1) & (logits > float("-inf")).any(dim=-1)  # (B,)
+            logits = torch.where(is_finite[:, None], logits, 0.0)  # (B, V)
         raw_logprobs = logits.log_softmax(dim=-1) if batch.max_num_logprobs is not None else None  # (B, V)
 
         logits = apply_penalties(logits, batch)
