@@ -11,7 +11,10 @@ commands per generated token from `INFO commandstats` (target <= 0.5) and the
 gateway's peak RSS (target <= 150 MB: it must not load torch). Prints a table,
 then one JSON line (medians over --runs).
 
-    python benchmarks/e2e.py [--runs 1] [--threads 2]
+The two sides alternate run by run (in-process, end to end, in-process, ...)
+so that drift of a shared host hits both alike.
+
+    python benchmarks/e2e.py [--runs 3] [--threads 2]
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +53,8 @@ def percentile(values: list[float], q: float) -> float:
 
 # -- in-process ---------------------------------------------------------------------------------------
 
-def run_inproc(threads: int, max_model_len: int, runs: int) -> list[dict[str, float]]:
+def inproc_runner(threads: int, max_model_len: int) -> Callable[[str], dict[str, float]]:
+    """A warmed-up in-process engine; the returned function runs the workload once."""
     from protos.params import PromptInput, SamplingParams
     from worker.engine_config import EngineConfig
     from worker.text_engine import TextEngine
@@ -72,7 +77,7 @@ def run_inproc(threads: int, max_model_len: int, runs: int) -> list[dict[str, fl
         return summary(num_tokens, time.perf_counter() - start, list(first.values()))
 
     once("warmup", PROMPTS[:2])
-    return [once(f"run{r}", PROMPTS) for r in range(runs)]
+    return lambda tag: once(tag, PROMPTS)
 
 
 def summary(num_tokens: int, wall_s: float, ttfts_s: list[float]) -> dict[str, float]:
@@ -135,7 +140,10 @@ def commands_since_reset(client: redis.Redis) -> int:
     return sum(int(v["calls"]) for k, v in stats.items() if k not in ("cmdstat_info", "cmdstat_config"))
 
 
-def run_e2e(threads: int, max_model_len: int, runs: int) -> tuple[list[dict[str, float]], float]:
+def run_both(threads: int, max_model_len: int, runs: int
+             ) -> tuple[list[dict[str, float]], list[dict[str, float]], float]:
+    """Alternate in-process and end-to-end runs, so host drift hits both sides alike."""
+    inproc_once = inproc_runner(threads, max_model_len)
     with EmbeddedRedis() as server:
         target = f"127.0.0.1:{free_port()}"
         common = ["--redis-url", server.url, "--log-level", "WARNING"]
@@ -147,13 +155,17 @@ def run_e2e(threads: int, max_model_len: int, runs: int) -> tuple[list[dict[str,
         try:
             wait_for_worker(target)
             asyncio.run(run_streams(target, PROMPTS[:2]))  # warm-up
-            results = []
-            for _ in range(runs):
+            inproc, e2e = [], []
+            for r in range(runs):
+                inproc.append(inproc_once(f"run{r}"))
                 client.config_resetstat()
                 result = asyncio.run(run_streams(target, PROMPTS))
                 result["redis_cmds_per_token"] = commands_since_reset(client) / result["tokens"]
-                results.append(result)
-            return results, peak_rss_mb(gateway.pid)
+                e2e.append(result)
+                print(f"run {r + 1}/{runs}: in-process {inproc[-1]['tps']:.1f} tok/s, TTFT p50 "
+                      f"{inproc[-1]['ttft_p50_ms']:.0f} ms; end to end {result['tps']:.1f} tok/s, TTFT p50 "
+                      f"{result['ttft_p50_ms']:.0f} ms", file=sys.stderr)
+            return inproc, e2e, peak_rss_mb(gateway.pid)
         finally:
             client.close()
             for proc in (worker, gateway):
@@ -168,14 +180,13 @@ def median(results: list[dict[str, float]], key: str) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", type=int, default=1, help="measured runs per side (medians are reported)")
+    parser.add_argument("--runs", type=int, default=3, help="measured runs per side (medians are reported)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads, both sides")
     parser.add_argument("--max-model-len", type=int, default=512,
                         help="KV cache tokens per sequence, both sides (the prompts + 128 tokens fit in 512)")
     args = parser.parse_args()
 
-    inproc = run_inproc(args.threads, args.max_model_len, args.runs)
-    e2e, gateway_rss = run_e2e(args.threads, args.max_model_len, args.runs)
+    inproc, e2e, gateway_rss = run_both(args.threads, args.max_model_len, args.runs)
     report = {
         "inproc_tps": median(inproc, "tps"), "e2e_tps": median(e2e, "tps"),
         "ratio": median(e2e, "tps") / median(inproc, "tps"),

@@ -276,3 +276,29 @@ def test_requests_of_live_workers_are_left_alone_and_serial_killers_are_failed(
     time.sleep(0.5)  # several sweeps later the live worker's entry is still its own
     pending = client.xpending_range(keys.requests, keys.group, min="-", max="+", count=10)
     assert [(p["message_id"], p["consumer"]) for p in pending] == [(busy, b"alive")]
+
+
+@pytest.mark.slow
+def test_on_shutdown_unfinished_requests_are_handed_to_another_live_worker(
+        client: redis.Redis, redis_url: str, prefix: str, replies: Callable, smollm_engine: Any,
+        make_worker: Callable[..., WorkerThread]) -> None:
+    keys = Keys(prefix)
+    enqueue(client, keys, "long", max_tokens=100, ignore_eos=True)
+    client.set(keys.worker("other"), "1", ex=60)  # another worker is alive: hand over, do not fail
+    leaving = make_worker(drain_timeout_s=0.3, **FAST_SWEEP)
+    wait_until(lambda: client.hlen(keys.progress) == 1, timeout=30)  # it is generating
+    leaving.stop()
+    pending = client.xpending_range(keys.requests, keys.group, min="-", max="+", count=10)
+    assert [p["consumer"] for p in pending] == [leaving.config.worker_id.encode()]  # not acked
+    client.delete(keys.worker("other"))
+    config = WorkerConfig(redis_url=redis_url, key_prefix=prefix, worker_id="taker", claim_block_ms=100,
+                          **FAST_SWEEP)  # type: ignore[arg-type]
+    taker = WorkerThread(smollm_engine, config).start()
+    try:
+        events = replies(1)["long"]
+    finally:
+        taker.stop()
+    assert [e.seq for e in events] == list(range(len(events)))  # one gapless stream over two workers
+    assert kinds(events)[-1] == "final"  # no error event from the worker that left
+    assert events[-1].final.worker_id == "taker"
+    assert events[-1].final.usage.completion_tokens == 100

@@ -60,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-threads", type=int, default=_env("TOKENRELAY_NUM_THREADS"),
                    help="torch CPU threads; default torch's choice [env TOKENRELAY_NUM_THREADS]")
     p.add_argument("--drain-timeout", type=float, default=_env("TOKENRELAY_DRAIN_TIMEOUT_S", 30),
-                   help="seconds running requests get to finish on SIGTERM [env TOKENRELAY_DRAIN_TIMEOUT_S]")
+                   help="seconds running requests get to finish on SIGTERM; what is left then is handed to "
+                        "another live worker (resumed without a gap), or failed with UNAVAILABLE if there "
+                        "is none [env TOKENRELAY_DRAIN_TIMEOUT_S]")
     p.add_argument("--heartbeat-ttl", type=float, default=_env("TOKENRELAY_HEARTBEAT_TTL_S", 5),
                    help="seconds without a heartbeat after which this worker counts as dead and other "
                         "workers resume its requests; use the same value on every worker "

@@ -25,8 +25,8 @@ class WorkerConfig:
     key_prefix: str = DEFAULT_PREFIX
     # Consumer name in the Redis group and the name reported in Final.worker_id.
     worker_id: str = field(default_factory=default_worker_id)
-    # On SIGTERM: how long running requests may take to finish before they are
-    # aborted with an UNAVAILABLE error event.
+    # On SIGTERM: how long running requests may take to finish. Then they are
+    # left to another live worker to resume, or failed with UNAVAILABLE if none is alive.
     drain_timeout_s: float = 30.0
     heartbeat_interval_s: float = 0.5
     # A worker whose heartbeat key expired is considered dead by the gateways.

@@ -68,6 +68,8 @@ class Tracked:
     first_token_unix: float = 0.0
     # Set when the worker aborted it (deadline, shutdown): replaces the final event.
     error: tuple[queue_pb2.ErrorCode, str] | None = None
+    # Aborted at shutdown for another worker to resume: no final event, no XACK.
+    is_handed_off: bool = False
 
     def event(self, request_id: str, **kind: Any) -> queue_pb2.TokenEvent:
         self.seq += 1
@@ -154,18 +156,35 @@ class Consumer:
         self._flush()
 
     def _drain(self) -> None:
-        """Finish running requests within drain_timeout_s, then abort the rest."""
+        """Finish running requests within drain_timeout_s; then hand the rest to another
+        live worker (it resumes them from their progress once this worker's heartbeat
+        is gone), or fail them with UNAVAILABLE when no other worker is there."""
         deadline = time.monotonic() + self.config.drain_timeout_s
         while self.engine.has_unfinished() and time.monotonic() < deadline:
             self._run_once(can_claim=False)
+        handoff = bool(self._running) and self._other_workers_alive()
+        if self._running:
+            log.warning("drain timeout: %s %d running requests", "handing over" if handoff else "failing",
+                        len(self._running))
         for request_id, tracked in self._running.items():
-            tracked.error = (ErrorCode.ERROR_CODE_UNAVAILABLE, "the worker shut down before it finished")
+            if handoff:
+                tracked.is_handed_off = True  # left pending in the group, with its progress
+            else:
+                tracked.error = (ErrorCode.ERROR_CODE_UNAVAILABLE, "the worker shut down before it finished")
             self.engine.abort(request_id)
         for _ in range(3):  # aborted requests finish in the next step
             if not self.engine.has_unfinished():
                 break
             self._emit(self.engine.step())
         self._flush()
+
+    def _other_workers_alive(self) -> bool:
+        mine = self.keys.worker(self.config.worker_id).encode()
+        try:
+            keys = self._client.scan_iter(match=self.keys.worker_pattern, count=100)
+            return any(key != mine for key in keys)
+        except redis.RedisError:
+            return False
 
     # -- claiming ---------------------------------------------------------------------------------
 
@@ -364,6 +383,8 @@ class Consumer:
 
     def _finish(self, out: RequestOutput, tracked: Tracked) -> None:
         del self._running[out.request_id]
+        if tracked.is_handed_off and out.finish_reason is FinishReason.ABORT:
+            return
         self.num_finished += 1
         if tracked.error is not None and out.finish_reason is FinishReason.ABORT:
             code, message = tracked.error
