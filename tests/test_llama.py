@@ -54,6 +54,26 @@ def test_prefill_and_every_decode_step_match_transformers(case: str) -> None:
         assert (step_logits - ref[pos]).abs().max() <= TOL, f"decode step {j}"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_path_tracks_transformers_fp32(dtype: torch.dtype) -> None:
+    """What CUDA runs (F.linear on plain weights, a half-precision KV cache), checked on CPU."""
+    hf = make_hf_model(num_heads=4, num_kv_heads=2)
+    ours = ours_from_hf(hf, dtype=dtype)
+    assert ours.layers[0].wqkv.dtype == dtype and ours.layers[0].wqkv.layout == torch.strided  # not packed
+    cache = KVCache(ours.config, num_slots=2, max_len=64, dtype=dtype, device=torch.device("cpu"))
+    ids = torch.randint(0, 128, (1, 32), generator=torch.Generator().manual_seed(2))[0].tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]  # (T, V) fp32
+    scale = ref.abs().max().item()
+    got = run_prefill(ours, cache, ids[:24], slot=0)
+    assert got.dtype == torch.float32
+    assert (got - ref[23]).abs().max() <= 0.01 * scale
+    for pos in range(24, 31):
+        batch = ForwardBatch(input_ids=torch.tensor([[ids[pos]]]), positions=torch.tensor([[pos]]),
+                             slot_ids=torch.tensor([0]), kv_len=pos + 1, slot_range=slice(0, 1))
+        assert (ours.forward(batch, cache)[0] - ref[pos]).abs().max() <= 0.01 * scale, f"position {pos}"
+
+
 def test_packed_prefill_of_several_prompts_matches_each_alone() -> None:
     hf = make_hf_model()
     ours = ours_from_hf(hf)

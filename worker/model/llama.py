@@ -141,7 +141,10 @@ class LlamaModel:
                         else self._pack(lm_head.to(self.device, dtype)))  # (V, C)
         self.norm = weights.pop("model.norm.weight").to(self.device, dtype)  # (C,)
         self.layers = [self._take_layer(weights, i) for i in range(config.num_layers)]
-        self.cos, self.sin = rope_tables(config, config.max_position_embeddings, self.device)  # (P, D)
+        # computed in fp32, then stored in the model's dtype (as transformers does), so
+        # half-precision activations are not promoted to fp32 by the rotation
+        cos, sin = rope_tables(config, config.max_position_embeddings, self.device)  # (P, D)
+        self.cos, self.sin = cos.to(dtype), sin.to(dtype)
         self.kv_head_index = torch.arange(config.num_kv_heads, device=self.device)[None, :, None]  # (1, K, 1)
 
     def _take_layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
