@@ -100,3 +100,30 @@ def test_packed_prefill_of_several_prompts_matches_each_alone() -> None:
     for p, tok, row in zip(prompts, nxt, ours.forward(step, cache), strict=True):
         with torch.no_grad():
             assert (row - hf(torch.tensor([p + [tok]])).logits[0, -1]).abs().max() <= TOL
+
+
+def test_chunked_prefill_continues_from_the_cache() -> None:
+    """A prompt computed in chunks (each attending to the cached keys of the ones before),
+    packed next to a fresh prompt, gives the logits of one whole pass."""
+    hf = make_hf_model()
+    ours = ours_from_hf(hf)
+    cache = KVCache(ours.config, num_slots=3, max_len=64, dtype=torch.float32, device=torch.device("cpu"))
+    g = torch.Generator().manual_seed(9)
+    long = torch.randint(0, 128, (30,), generator=g).tolist()
+    fresh = torch.randint(0, 128, (5,), generator=g).tolist()
+    with torch.no_grad():
+        ref_long, ref_fresh = hf(torch.tensor([long])).logits[0], hf(torch.tensor([fresh])).logits[0, -1]
+    run_prefill(ours, cache, long[:11], slot=2)  # chunk 1: [0, 11)
+    # chunk 2 of `long` ([11, 20), slot 2) and all of `fresh` (slot 0) in one packed pass
+    ids = long[11:20] + fresh
+    batch = ForwardBatch(
+        input_ids=torch.tensor([ids]), positions=torch.cat([torch.arange(11, 20), torch.arange(5)])[None],
+        slot_ids=torch.tensor([2]), kv_len=20, segment_bounds=(0, 9, 14),
+        token_slots=torch.tensor([2] * 9 + [0] * 5)[None], segment_starts=(11, 0), segment_slots=(2, 0))
+    got = ours.forward(batch, cache)  # (2, V)
+    assert (got[0] - ref_long[19]).abs().max() <= TOL
+    assert (got[1] - ref_fresh).abs().max() <= TOL
+    last = ForwardBatch(input_ids=torch.tensor([long[20:]]), positions=torch.arange(20, 30)[None],
+                        slot_ids=torch.tensor([2]), kv_len=30, segment_bounds=(0, 10),
+                        token_slots=torch.full((1, 10), 2), segment_starts=(20,), segment_slots=(2,))
+    assert (ours.forward(last, cache)[0] - ref_long[29]).abs().max() <= TOL

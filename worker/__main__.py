@@ -54,9 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory budget of the KV cache, allocated once at start-up; caps the number of "
                         "slots; default: room for max-num-seqs full sequences "
                         "[env TOKENRELAY_KV_CACHE_MEMORY_MB]")
-    p.add_argument("--max-prefill-tokens", type=int, default=_env("TOKENRELAY_MAX_PREFILL_TOKENS", 2048),
-                   help="prompt tokens admitted per engine step; bounds how long new prompts stall the "
-                        "running streams [env TOKENRELAY_MAX_PREFILL_TOKENS]")
+    p.add_argument("--max-prefill-tokens", type=int, default=_env("TOKENRELAY_MAX_PREFILL_TOKENS", 512),
+                   help="prompt tokens computed per engine step; longer prompts are prefilled in chunks "
+                        "over several steps while running streams keep decoding "
+                        "[env TOKENRELAY_MAX_PREFILL_TOKENS]")
     p.add_argument("--num-threads", type=int, default=_env("TOKENRELAY_NUM_THREADS"),
                    help="torch CPU threads; default torch's choice [env TOKENRELAY_NUM_THREADS]")
     p.add_argument("--drain-timeout", type=float, default=_env("TOKENRELAY_DRAIN_TIMEOUT_S", 30),

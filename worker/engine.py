@@ -104,7 +104,8 @@ class Engine:
         if sched.is_empty:
             return outputs
         tokens = self.runner.run(sched.prefills, sched.decodes)
-        return outputs + self._postprocess(sched.prefills + sched.decodes, tokens)
+        sampled = [c.seq for c in sched.prefills if c.is_last] + sched.decodes
+        return outputs + self._postprocess(sampled, tokens)
 
     def _apply_aborts(self) -> list[EngineOutput]:
         with self._lock:

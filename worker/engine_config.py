@@ -16,7 +16,10 @@ class EngineConfig:
     max_num_seqs: int = 16  # sequences decoded together (KV cache slots)
     max_model_len: int | None = None  # tokens per sequence; None = min(model context, 4096)
     kv_cache_memory_mb: int | None = None  # None = room for max_num_seqs full sequences
-    max_prefill_tokens: int = 2048  # prompt tokens prefetched per step (bounds decode stalls)
+    # Prompt tokens computed per step; longer prompts are prefilled in chunks over
+    # several steps. Bounds how long prompts stall the running streams (~1 s for
+    # 512 on a 2-core CPU); larger is a little more efficient for prefill.
+    max_prefill_tokens: int = 512
     num_threads: int | None = None  # torch intra-op threads; None = torch's default
 
     def __post_init__(self) -> None:

@@ -1,8 +1,9 @@
 """Owns every tensor: builds forward batches, runs the model, samples.
 
-One call per engine step: the prompts of newly admitted sequences (packed
-into one row, no padding) and one decode token for every running sequence,
-then one sampler call over all their logits and one host sync.
+One call per engine step: this step's prompt chunks (packed into one row, no
+padding) and one decode token for every running sequence, then one sampler
+call over the rows that get a token (completed prompts and decodes) and one
+host sync.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 
 from worker.model.llama import ForwardBatch, KVCache, LlamaModel
 from worker.sampling import Sampler, SamplerOutput, SamplingRow, build_sampling_batch
-from worker.sequence import Sequence
+from worker.sequence import PrefillChunk, Sequence
 
 
 @dataclass
@@ -32,37 +33,50 @@ class ModelRunner:
         self.device = model.device
         self.sampler = Sampler()
 
-    def run(self, prefills: list[Sequence], decodes: list[Sequence]) -> list[SampledToken]:
-        """Sample the next token of every sequence; results in order prefills + decodes."""
+    def run(self, prefills: list[PrefillChunk], decodes: list[Sequence]) -> list[SampledToken]:
+        """Compute the chunks and decodes; sample the next token of every sequence whose
+        prompt completes this step, then of every decode: results in that order."""
         logits = []
         if prefills:
             logits.append(self._prefill(prefills))
         if decodes:
             logits.append(self._decode(decodes))
+        seqs = [c.seq for c in prefills if c.is_last] + decodes
+        if not seqs:
+            return []  # only partial prompt chunks ran
         all_logits = logits[0] if len(logits) == 1 else torch.cat(logits)  # (B, V); no copy in pure decode
-        seqs = prefills + decodes
         rows = [SamplingRow(params=s.params, seed=s.seed, prompt_token_ids=s.prompt_ids,
                             output_token_ids=s.output_ids) for s in seqs]
         batch = build_sampling_batch(rows, all_logits.shape[-1], self.device)
         return self._to_host(self.sampler(all_logits, batch))
 
-    def _prefill(self, seqs: list[Sequence]) -> torch.Tensor:
-        """All new prompts packed into one row: no padding, one big matmul per weight."""
-        prefill_ids = [s.prefill_ids for s in seqs]
-        lengths = [len(ids) for ids in prefill_ids]
-        ids = torch.tensor([t for p in prefill_ids for t in p], device=self.device)  # (T,)
-        positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])  # (T,)
-        token_slots = torch.tensor([s.slot for s, n in zip(seqs, lengths, strict=True) for _ in range(n)],
+    def _prefill(self, chunks: list[PrefillChunk]) -> torch.Tensor:
+        """All prompt chunks packed into one row: no padding, one big matmul per weight.
+
+        Returns the logits of the last token of each chunk that completes its prompt.
+        """
+        token_ids = [c.seq.prefill_ids[c.start:c.start + c.num_tokens] for c in chunks]
+        lengths = [c.num_tokens for c in chunks]
+        slots = [c.seq.slot for c in chunks]
+        ids = torch.tensor([t for p in token_ids for t in p], device=self.device)  # (T,)
+        positions = torch.cat([torch.arange(c.start, c.start + c.num_tokens, device=self.device)
+                               for c in chunks])  # (T,)
+        token_slots = torch.tensor([s for s, n in zip(slots, lengths, strict=True) for _ in range(n)],
                                    device=self.device)  # (T,)
+        starts = tuple(c.start for c in chunks)
         batch = ForwardBatch(
             input_ids=ids[None], positions=positions[None],
-            slot_ids=torch.tensor([seqs[0].slot], device=self.device), kv_len=max(lengths),
+            slot_ids=torch.tensor([slots[0]], device=self.device),
+            kv_len=max(c.start + c.num_tokens for c in chunks),
             segment_bounds=(0, *itertools.accumulate(lengths)), token_slots=token_slots[None],
+            segment_starts=starts if any(starts) else None,
+            segment_slots=tuple(s for s in slots if s is not None),
         )
-        logits = self.model.forward(batch, self.cache)  # (S, V)
-        for s, n in zip(seqs, lengths, strict=True):
-            s.num_computed_tokens = n
-        return logits
+        logits = self.model.forward(batch, self.cache)  # (num_chunks, V)
+        for c in chunks:
+            c.seq.num_computed_tokens = c.start + c.num_tokens
+        done = [i for i, c in enumerate(chunks) if c.is_last]
+        return logits if len(done) == len(chunks) else logits[done]
 
     def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
         last = [s.output_ids[-1] for s in seqs]

@@ -1,10 +1,13 @@
 """Who runs next: admit waiting requests into free KV cache slots (no torch).
 
-Each step runs every prefilled sequence for one decode token, plus the prompts
-of newly admitted sequences. Admission is FIFO and bounded by free slots and a
-prompt-token budget per step, so a burst of long prompts cannot stall the
-running streams for more than one budget's worth of prefill. A request that
-does not fit waits; it is never dropped.
+Each step runs every prefilled sequence for one decode token, plus up to
+`max_prefill_tokens` prompt tokens: first the next chunk of prompts already
+being prefilled, then the prompts of newly admitted sequences (FIFO, while
+slots are free). A prompt longer than what is left of the budget is prefilled
+in chunks over several steps (chunked prefill), so neither a burst of prompts
+nor one very long prompt stalls the running streams for more than one budget's
+worth of compute per step. A request that does not fit waits; it is never
+dropped.
 """
 
 from __future__ import annotations
@@ -15,12 +18,12 @@ from dataclasses import dataclass, field
 
 from protos.params import FinishReason
 from worker.kv_cache import KVCacheManager
-from worker.sequence import Sequence, SequenceStatus
+from worker.sequence import PrefillChunk, Sequence, SequenceStatus
 
 
 @dataclass
 class SchedulerOutput:
-    prefills: list[Sequence] = field(default_factory=list)  # whole prompt runs this step
+    prefills: list[PrefillChunk] = field(default_factory=list)  # prompt chunks run this step
     decodes: list[Sequence] = field(default_factory=list)  # one token each, sorted by slot
 
     @property
@@ -56,19 +59,24 @@ class Scheduler:
         out.decodes = sorted((s for s in self.running.values() if s.is_prefilled),
                              key=lambda s: s.slot if s.slot is not None else -1)
         budget = self.max_prefill_tokens
-        while self.waiting and self.kv.can_allocate(self.waiting[0].num_tokens):
-            seq = self.waiting[0]
-            # the first prompt of a step is always admitted, however long, so it cannot starve
-            if out.prefills and seq.num_tokens > budget:
-                break
-            self.waiting.popleft()
+        for seq in self.running.values():  # admission order: older prompts finish first
+            if budget > 0 and not seq.is_prefilled:
+                budget -= self._add_chunk(out, seq, budget)
+        while budget > 0 and self.waiting and self.kv.can_allocate(self.waiting[0].num_tokens):
+            seq = self.waiting.popleft()
             seq.slot = self.kv.allocate(seq.request_id)
             seq.status = SequenceStatus.RUNNING
             seq.admitted_time = time.time()
             self.running[seq.request_id] = seq
-            out.prefills.append(seq)
-            budget -= seq.num_tokens
+            budget -= self._add_chunk(out, seq, budget)
         return out
+
+    @staticmethod
+    def _add_chunk(out: SchedulerOutput, seq: Sequence, budget: int) -> int:
+        start = seq.num_computed_tokens
+        n = min(len(seq.prefill_ids) - start, budget)
+        out.prefills.append(PrefillChunk(seq, start, n))
+        return n
 
     def finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
         """End a sequence (stopped, aborted or failed) and free its slot at once."""

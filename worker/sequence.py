@@ -53,3 +53,17 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+
+@dataclass
+class PrefillChunk:
+    """Prompt tokens [start, start + num_tokens) of one sequence, computed this step."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+    @property
+    def is_last(self) -> bool:
+        """The prompt is complete after this chunk: its first token is sampled this step."""
+        return self.start + self.num_tokens >= len(self.seq.prefill_ids)

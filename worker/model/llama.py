@@ -30,13 +30,17 @@ class ForwardBatch:
     # False when every query may see all kv_len keys (one decode row, or rows all
     # at the same position): attention then runs without a mask.
     needs_mask: bool = True
-    # Packed prefill: B == 1 and the row holds fresh prompts (starting at position 0)
-    # back to back; prompt s spans [bounds[s], bounds[s + 1]). Each attends causally
-    # within itself over its new tokens, so the cache is not read back; the
-    # matmuls see all tokens at once and no compute goes to padding. Logits are
-    # returned for the last token of each prompt: (num_prompts, V).
+    # Packed prefill: B == 1 and the row holds prompt chunks back to back; chunk s
+    # spans [bounds[s], bounds[s + 1]). A chunk starting at position 0 attends
+    # causally within itself, so the cache is not read back; the matmuls see all
+    # tokens at once and no compute goes to padding. Logits are returned for the
+    # last token of each chunk: (num_chunks, V).
     segment_bounds: tuple[int, ...] | None = None
     token_slots: torch.Tensor | None = None  # (B, T) cache slot of each token; None = slot_ids per row
+    # Chunked prefill: absolute position of each segment's first token (None = all 0).
+    # A segment starting later attends to its slot's cached keys [0, start) too.
+    segment_starts: tuple[int, ...] | None = None
+    segment_slots: tuple[int, ...] | None = None  # cache slot of each segment (host ints)
 
 
 @dataclass
@@ -219,11 +223,8 @@ class LlamaModel:
         cache.k[i].index_put_(write_index, k)
         cache.v[i].index_put_(write_index, v)
         kv_len, slots = batch.kv_len, batch.slot_range
-        if batch.segment_bounds is not None:  # packed fresh prompts: causal within each
-            bounds = batch.segment_bounds
-            out = torch.cat([F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b],
-                                                            is_causal=True, enable_gqa=H != K)
-                             for a, b in zip(bounds[:-1], bounds[1:], strict=True)], dim=2)  # (1, H, T, D)
+        if batch.segment_bounds is not None:  # packed prompt chunks
+            out = torch.cat(self._chunk_attention(q, k, v, cache, i, batch), dim=2)  # (1, H, T, D)
         else:
             if slots is not None:
                 keys = cache.k[i, slots, :, :kv_len]  # (B, K, kv_len, D) view, no copy
@@ -237,6 +238,30 @@ class LlamaModel:
                 out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=H != K)
         out = out.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H * D)
         return self.linear(out, layer.wo)  # (B, T, C)
+
+    @staticmethod
+    def _chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, i: int,
+                         batch: ForwardBatch) -> list[torch.Tensor]:
+        """Per packed chunk: causal attention over its own new tokens and, for a chunk that
+        continues a prompt, over the keys its earlier chunks left in the cache."""
+        bounds, gqa = batch.segment_bounds, q.shape[1] != k.shape[1]
+        assert bounds is not None
+        starts = batch.segment_starts or (0,) * (len(bounds) - 1)
+        outs = []
+        for s, (a, b, start) in enumerate(zip(bounds[:-1], bounds[1:], starts, strict=True)):
+            if start == 0:
+                outs.append(F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b],
+                                                           is_causal=True, enable_gqa=gqa))
+                continue
+            assert batch.segment_slots is not None
+            slot, n = batch.segment_slots[s], b - a
+            keys = cache.k[i, slot:slot + 1, :, :start + n]  # (1, K, start + n, D): this chunk included
+            values = cache.v[i, slot:slot + 1, :, :start + n]
+            query_pos = torch.arange(start, start + n, device=q.device)  # (n,)
+            mask = torch.arange(start + n, device=q.device)[None, :] <= query_pos[:, None]  # (n, start + n)
+            outs.append(F.scaled_dot_product_attention(q[:, :, a:b], keys, values, attn_mask=mask,
+                                                       enable_gqa=gqa))
+        return outs
 
     def _mlp(self, h: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
         gate, up = self.linear(h, layer.w_gate_up).chunk(2, dim=-1)  # (B, T, F) each
