@@ -47,7 +47,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     config, weights = load_model(None)
-    engine = Engine(LlamaModel(config, weights), 2 * args.requests, 512 + args.tokens, 4096, frozenset())
+    # no prefix caching: the batched run must recompute the prompts, not reuse the solo run's K/V
+    engine = Engine(LlamaModel(config, weights), 2 * args.requests, 512 + args.tokens, 4096, frozenset(),
+                    enable_prefix_caching=False)
     rng = random.Random(0)
     results = {}
     for mode, temperature in (("sampled", 0.8), ("greedy", 0.0)):

@@ -42,8 +42,12 @@ from protos.tokenrelay.v1 import generate_pb2, generate_pb2_grpc  # noqa: E402
 
 NUM_CONCURRENT = 16
 NEW_TOKENS = 128
-PROMPTS = [f"Story number {i}. Once upon a time, in a land far away, there lived"
-           for i in range(NUM_CONCURRENT)]
+
+def prompts(tag: str) -> list[str]:
+    """16 prompts that share no cacheable prefix with each other or with other runs' (the
+    prefix cache would otherwise skip most of the prefill from the second run on)."""
+    return [f"[{tag}/{i}] Story number {i}. Once upon a time, in a land far away, there lived"
+            for i in range(NUM_CONCURRENT)]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -63,11 +67,11 @@ def inproc_runner(threads: int, max_model_len: int) -> Callable[[str], dict[str,
                                                  max_model_len=max_model_len))
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
-    def once(tag: str, prompts: list[str]) -> dict[str, float]:
+    def once(tag: str, batch: list[str]) -> dict[str, float]:
         start = time.perf_counter()
         first: dict[str, float] = {}
         num_tokens = 0
-        for i, prompt in enumerate(prompts):
+        for i, prompt in enumerate(batch):
             engine.add_request(f"{tag}-{i}", PromptInput(prompt=prompt), params)
         while engine.has_unfinished():
             for out in engine.step():
@@ -76,8 +80,8 @@ def inproc_runner(threads: int, max_model_len: int) -> Callable[[str], dict[str,
                     num_tokens += len(out.token_ids)
         return summary(num_tokens, time.perf_counter() - start, list(first.values()))
 
-    once("warmup", PROMPTS[:2])
-    return lambda tag: once(tag, PROMPTS)
+    once("warmup", prompts("wi")[:2])
+    return lambda tag: once(tag, prompts(f"i{tag}"))
 
 
 def summary(num_tokens: int, wall_s: float, ttfts_s: list[float]) -> dict[str, float]:
@@ -154,12 +158,12 @@ def run_both(threads: int, max_model_len: int, runs: int
         client = redis.Redis.from_url(server.url)
         try:
             wait_for_worker(target)
-            asyncio.run(run_streams(target, PROMPTS[:2]))  # warm-up
+            asyncio.run(run_streams(target, prompts("we")[:2]))
             inproc, e2e = [], []
             for r in range(runs):
-                inproc.append(inproc_once(f"run{r}"))
+                inproc.append(inproc_once(str(r)))
                 client.config_resetstat()
-                result = asyncio.run(run_streams(target, PROMPTS))
+                result = asyncio.run(run_streams(target, prompts(f"e{r}")))
                 result["redis_cmds_per_token"] = commands_since_reset(client) / result["tokens"]
                 e2e.append(result)
                 print(f"run {r + 1}/{runs}: in-process {inproc[-1]['tps']:.1f} tok/s, TTFT p50 "

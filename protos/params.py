@@ -127,6 +127,7 @@ class Usage:
     decode_time_s: float = 0.0
     seed: int = 0
     truncated_prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
 
 
 @dataclass

@@ -169,3 +169,17 @@ def test_half_precision_engine_batches_like_fp32(hf, dtype: torch.dtype) -> None
     assert {k: len(v) for k, v in half.items()} == {k: 8 for k in full}
     same = sum(a == b for k in full for a, b in zip(full[k], half[k], strict=True))
     assert same >= 44  # rounding may flip a near-tie and the sequence then drifts (measured: 48/48)
+
+
+def test_a_follow_up_reuses_the_cached_prefix_and_answers_the_same(hf) -> None:  # type: ignore[no-untyped-def]
+    engine = make_engine(ours_from_hf(hf), num_slots=2)
+    first = make_prompts(1, lengths=(30,), seed=4)[0]
+    engine.add_request("turn1", first, greedy(6))
+    answer = run_to_completion(engine)["turn1"]
+    follow_up = first + answer + make_prompts(1, lengths=(9,), seed=5)[0]  # the next turn of a chat
+    seq = engine.add_request("turn2", follow_up, greedy(8))
+    got = run_to_completion(engine)["turn2"]
+    assert seq.num_cached_tokens == 35  # all but the last answer token (its K/V was never computed)
+    fresh = make_engine(ours_from_hf(hf), num_slots=2)
+    fresh.add_request("alone", follow_up, greedy(8))
+    assert got == run_to_completion(fresh)["alone"] == hf_greedy(hf, follow_up, 8)

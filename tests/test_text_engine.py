@@ -164,3 +164,18 @@ def test_a_resumed_request_that_had_already_ended_only_gets_its_final(
     assert [(o.token_ids, o.text, o.finish_reason) for o in outs] == [([], "", reason)]
     assert outs[0].usage is not None and outs[0].usage.completion_tokens == len(ids_of(full))
     assert not engine.has_unfinished()
+
+
+def test_a_chat_follow_up_is_served_from_the_prefix_cache(engine: TextEngine) -> None:
+    history = (ChatMessage("system", "You are a helpful assistant who answers in one sentence."),
+               ChatMessage("user", "What is the capital of France?"))
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    turn1 = run(engine, {"t1": (PromptInput(messages=history), params)})["t1"]
+    assert turn1[-1].usage is not None
+    follow_up = (*history, ChatMessage("assistant", text_of(turn1)), ChatMessage("user", "And of Italy?"))
+    turn2 = run(engine, {"t2": (PromptInput(messages=follow_up), params)})["t2"]
+    usage = turn2[-1].usage
+    assert usage is not None
+    # the whole first prompt (and the answer, as far as it re-tokenizes the same) was not recomputed
+    assert turn1[-1].usage.prompt_tokens <= usage.cached_prompt_tokens < usage.prompt_tokens
+    assert "Rome" in text_of(turn2)

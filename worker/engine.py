@@ -38,12 +38,12 @@ class EngineOutput:
 
 class Engine:
     def __init__(self, model: LlamaModel, num_slots: int, max_len: int, max_prefill_tokens: int,
-                 eos_token_ids: frozenset[int]) -> None:
+                 eos_token_ids: frozenset[int], *, enable_prefix_caching: bool = True) -> None:
         self.model = model
         self.max_len = max_len
         self.eos_token_ids = eos_token_ids
         cache = KVCache(model.config, num_slots, max_len, model.dtype, model.device)
-        self.kv = KVCacheManager(num_slots, max_len)
+        self.kv = KVCacheManager(num_slots, max_len, enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, max_prefill_tokens)
         self.runner = ModelRunner(model, cache)
         self._aborts: set[str] = set()

@@ -21,6 +21,8 @@ class EngineConfig:
     # 512 on a 2-core CPU); larger is a little more efficient for prefill.
     max_prefill_tokens: int = 512
     num_threads: int | None = None  # torch intra-op threads; None = torch's default
+    # Reuse the K/V a freed slot still holds for a new prompt with the same prefix.
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

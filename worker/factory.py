@@ -31,7 +31,8 @@ def build_text_engine(config: EngineConfig) -> TextEngine:
     tokenizer = Tokenizer.load(path)
     max_len, num_slots = cache_shape(config, model_config, dtype)
     eos = frozenset(tokenizer.eos_token_ids) | frozenset(model_config.eos_token_ids)
-    engine = Engine(model, num_slots, max_len, config.max_prefill_tokens, eos)
+    engine = Engine(model, num_slots, max_len, config.max_prefill_tokens, eos,
+                    enable_prefix_caching=config.enable_prefix_caching)
     return TextEngine(engine, tokenizer, model_name=path.stem if path.is_file() else path.name)
 
 

@@ -64,7 +64,8 @@ class Scheduler:
                 budget -= self._add_chunk(out, seq, budget)
         while budget > 0 and self.waiting and self.kv.can_allocate(self.waiting[0].num_tokens):
             seq = self.waiting.popleft()
-            seq.slot = self.kv.allocate(seq.request_id)
+            seq.slot, seq.num_cached_tokens = self.kv.allocate(seq.request_id, seq.prefill_ids)
+            seq.num_computed_tokens = seq.num_cached_tokens  # prefill starts after the cached prefix
             seq.status = SequenceStatus.RUNNING
             seq.admitted_time = time.time()
             self.running[seq.request_id] = seq
@@ -90,7 +91,8 @@ class Scheduler:
             self.waiting.remove(seq)
         except ValueError:
             pass
-        self.kv.free(seq.request_id)
+        # what the slot's K/V now hold: every token already fed through the model
+        self.kv.free(seq.request_id, (seq.prompt_ids + seq.output_ids)[:seq.num_computed_tokens])
         seq.slot = None
 
     def find(self, request_id: str) -> Sequence | None:

@@ -31,6 +31,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     slot: int | None = None
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # leading prompt tokens whose K/V were already in the slot (prefix cache)
     finish_reason: FinishReason | None = None
     error: str | None = None
     admitted_time: float | None = None

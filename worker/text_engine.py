@@ -201,5 +201,6 @@ class TextEngine:
             time_to_first_token_s=max(0.0, first - seq.arrival_time) if first else 0.0,
             decode_time_s=(seq.last_token_time or now) - first if first else 0.0,
             seed=seq.seed, truncated_prompt_tokens=state.truncated_prompt_tokens,
+            cached_prompt_tokens=seq.num_cached_tokens,
         )
 
