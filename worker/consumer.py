@@ -30,11 +30,11 @@ from typing import Any, Protocol, cast
 import redis
 
 from protos.convert import chunk_to_pb, finish_reason_to_pb, params_from_pb, usage_to_pb
-from protos.keys import STREAM_DATA_FIELD
 from protos.params import FinishReason, PromptInput, SamplingParams
 from protos.tokenrelay.v1 import generate_pb2, queue_pb2
 from worker.config import WorkerConfig
 from worker.outputs import Admitted, RequestOutput, Resume
+from worker.reclaim import Claimed, parse_entry, reclaim_dead_workers
 from worker.redis_io import AbortListener, Backoff, Outbox, Publisher, connect
 
 log = logging.getLogger(__name__)
@@ -79,16 +79,6 @@ class Tracked:
         return queue_pb2.Progress(token_ids=self.token_ids, seed=self.seed, next_seq=self.seq,
                                   num_chunks=self.num_chunks, first_token_unix=self.first_token_unix,
                                   worker_id=worker_id).SerializeToString()
-
-
-@dataclass
-class Claimed:
-    """A stream entry this worker just took: new (XREADGROUP) or re-claimed from a dead worker."""
-
-    entry_id: bytes
-    request: queue_pb2.QueuedRequest | None  # None: unreadable
-    progress: queue_pb2.Progress | None = None  # where the dead worker got to
-    num_deliveries: int = 1
 
 
 def claim_capacity(stats: Any) -> int:
@@ -197,7 +187,10 @@ class Consumer:
                 self._stopping.wait(wait)  # Redis is down and there is nothing to compute
             return
         try:
-            entries = self._sweep(count) if time.monotonic() >= self._next_sweep_at else []
+            entries: list[Claimed] = []
+            if time.monotonic() >= self._next_sweep_at:
+                self._next_sweep_at = time.monotonic() + self.config.sweep_interval_s
+                entries = reclaim_dead_workers(self._client, self.config, count)
             block_ms = self.config.claim_block_ms if is_idle and not entries else None
             entries += self._read(count - len(entries), block_ms) if count > len(entries) else []
             if is_idle and entries:
@@ -236,7 +229,7 @@ class Consumer:
             self._has_group = False  # Redis restarted without our group: recreate it next round
             return []
         entries: list[tuple[bytes, dict[bytes, bytes]]] = cast(Any, reply)[0][1] if reply else []
-        return [Claimed(entry_id, _parse_entry(entry_id, fields)) for entry_id, fields in entries]
+        return [Claimed(entry_id, parse_entry(entry_id, fields)) for entry_id, fields in entries]
 
     def _read_burst(self, count: int) -> list[Claimed]:
         """After an idle wake-up: claim what keeps arriving every claim_coalesce_ms, so a burst
@@ -258,56 +251,6 @@ class Consumer:
             if "BUSYGROUP" not in str(e):
                 raise
         self._has_group = True
-
-    def _sweep(self, count: int) -> list[Claimed]:
-        """Re-claim up to `count` entries of dead workers (heartbeat expired), with their progress.
-
-        XCLAIM's min-idle-time makes it safe against other workers sweeping at the
-        same moment: once one of them claims an entry its idle time restarts, and
-        the others' XCLAIM skips it.
-        """
-        self._next_sweep_at = time.monotonic() + self.config.sweep_interval_s
-        keys, me = self.keys, self.config.worker_id
-        try:
-            consumers = self._client.xinfo_consumers(keys.requests, keys.group)
-        except redis.ResponseError:  # no stream or group yet: nothing was ever claimed
-            return []
-        others = [c for c in consumers if _text(c["name"]) != me]
-        if not others:
-            return []
-        pipe = self._client.pipeline(transaction=False)
-        for c in others:
-            pipe.exists(keys.worker(_text(c["name"])))
-        dead = [c for c, alive in zip(others, pipe.execute(), strict=True) if not alive]
-        min_idle_ms = int(self.config.heartbeat_ttl_s * 1000)
-        claimed: list[Claimed] = []
-        for c in dead:
-            name = _text(c["name"])
-            if int(c["pending"]) == 0:
-                if int(c["idle"]) > min_idle_ms:
-                    self._client.xgroup_delconsumer(keys.requests, keys.group, name)  # tidy: nothing lost
-                continue
-            if len(claimed) >= count:
-                continue
-            pending = self._client.xpending_range(keys.requests, keys.group, min="-", max="+",
-                                                  count=count - len(claimed), consumername=name,
-                                                  idle=min_idle_ms)
-            if not pending:
-                continue
-            deliveries = {p["message_id"]: int(p["times_delivered"]) for p in pending}
-            entries = self._client.xclaim(keys.requests, keys.group, me, min_idle_ms, list(deliveries))
-            taken = [(entry_id, fields) for entry_id, fields in cast(Any, entries) if entry_id is not None]
-            gone = [entry_id for entry_id, fields in taken if not fields]  # deleted while pending
-            if gone:
-                self._client.xack(keys.requests, keys.group, *gone)
-            live = [(entry_id, fields) for entry_id, fields in taken if fields]
-            progress = self._client.hmget(keys.progress, [entry_id for entry_id, _ in live]) if live else []
-            for (entry_id, fields), data in zip(live, progress, strict=True):
-                claimed.append(Claimed(entry_id, _parse_entry(entry_id, fields), _parse_progress(data),
-                                       deliveries.get(entry_id, 1) + 1))
-            if live:
-                log.warning("re-claimed %d requests of stopped worker %s", len(live), name)
-        return claimed
 
     def _aborted_entries(self, entries: list[Claimed]) -> set[bytes]:
         """Entry ids of the claimed requests that were cancelled while queued."""
@@ -412,26 +355,3 @@ class Consumer:
                   "num_free_slots": s.num_free_slots, "num_finished": self.num_finished,
                   "max_model_len": s.max_model_len}
         return {k: str(v) for k, v in fields.items()}
-
-
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def _parse_progress(data: bytes | str | None) -> queue_pb2.Progress | None:
-    if data is None:
-        return None  # claimed but never stepped: start from scratch
-    try:
-        return queue_pb2.Progress.FromString(data if isinstance(data, bytes) else data.encode())
-    except Exception:
-        log.error("ignoring unreadable progress; restarting the request")
-        return None
-
-
-def _parse_entry(entry_id: bytes, fields: dict[bytes, bytes]) -> queue_pb2.QueuedRequest | None:
-    try:
-        return queue_pb2.QueuedRequest.FromString(fields[STREAM_DATA_FIELD])
-    except Exception:  # a foreign or corrupt entry must not stop the worker
-        log.error("dropping unreadable stream entry %r", entry_id)
-        return None
-

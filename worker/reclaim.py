@@ -1,0 +1,105 @@
+"""Re-claiming the requests of workers that died (see protos/keys.py, "Delivery guarantee").
+
+Every worker calls `reclaim_dead_workers` about once a second while it has
+free slots: consumers of the group whose heartbeat key expired are dead; their
+entries idle longer than the heartbeat TTL are XCLAIMed together with the
+progress the dead worker recorded, so the consumer can resume each stream
+where it stopped. Dead consumers with nothing pending are deleted.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, cast
+
+import redis
+
+from protos.keys import STREAM_DATA_FIELD
+from protos.tokenrelay.v1 import queue_pb2
+from worker.config import WorkerConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Claimed:
+    """A stream entry this worker just took: new (XREADGROUP) or re-claimed from a dead worker."""
+
+    entry_id: bytes
+    request: queue_pb2.QueuedRequest | None  # None: unreadable
+    progress: queue_pb2.Progress | None = None  # where the dead worker got to
+    num_deliveries: int = 1
+
+
+def reclaim_dead_workers(client: redis.Redis, config: WorkerConfig, count: int) -> list[Claimed]:
+    """Re-claim up to `count` entries of dead workers (heartbeat expired), with their progress.
+
+    XCLAIM's min-idle-time makes it safe against other workers sweeping at the
+    same moment: once one of them claims an entry its idle time restarts, and
+    the others' XCLAIM skips it.
+    """
+    keys, me = config.keys, config.worker_id
+    try:
+        consumers = client.xinfo_consumers(keys.requests, keys.group)
+    except redis.ResponseError:  # no stream or group yet: nothing was ever claimed
+        return []
+    others = [c for c in consumers if _text(c["name"]) != me]
+    if not others:
+        return []
+    pipe = client.pipeline(transaction=False)
+    for c in others:
+        pipe.exists(keys.worker(_text(c["name"])))
+    dead = [c for c, alive in zip(others, pipe.execute(), strict=True) if not alive]
+    min_idle_ms = int(config.heartbeat_ttl_s * 1000)
+    claimed: list[Claimed] = []
+    for c in dead:
+        name = _text(c["name"])
+        if int(c["pending"]) == 0:
+            if int(c["idle"]) > min_idle_ms:
+                client.xgroup_delconsumer(keys.requests, keys.group, name)  # tidy: nothing lost
+            continue
+        if len(claimed) >= count:
+            continue
+        pending = client.xpending_range(keys.requests, keys.group, min="-", max="+",
+                                              count=count - len(claimed), consumername=name,
+                                              idle=min_idle_ms)
+        if not pending:
+            continue
+        deliveries = {p["message_id"]: int(p["times_delivered"]) for p in pending}
+        entries = client.xclaim(keys.requests, keys.group, me, min_idle_ms, list(deliveries))
+        taken = [(entry_id, fields) for entry_id, fields in cast(Any, entries) if entry_id is not None]
+        gone = [entry_id for entry_id, fields in taken if not fields]  # deleted while pending
+        if gone:
+            client.xack(keys.requests, keys.group, *gone)
+        live = [(entry_id, fields) for entry_id, fields in taken if fields]
+        progress = client.hmget(keys.progress, [entry_id for entry_id, _ in live]) if live else []
+        for (entry_id, fields), data in zip(live, progress, strict=True):
+            claimed.append(Claimed(entry_id, parse_entry(entry_id, fields), parse_progress(data),
+                                   deliveries.get(entry_id, 1) + 1))
+        if live:
+            log.warning("re-claimed %d requests of stopped worker %s", len(live), name)
+    return claimed
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def parse_progress(data: bytes | str | None) -> queue_pb2.Progress | None:
+    if data is None:
+        return None  # claimed but never stepped: start from scratch
+    try:
+        return queue_pb2.Progress.FromString(data if isinstance(data, bytes) else data.encode())
+    except Exception:
+        log.error("ignoring unreadable progress; restarting the request")
+        return None
+
+
+def parse_entry(entry_id: bytes, fields: dict[bytes, bytes]) -> queue_pb2.QueuedRequest | None:
+    try:
+        return queue_pb2.QueuedRequest.FromString(fields[STREAM_DATA_FIELD])
+    except Exception:  # a foreign or corrupt entry must not stop the worker
+        log.error("dropping unreadable stream entry %r", entry_id)
+        return None
+
