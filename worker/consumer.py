@@ -63,9 +63,8 @@ class Tracked:
     seq: int = 0
     num_chunks: int = 0
     text_parts: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)  # every generated token, for `progress`
-    seed: int = 0
-    first_token_unix: float = 0.0
+    # What another worker needs to resume it (protos/keys.py); token_ids grow in place.
+    record: queue_pb2.Progress = field(default_factory=queue_pb2.Progress)
     # Set when the worker aborted it (deadline, shutdown): replaces the final event.
     error: tuple[queue_pb2.ErrorCode, str] | None = None
     # Aborted at shutdown for another worker to resume: no final event, no XACK.
@@ -75,10 +74,9 @@ class Tracked:
         self.seq += 1
         return queue_pb2.TokenEvent(request_id=request_id, seq=self.seq - 1, **kind)
 
-    def progress(self, worker_id: str) -> bytes:
-        return queue_pb2.Progress(token_ids=self.token_ids, seed=self.seed, next_seq=self.seq,
-                                  num_chunks=self.num_chunks, first_token_unix=self.first_token_unix,
-                                  worker_id=worker_id).SerializeToString()
+    def progress(self) -> bytes:
+        self.record.next_seq, self.record.num_chunks = self.seq, self.num_chunks
+        return self.record.SerializeToString()
 
 
 def claim_capacity(stats: Any) -> int:
@@ -265,9 +263,7 @@ class Consumer:
         tracked = Tracked(entry_id, qr.reply_channel, qr.deadline_unix)
         resume = None
         if progress is not None:  # continue a dead worker's stream where its events stopped
-            tracked.seq, tracked.num_chunks = progress.next_seq, progress.num_chunks
-            tracked.token_ids = list(progress.token_ids)
-            tracked.first_token_unix = progress.first_token_unix
+            tracked.seq, tracked.num_chunks, tracked.record = progress.next_seq, progress.num_chunks, progress
             resume = Resume(tuple(progress.token_ids), progress.seed, progress.first_token_unix)
         request_id = qr.request_id
         if qr.deadline_unix and time.time() > qr.deadline_unix:
@@ -285,7 +281,7 @@ class Consumer:
         except Exception as e:
             log.exception("add_request failed for %s", request_id)
             return self._reject(request_id, tracked, ErrorCode.ERROR_CODE_INTERNAL, f"worker error: {e}")
-        tracked.seed = admitted.seed
+        tracked.record.seed, tracked.record.worker_id = admitted.seed, self.config.worker_id
         if admitted.text:
             tracked.text_parts.append(admitted.text)
         self._running[request_id] = tracked
@@ -317,10 +313,10 @@ class Consumer:
                 chunk = chunk_to_pb(tracked.num_chunks, out.token_ids, out.text, out.logprobs)
                 tracked.num_chunks += 1
                 tracked.text_parts.append(out.text)
-                tracked.token_ids += out.token_ids
-                tracked.first_token_unix = tracked.first_token_unix or time.time()
+                tracked.record.token_ids.extend(out.token_ids)
+                tracked.record.first_token_unix = tracked.record.first_token_unix or time.time()
                 self._outbox.add(tracked.reply_channel, tracked.event(out.request_id, chunk=chunk))
-                self._outbox.progress[tracked.entry_id] = tracked.progress(self.config.worker_id)
+                self._outbox.progress[tracked.entry_id] = tracked.progress()
             if out.finished:
                 self._finish(out, tracked)
 

@@ -58,10 +58,11 @@ class KVCacheManager:
         if not self._free:
             raise RuntimeError("no free KV cache slot (check can_allocate first)")
         slot, hit = self._best_prefix(prompt_ids)
-        if hit < MIN_PREFIX_HIT:
-            slot, hit = self._free[0], 0
-        self._free.remove(slot)
-        heapq.heapify(self._free)
+        if hit >= MIN_PREFIX_HIT:
+            self._free.remove(slot)
+            heapq.heapify(self._free)
+        else:
+            slot, hit = heapq.heappop(self._free), 0
         self._resident.pop(slot, None)
         self._owner[request_id] = slot
         self.num_cached_tokens += hit

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -58,6 +59,7 @@ class ModelRunner:
         token_ids = [c.seq.prefill_ids[c.start:c.start + c.num_tokens] for c in chunks]
         lengths = [c.num_tokens for c in chunks]
         slots = [c.seq.slot for c in chunks]
+        assert None not in slots, "the scheduler gives every prefilling sequence a slot"
         ids = torch.tensor([t for p in token_ids for t in p], device=self.device)  # (T,)
         positions = torch.cat([torch.arange(c.start, c.start + c.num_tokens, device=self.device)
                                for c in chunks])  # (T,)
@@ -70,7 +72,7 @@ class ModelRunner:
             kv_len=max(c.start + c.num_tokens for c in chunks),
             segment_bounds=(0, *itertools.accumulate(lengths)), token_slots=token_slots[None],
             segment_starts=starts if any(starts) else None,
-            segment_slots=tuple(s for s in slots if s is not None),
+            segment_slots=tuple(cast(list[int], slots)),
         )
         logits = self.model.forward(batch, self.cache)  # (num_chunks, V)
         for c in chunks:

@@ -75,7 +75,7 @@ class Scheduler:
     @staticmethod
     def _add_chunk(out: SchedulerOutput, seq: Sequence, budget: int) -> int:
         start = seq.num_computed_tokens
-        n = min(len(seq.prefill_ids) - start, budget)
+        n = min(seq.num_prefill_tokens - start, budget)
         out.prefills.append(PrefillChunk(seq, start, n))
         return n
 

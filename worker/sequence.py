@@ -43,13 +43,17 @@ class Sequence:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
+    def num_prefill_tokens(self) -> int:
+        return len(self.prompt_ids) + self.num_resumed
+
+    @property
     def prefill_ids(self) -> list[int]:
-        """What the first forward pass computes: the prompt plus any resumed output."""
+        """What prefill computes: the prompt plus any resumed output."""
         return self.prompt_ids + self.output_ids[:self.num_resumed]
 
     @property
     def is_prefilled(self) -> bool:
-        return self.num_computed_tokens >= len(self.prompt_ids) + self.num_resumed
+        return self.num_computed_tokens >= self.num_prefill_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -67,4 +71,4 @@ class PrefillChunk:
     @property
     def is_last(self) -> bool:
         """The prompt is complete after this chunk: its first token is sampled this step."""
-        return self.start + self.num_tokens >= len(self.seq.prefill_ids)
+        return self.start + self.num_tokens >= self.seq.num_prefill_tokens
