@@ -62,8 +62,7 @@ def reclaim_dead_workers(client: redis.Redis, config: WorkerConfig, count: int) 
         if len(claimed) >= count:
             continue
         pending = client.xpending_range(keys.requests, keys.group, min="-", max="+",
-                                              count=count - len(claimed), consumername=name,
-                                              idle=min_idle_ms)
+                                        count=count - len(claimed), consumername=name, idle=min_idle_ms)
         if not pending:
             continue
         deliveries = {p["message_id"]: int(p["times_delivered"]) for p in pending}
