@@ -30,7 +30,8 @@ def make_hf_model(num_heads: int = 4, num_kv_heads: int = 2, tie: bool = False,
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
-def ours_from_hf(hf: Any, dtype: torch.dtype = torch.float32) -> LlamaModel:
+def ours_from_hf(hf: Any, dtype: torch.dtype = torch.float32, native: bool = True) -> LlamaModel:
+    """Our model with hf's weights; native=False keeps decode attention in torch (the CUDA path)."""
     c = hf.config
     config = ModelConfig(
         vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
@@ -43,7 +44,7 @@ def ours_from_hf(hf: Any, dtype: torch.dtype = torch.float32) -> LlamaModel:
     weights = {k: v.detach().clone() for k, v in hf.state_dict().items()}
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
-    return LlamaModel(config, weights, dtype=dtype)
+    return LlamaModel(config, weights, dtype=dtype, enable_native_kernels=native)
 
 
 def _rope_scaling(c: Any) -> dict[str, Any] | None:

@@ -46,3 +46,22 @@ def test_console_scripts_resolve() -> None:
     for name in ("tokenrelay", "tokenrelay-gateway", "tokenrelay-worker", "tokenrelay-client"):
         module, _, func = scripts[name].partition(":")
         assert callable(getattr(importlib.import_module(module), func)), name
+
+
+@pytest.mark.parametrize(("argv", "env", "expected"), [
+    ([], {}, (True, True)),
+    (["--no-native-kernels", "--no-prefix-caching"], {}, (False, False)),
+    ([], {"TOKENRELAY_NATIVE_KERNELS": "0", "TOKENRELAY_PREFIX_CACHING": "false"}, (False, False)),
+    (["--native-kernels"], {"TOKENRELAY_NATIVE_KERNELS": "0"}, (True, True)),  # a flag beats the env
+])
+def test_worker_engine_switches_from_flags_and_env(argv: list[str], env: dict[str, str],
+                                                   expected: tuple[bool, bool],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.__main__ import config_from_args
+
+    for name in ("TOKENRELAY_NATIVE_KERNELS", "TOKENRELAY_PREFIX_CACHING"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    config, _ = config_from_args(argv)
+    assert (config.engine.enable_native_kernels, config.engine.enable_prefix_caching) == expected

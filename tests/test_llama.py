@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import shutil
 
 import pytest
 import torch
@@ -11,8 +12,10 @@ transformers = pytest.importorskip("transformers")
 
 from tests.factories import make_hf_model, ours_from_hf  # noqa: E402
 from worker.model.llama import ForwardBatch, KVCache, LlamaModel  # noqa: E402
+from worker.model.native import COMPILERS  # noqa: E402
 
 TOL = 1e-4
+HAS_COMPILER = any(shutil.which(c) for c in COMPILERS)  # else CPU decode falls back to torch
 
 
 def run_prefill(model: LlamaModel, cache: KVCache, ids: list[int], slot: int) -> torch.Tensor:
@@ -34,10 +37,12 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 @pytest.mark.parametrize("case", CASES)
-def test_prefill_and_every_decode_step_match_transformers(case: str) -> None:
+def test_prefill_and_every_decode_step_match_transformers(case: str, native: bool) -> None:
     hf = make_hf_model(**CASES[case])  # type: ignore[arg-type]
-    ours = ours_from_hf(hf)
+    ours = ours_from_hf(hf, native=native)
+    assert (ours.native_decode is not None) == (native and HAS_COMPILER)
     cache = KVCache(ours.config, num_slots=3, max_len=64, dtype=torch.float32, device=torch.device("cpu"))
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 128, (1, 40), generator=g)[0].tolist()
@@ -74,9 +79,10 @@ def test_half_precision_path_tracks_transformers_fp32(dtype: torch.dtype) -> Non
         assert (ours.forward(batch, cache)[0] - ref[pos]).abs().max() <= 0.01 * scale, f"position {pos}"
 
 
-def test_packed_prefill_of_several_prompts_matches_each_alone() -> None:
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_packed_prefill_of_several_prompts_matches_each_alone(native: bool) -> None:
     hf = make_hf_model()
-    ours = ours_from_hf(hf)
+    ours = ours_from_hf(hf, native=native)
     cache = KVCache(ours.config, num_slots=4, max_len=64, dtype=torch.float32, device=torch.device("cpu"))
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (6, 1, 13)]

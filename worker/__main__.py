@@ -63,6 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reuse the keys/values a finished request left in its cache slot for a new prompt "
                         "that starts the same way (multi-turn chat, shared system prompts) "
                         "[env TOKENRELAY_PREFIX_CACHING=0 to disable]")
+    p.add_argument("--native-kernels", action=argparse.BooleanOptionalAction,
+                   default=_env("TOKENRELAY_NATIVE_KERNELS", "1") not in ("0", "false", "no"),
+                   help="on CPU fp32, compute decode attention in a C kernel built on first use with the "
+                        "machine's compiler (falls back to torch when there is none) "
+                        "[env TOKENRELAY_NATIVE_KERNELS=0 to disable]")
     p.add_argument("--num-threads", type=int, default=_env("TOKENRELAY_NUM_THREADS"),
                    help="torch CPU threads; default torch's choice [env TOKENRELAY_NUM_THREADS]")
     p.add_argument("--drain-timeout", type=float, default=_env("TOKENRELAY_DRAIN_TIMEOUT_S", 30),
@@ -89,7 +94,8 @@ def config_from_args(argv: list[str] | None = None) -> tuple[WorkerConfig, str]:
                               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                               kv_cache_memory_mb=args.kv_cache_memory_mb,
                               max_prefill_tokens=args.max_prefill_tokens, num_threads=args.num_threads,
-                              enable_prefix_caching=args.prefix_caching)
+                              enable_prefix_caching=args.prefix_caching,
+                              enable_native_kernels=args.native_kernels)
         config = WorkerConfig(engine=engine, redis_url=args.redis_url, key_prefix=args.key_prefix,
                               worker_id=args.worker_id or default_worker_id(),
                               drain_timeout_s=args.drain_timeout, heartbeat_ttl_s=args.heartbeat_ttl,

@@ -23,6 +23,8 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; None = torch's default
     # Reuse the K/V a freed slot still holds for a new prompt with the same prefix.
     enable_prefix_caching: bool = True
+    # CPU fp32 decode attention in a C kernel compiled on first use (worker/model/native.py).
+    enable_native_kernels: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

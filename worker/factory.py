@@ -26,7 +26,8 @@ def build_text_engine(config: EngineConfig) -> TextEngine:
     dtype = DTYPES[config.dtype]
     with weights_loading():
         model_config, weights = load_model(path, dtype=dtype)
-        model = LlamaModel(model_config, weights, dtype=dtype, device=config.device)
+        model = LlamaModel(model_config, weights, dtype=dtype, device=config.device,
+                           enable_native_kernels=config.enable_native_kernels)
         del weights
     tokenizer = Tokenizer.load(path)
     max_len, num_slots = cache_shape(config, model_config, dtype)

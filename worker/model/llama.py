@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.model.config import ModelConfig
+from worker.model.native import DecodeAttention, load_decode_attention
 from worker.model.rope import apply_rope, rope_tables
 
 
@@ -132,10 +133,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", *,
+                 enable_native_kernels: bool = True) -> None:
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
+        # CPU fp32 decode reads each row's own cache length in a C kernel (see native.py)
+        self.native_decode: DecodeAttention | None = (
+            load_decode_attention() if enable_native_kernels and self.device.type == "cpu"
+            and dtype == torch.float32 else None)
         kernel = pick_linear(self.device, dtype)
         self.linear, self._pack = kernel.linear, kernel.pack
         self.embed = weights.pop("model.embed_tokens.weight").to(self.device, dtype)  # (V, C)
@@ -187,8 +193,10 @@ class LlamaModel:
         write_index = (slots[:, None, :],  # (B, 1, 1 or T)
                        self.kv_head_index,  # (1, K, 1)
                        positions[:, None, :])  # (B, 1, T)
-        mask = None
-        if batch.segment_bounds is None and batch.needs_mask:
+        mask, key_counts = None, None
+        if input_ids.shape[1] == 1 and self.native_decode is not None:
+            key_counts = positions[:, 0] + 1  # (B,): the kernel reads keys [0, position] of each row
+        elif batch.segment_bounds is None and batch.needs_mask:
             # key j is visible to a query at position p iff j <= p (covers causal + padding)
             key_pos = torch.arange(kv_len, device=self.device)  # (kv_len,)
             mask = (key_pos[None, None, None, :] <= positions[:, None, :, None])  # (B, 1, T, kv_len)
@@ -198,7 +206,7 @@ class LlamaModel:
                 mask = bias.masked_fill_(~mask, float("-inf")).view(B * K, 1, kv_len)  # (B * K, 1, kv_len)
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm, self.config.rms_norm_eps)  # (B, T, C)
-            x = x + self._attention(h, layer, cache, i, batch, cos, sin, mask, write_index)
+            x = x + self._attention(h, layer, cache, i, batch, cos, sin, mask, write_index, key_counts)
             h = rms_norm(x, layer.mlp_norm, self.config.rms_norm_eps)  # (B, T, C)
             x = x + self._mlp(h, layer)
         if batch.segment_bounds is not None:
@@ -210,7 +218,8 @@ class LlamaModel:
 
     def _attention(self, h: torch.Tensor, layer: LayerWeights, cache: KVCache, i: int,
                    batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor,
-                   mask: torch.Tensor | None, write_index: tuple[torch.Tensor, ...]) -> torch.Tensor:
+                   mask: torch.Tensor | None, write_index: tuple[torch.Tensor, ...],
+                   key_counts: torch.Tensor | None) -> torch.Tensor:
         cfg = self.config
         B, T, _ = h.shape
         H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -223,6 +232,10 @@ class LlamaModel:
         cache.k[i].index_put_(write_index, k)
         cache.v[i].index_put_(write_index, v)
         kv_len, slots = batch.kv_len, batch.slot_range
+        if key_counts is not None and self.native_decode is not None:  # CPU fp32 decode
+            out = self.native_decode(qk[:, 0, :H], cache.k[i], cache.v[i], batch.slot_ids,
+                                     key_counts)  # (B, H, D)
+            return self.linear(out.view(B, 1, H * D), layer.wo)  # (B, 1, C)
         if batch.segment_bounds is not None:  # packed prompt chunks
             out = torch.cat(self._chunk_attention(q, k, v, cache, i, batch), dim=2)  # (1, H, T, D)
         else:
