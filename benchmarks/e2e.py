@@ -5,6 +5,9 @@ Workload: 16 concurrent requests, 128 new tokens each (EOS ignored), greedy.
   * in-process: a TextEngine in this process, all 16 added at once, stepped to the end;
   * end to end: a private Redis, `python -m gateway` and `python -m worker` as
     child processes, 16 concurrent grpc.aio streams from this process.
+  * gRPC floor: the same 16-call burst from the same client against a no-op
+    grpc.aio server (one chunk back at once, no Redis, no model), so the part of
+    the added first-token time that is Python gRPC itself is measured, not guessed.
 Reports aggregate output tokens/s for both and their ratio (target >= 0.9),
 time to first token p50/p99 (target: end to end adds <= 10 ms at p50), Redis
 commands per generated token from `INFO commandstats` (target <= 0.5) and the
@@ -14,7 +17,7 @@ then one JSON line (medians over --runs).
 The two sides alternate run by run (in-process, end to end, in-process, ...)
 so that drift of a shared host hits both alike.
 
-    python benchmarks/e2e.py [--runs 5] [--threads 2]
+    python benchmarks/e2e.py [--runs 7] [--threads 2]
 """
 
 from __future__ import annotations
@@ -114,7 +117,29 @@ async def run_streams(target: str, prompts: list[str]) -> dict[str, float]:
     report = summary(sum(n for _, n, _ in results), wall, [t for t, _, _ in results])
     report["ttft_p50_ms_worker"] = percentile([u.time_to_first_token_s for _, _, u in results], 0.5) * 1000
     report["queue_p50_ms_worker"] = percentile([u.queue_time_s for _, _, u in results], 0.5) * 1000
+    # admitted -> first token: the prefill step itself, to hold against the in-process TTFT
+    report["step_p50_ms_worker"] = percentile([u.time_to_first_token_s - u.queue_time_s
+                                               for _, _, u in results], 0.5) * 1000
     return report
+
+
+class NoopServicer(generate_pb2_grpc.TokenRelayServicer):
+    """Answers Generate with one chunk and a final message at once: the transport alone."""
+
+    async def Generate(self, request: Any, context: Any) -> Any:  # noqa: N802 (gRPC's name)
+        yield generate_pb2.GenerateResponse(chunk=generate_pb2.Chunk(index=0, token_ids=[1], text="x"))
+        yield generate_pb2.GenerateResponse(final=generate_pb2.Final(usage=generate_pb2.Usage()))
+
+    async def GetServerInfo(self, request: Any, context: Any) -> Any:  # noqa: N802
+        return generate_pb2.ServerInfo(workers=[generate_pb2.WorkerInfo()])
+
+
+async def serve_noop(target: str) -> None:
+    server = grpc.aio.server()
+    generate_pb2_grpc.add_TokenRelayServicer_to_server(NoopServicer(), server)
+    server.add_insecure_port(target)
+    await server.start()
+    await server.wait_for_termination()
 
 
 def wait_for_worker(target: str, timeout_s: float = 300) -> None:
@@ -149,8 +174,9 @@ def run_both(threads: int, max_model_len: int, runs: int
     """Alternate in-process and end-to-end runs, so host drift hits both sides alike."""
     inproc_once = inproc_runner(threads, max_model_len)
     with EmbeddedRedis() as server:
-        target = f"127.0.0.1:{free_port()}"
+        target, noop_target = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
         common = ["--redis-url", server.url, "--log-level", "WARNING"]
+        noop = subprocess.Popen([sys.executable, __file__, "--noop-server", noop_target], cwd=ROOT)
         gateway = subprocess.Popen([sys.executable, "-m", "gateway", "--listen", target, *common], cwd=ROOT)
         worker = subprocess.Popen([sys.executable, "-m", "worker", "--max-num-seqs", str(NUM_CONCURRENT),
                                    "--num-threads", str(threads), "--max-model-len", str(max_model_len),
@@ -158,6 +184,7 @@ def run_both(threads: int, max_model_len: int, runs: int
         client = redis.Redis.from_url(server.url)
         try:
             wait_for_worker(target)
+            wait_for_worker(noop_target)
             asyncio.run(run_streams(target, prompts("we")[:2]))
             inproc, e2e = [], []
             for r in range(runs):
@@ -165,6 +192,8 @@ def run_both(threads: int, max_model_len: int, runs: int
                 client.config_resetstat()
                 result = asyncio.run(run_streams(target, prompts(f"e{r}")))
                 result["redis_cmds_per_token"] = commands_since_reset(client) / result["tokens"]
+                result["grpc_floor_ttft_p50_ms"] = statistics.median(
+                    asyncio.run(run_streams(noop_target, prompts("floor")))["ttft_p50_ms"] for _ in range(5))
                 e2e.append(result)
                 print(f"run {r + 1}/{runs}: in-process {inproc[-1]['tps']:.1f} tok/s, TTFT p50 "
                       f"{inproc[-1]['ttft_p50_ms']:.0f} ms; end to end {result['tps']:.1f} tok/s, TTFT p50 "
@@ -172,7 +201,7 @@ def run_both(threads: int, max_model_len: int, runs: int
             return inproc, e2e, peak_rss_mb(gateway.pid)
         finally:
             client.close()
-            for proc in (worker, gateway):
+            for proc in (worker, gateway, noop):
                 proc.terminate()
                 proc.wait(60)
 
@@ -184,11 +213,15 @@ def median(results: list[dict[str, float]], key: str) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", type=int, default=5, help="measured runs per side (medians are reported)")
+    parser.add_argument("--noop-server", help=argparse.SUPPRESS)
+    parser.add_argument("--runs", type=int, default=7, help="measured runs per side (medians are reported)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads, both sides")
     parser.add_argument("--max-model-len", type=int, default=512,
                         help="KV cache tokens per sequence, both sides (the prompts + 128 tokens fit in 512)")
     args = parser.parse_args()
+    if args.noop_server:
+        asyncio.run(serve_noop(args.noop_server))
+        return 0
 
     inproc, e2e, gateway_rss = run_both(args.threads, args.max_model_len, args.runs)
     report = {
@@ -200,12 +233,15 @@ def main() -> int:
         # Enqueue -> first token as the worker measured it (Usage.time_to_first_token_s).
         "ttft_p50_ms_e2e_worker": median(e2e, "ttft_p50_ms_worker"),
         "queue_p50_ms_e2e_worker": median(e2e, "queue_p50_ms_worker"),  # enqueue -> admitted
+        "step_p50_ms_e2e_worker": median(e2e, "step_p50_ms_worker"),  # admitted -> first token
         # TTFT p50 is one prefill step, which alone varies by +-10% on a shared host: also
         # give the paired per-run difference, and the part spent outside the worker
         # (gRPC + gateway + XADD before, PUBLISH + relay after).
         "ttft_p50_added_ms": statistics.median(e["ttft_p50_ms"] - i["ttft_p50_ms"]
                                                for e, i in zip(e2e, inproc, strict=True)),
         "outside_worker_p50_ms": statistics.median(e["ttft_p50_ms"] - e["ttft_p50_ms_worker"] for e in e2e),
+        # the same client's 16-call burst against a no-op grpc.aio server: Python gRPC's share
+        "grpc_floor_ttft_p50_ms": median(e2e, "grpc_floor_ttft_p50_ms"),
         "redis_cmds_per_token": median(e2e, "redis_cmds_per_token"), "gateway_peak_rss_mb": gateway_rss,
         "num_concurrent": NUM_CONCURRENT, "new_tokens": NEW_TOKENS, "runs": args.runs,
         "threads": args.threads, "max_model_len": args.max_model_len,
@@ -216,8 +252,11 @@ def main() -> int:
             ("TTFT p99 (ms)", report["ttft_p99_ms_inproc"], report["ttft_p99_ms_e2e"], ""),
             ("  p50 worker-side (ms)", float("nan"), report["ttft_p50_ms_e2e_worker"], "from enqueue"),
             ("  p50 queued (ms)", float("nan"), report["queue_p50_ms_e2e_worker"], "enqueue -> admitted"),
+            ("  p50 prefill step (ms)", report["ttft_p50_ms_inproc"], report["step_p50_ms_e2e_worker"],
+             "admitted -> first token"),
             ("  p50 outside worker (ms)", nan, report["outside_worker_p50_ms"], "client - worker-side"),
-            ("TTFT p50 added (ms)", nan, report["ttft_p50_added_ms"], "median of per-run e2e - inproc")]
+            ("TTFT p50 added (ms)", nan, report["ttft_p50_added_ms"], "median of per-run e2e - inproc"),
+            ("  of which gRPC floor", nan, report["grpc_floor_ttft_p50_ms"], "no-op server, same burst")]
     print(f"{'':22}{'in-process':>12}{'end to end':>12}  target")
     for name, a, b, target in rows:
         print(f"{name:22}{a:12.1f}{b:12.1f}  {target}")
