@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -108,5 +109,25 @@ def test_a_compile_error_falls_back(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     load_decode_attention.cache_clear()
     try:
         assert load_decode_attention(tmp_path / "cache") is None
+    finally:
+        load_decode_attention.cache_clear()
+
+
+def test_an_unwritable_cache_folder_falls_back_to_the_temp_folder(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    locked = tmp_path / "read-only-home"
+    real_build = native._build
+
+    def build(source: Path, cache_dir: Path) -> Path:
+        if cache_dir.is_relative_to(locked):  # as os.mkdir fails there for a non-root user
+            raise PermissionError(13, "Permission denied", str(cache_dir))
+        return real_build(source, cache_dir)
+
+    monkeypatch.setattr(native, "_build", build)
+    monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    load_decode_attention.cache_clear()
+    try:
+        assert load_decode_attention(locked / "kernels") is not None
+        assert list((tmp_path / "tmp").glob(f"tokenrelay-kernels-{os.getuid()}/*.so"))
     finally:
         load_decode_attention.cache_clear()

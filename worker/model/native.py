@@ -61,7 +61,11 @@ class DecodeAttention:
 def load_decode_attention(cache_dir: Path | None = None) -> DecodeAttention | None:
     """The compiled kernel, or None (logged once) where it cannot be built or loaded here."""
     try:
-        lib = ctypes.CDLL(str(_build(SOURCE, cache_dir or _default_cache_dir())))
+        try:
+            path = _build(SOURCE, cache_dir or _default_cache_dir())
+        except PermissionError:  # a read-only home (containers, CI): build in the temp folder instead
+            path = _build(SOURCE, Path(tempfile.gettempdir()) / f"tokenrelay-kernels-{os.getuid()}")
+        lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError, RuntimeError) as e:
         log.warning("native decode attention unavailable, using torch: %s", e)
         return None
