@@ -29,10 +29,14 @@ def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:  # type: ignore[no-un
     return ids[0, len(prompt):].tolist()
 
 
+@pytest.mark.parametrize("mixed_steps", [True, False], ids=["one-forward", "two-forwards"])
 @pytest.mark.parametrize("budget", [512, 7], ids=["whole-prompts", "chunked-prefill"])
-def test_greedy_equals_transformers_generate_in_a_mixed_batch(hf, budget: int) -> None:  # type: ignore[no-untyped-def]
-    # budget 7: prompts of 9-30 tokens are prefilled over several steps, next to running decodes
+def test_greedy_equals_transformers_generate_in_a_mixed_batch(hf, budget: int,  # type: ignore[no-untyped-def]
+                                                              mixed_steps: bool) -> None:
+    # budget 7: prompts of 9-30 tokens are prefilled over several steps, next to running decodes.
+    # one-forward: those steps run prompt chunks and decodes as one packed row (CPU kernel).
     engine = make_engine(ours_from_hf(hf), num_slots=4, max_prefill_tokens=budget)
+    engine.runner.enable_mixed_steps = mixed_steps and engine.runner.model.native_decode is not None
     prompts = make_prompts(6)  # 6 requests, 4 slots: two wait, then join mid-flight
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, greedy(max_tokens=12))

@@ -133,3 +133,29 @@ def test_chunked_prefill_continues_from_the_cache() -> None:
                         slot_ids=torch.tensor([2]), kv_len=30, segment_bounds=(0, 10),
                         token_slots=torch.full((1, 10), 2), segment_starts=(20,), segment_slots=(2,))
     assert (ours.forward(last, cache)[0] - ref_long[29]).abs().max() <= TOL
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="mixed steps need the native decode kernel (no C compiler here)")
+def test_mixed_step_of_prompt_chunks_and_decodes_matches_transformers() -> None:
+    """One packed row: a fresh prompt, the second chunk of another, then one decode token
+    for each of two running sequences; every logit row equals transformers'."""
+    hf = make_hf_model(num_heads=4, num_kv_heads=2)
+    ours = ours_from_hf(hf)
+    cache = KVCache(ours.config, num_slots=4, max_len=64, dtype=torch.float32, device=torch.device("cpu"))
+    g = torch.Generator().manual_seed(11)
+    running = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (7, 19)]  # slots 3 and 1
+    fresh, chunked = (torch.randint(0, 128, (n,), generator=g).tolist() for n in (5, 16))  # slots 0 and 2
+    for ids, slot in zip(running, (3, 1), strict=True):
+        run_prefill(ours, cache, ids[:-1], slot)  # their last token is this step's decode input
+    run_prefill(ours, cache, chunked[:9], slot=2)  # chunk 1 of `chunked`
+    ids = fresh + chunked[9:] + [r[-1] for r in running]
+    positions = [*range(5), *range(9, 16), len(running[0]) - 1, len(running[1]) - 1]
+    batch = ForwardBatch(
+        input_ids=torch.tensor([ids]), positions=torch.tensor([positions]), slot_ids=torch.tensor([0]),
+        kv_len=16, segment_bounds=(0, 5, 12), token_slots=torch.tensor([[0] * 5 + [2] * 7 + [3, 1]]),
+        segment_starts=(0, 9), segment_slots=(0, 2), decode_slot_ids=torch.tensor([3, 1]))
+    got = ours.forward(batch, cache)  # (2 prompts + 2 decodes, V)
+    assert got.shape[0] == 4
+    with torch.no_grad():
+        for row, seq in zip(got, [fresh, chunked, *running], strict=True):
+            assert (row - hf(torch.tensor([seq])).logits[0, -1]).abs().max() <= TOL

@@ -1,9 +1,11 @@
 """Owns every tensor: builds forward batches, runs the model, samples.
 
 One call per engine step: this step's prompt chunks (packed into one row, no
-padding) and one decode token for every running sequence, then one sampler
-call over the rows that get a token (completed prompts and decodes) and one
-host sync.
+padding) and one decode token for every running sequence. With the CPU decode
+kernel both go through one forward (decode tokens at the end of the packed row),
+so the weights are read once per step; otherwise prompts and decodes are two
+forwards. Then one sampler call over the rows that get a token (completed prompts
+and decodes) and one host sync.
 """
 
 from __future__ import annotations
@@ -33,15 +35,21 @@ class ModelRunner:
         self.cache = cache
         self.device = model.device
         self.sampler = Sampler()
+        # Prompt chunks and decodes in one forward where decode attention can run on the
+        # packed row (the CPU kernel); else two forwards, the weights read twice.
+        self.enable_mixed_steps = model.native_decode is not None
 
     def run(self, prefills: list[PrefillChunk], decodes: list[Sequence]) -> list[SampledToken]:
         """Compute the chunks and decodes; sample the next token of every sequence whose
         prompt completes this step, then of every decode: results in that order."""
         logits = []
-        if prefills:
-            logits.append(self._prefill(prefills))
-        if decodes:
-            logits.append(self._decode(decodes))
+        if prefills and decodes and self.enable_mixed_steps:
+            logits.append(self._prefill(prefills, decodes))  # one forward: weights read once
+        else:
+            if prefills:
+                logits.append(self._prefill(prefills))
+            if decodes:
+                logits.append(self._decode(decodes))
         seqs = [c.seq for c in prefills if c.is_last] + decodes
         if not seqs:
             return []  # only partial prompt chunks ran
@@ -51,20 +59,25 @@ class ModelRunner:
         batch = build_sampling_batch(rows, all_logits.shape[-1], self.device)
         return self._to_host(self.sampler(all_logits, batch))
 
-    def _prefill(self, chunks: list[PrefillChunk]) -> torch.Tensor:
+    def _prefill(self, chunks: list[PrefillChunk], decodes: list[Sequence] | None = None) -> torch.Tensor:
         """All prompt chunks packed into one row: no padding, one big matmul per weight.
+        Decodes, if given, ride at the end of the same row (one token each).
 
-        Returns the logits of the last token of each chunk that completes its prompt.
+        Returns the logits of the last token of each chunk that completes its prompt,
+        then of each decode.
         """
+        decodes = decodes or []
         token_ids = [c.seq.prefill_ids[c.start:c.start + c.num_tokens] for c in chunks]
+        token_ids.append([s.output_ids[-1] for s in decodes])
         lengths = [c.num_tokens for c in chunks]
         slots = [c.seq.slot for c in chunks]
-        assert None not in slots, "the scheduler gives every prefilling sequence a slot"
+        decode_slots = [s.slot for s in decodes]
+        assert None not in slots + decode_slots, "the scheduler gives every running sequence a slot"
         ids = torch.tensor([t for p in token_ids for t in p], device=self.device)  # (T,)
-        positions = torch.cat([torch.arange(c.start, c.start + c.num_tokens, device=self.device)
-                               for c in chunks])  # (T,)
-        token_slots = torch.tensor([s for s, n in zip(slots, lengths, strict=True) for _ in range(n)],
-                                   device=self.device)  # (T,)
+        positions = torch.tensor([p for c in chunks for p in range(c.start, c.start + c.num_tokens)]
+                                 + [s.num_tokens - 1 for s in decodes], device=self.device)  # (T,)
+        token_slots = torch.tensor([s for s, n in zip(slots, lengths, strict=True) for _ in range(n)]
+                                   + decode_slots, device=self.device)  # (T,)
         starts = tuple(c.start for c in chunks)
         batch = ForwardBatch(
             input_ids=ids[None], positions=positions[None],
@@ -73,12 +86,15 @@ class ModelRunner:
             segment_bounds=(0, *itertools.accumulate(lengths)), token_slots=token_slots[None],
             segment_starts=starts if any(starts) else None,
             segment_slots=tuple(cast(list[int], slots)),
+            decode_slot_ids=torch.tensor(decode_slots, device=self.device) if decodes else None,
         )
-        logits = self.model.forward(batch, self.cache)  # (num_chunks, V)
+        logits = self.model.forward(batch, self.cache)  # (num_chunks + num_decodes, V)
         for c in chunks:
             c.seq.num_computed_tokens = c.start + c.num_tokens
-        done = [i for i, c in enumerate(chunks) if c.is_last]
-        return logits if len(done) == len(chunks) else logits[done]
+        for s in decodes:
+            s.num_computed_tokens = s.num_tokens
+        done = [i for i, c in enumerate(chunks) if c.is_last] + list(range(len(chunks), len(logits)))
+        return logits if len(done) == len(logits) else logits[done]
 
     def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
         last = [s.output_ids[-1] for s in seqs]

@@ -42,6 +42,11 @@ class ForwardBatch:
     # A segment starting later attends to its slot's cached keys [0, start) too.
     segment_starts: tuple[int, ...] | None = None
     segment_slots: tuple[int, ...] | None = None  # cache slot of each segment (host ints)
+    # Mixed step (native decode attention only): the packed row ends with one decode
+    # token for each of these slots, after the last segment; their logits follow the
+    # segments'. Weights are then read once per step, not once for prompts and again
+    # for decodes.
+    decode_slot_ids: torch.Tensor | None = None  # (num_decodes,)
 
 
 @dataclass
@@ -198,6 +203,9 @@ class LlamaModel:
         mask, key_counts = None, None
         if input_ids.shape[1] == 1 and self.native_decode is not None:
             key_counts = positions[:, 0] + 1  # (B,): the kernel reads keys [0, position] of each row
+        elif batch.decode_slot_ids is not None:
+            assert self.native_decode is not None, "mixed steps need the native decode kernel"
+            key_counts = positions[0, -batch.decode_slot_ids.shape[0]:] + 1  # (num_decodes,)
         elif batch.segment_bounds is None and batch.needs_mask:
             # key j is visible to a query at position p iff j <= p (covers causal + padding)
             key_pos = torch.arange(kv_len, device=self.device)  # (kv_len,)
@@ -212,7 +220,9 @@ class LlamaModel:
             h = rms_norm(x, layer.mlp_norm, self.config.rms_norm_eps)  # (B, T, C)
             x = x + self._mlp(h, layer)
         if batch.segment_bounds is not None:
-            x = x[0, [b - 1 for b in batch.segment_bounds[1:]]]  # (num_prompts, C)
+            last = [b - 1 for b in batch.segment_bounds[1:]]
+            num_prefill = batch.segment_bounds[-1]
+            x = x[0, last + list(range(num_prefill, input_ids.shape[1]))]  # (num_prompts + num_decodes, C)
         else:
             x = x[:, -1]  # (B, C)
         x = rms_norm(x, self.norm, self.config.rms_norm_eps)
@@ -234,12 +244,18 @@ class LlamaModel:
         cache.k[i].index_put_(write_index, k)
         cache.v[i].index_put_(write_index, v)
         kv_len, slots = batch.kv_len, batch.slot_range
-        if key_counts is not None and self.native_decode is not None:  # CPU fp32 decode
+        if T == 1 and key_counts is not None and self.native_decode is not None:  # CPU fp32 decode
             out = self.native_decode(qk[:, 0, :H], cache.k[i], cache.v[i], batch.slot_ids,
                                      key_counts)  # (B, H, D)
             return self.linear(out.view(B, 1, H * D), layer.wo)  # (B, 1, C)
-        if batch.segment_bounds is not None:  # packed prompt chunks
-            out = torch.cat(self._chunk_attention(q, k, v, cache, i, batch), dim=2)  # (1, H, T, D)
+        if batch.segment_bounds is not None:  # packed prompt chunks, then any decode tokens
+            outs = self._chunk_attention(q, k, v, cache, i, batch)
+            if batch.decode_slot_ids is not None and self.native_decode is not None:
+                assert key_counts is not None
+                decoded = self.native_decode(qk[0, batch.segment_bounds[-1]:, :H], cache.k[i], cache.v[i],
+                                             batch.decode_slot_ids, key_counts)  # (num_decodes, H, D)
+                outs.append(decoded.transpose(0, 1)[None])  # (1, H, num_decodes, D)
+            out = torch.cat(outs, dim=2)  # (1, H, T, D)
         else:
             if slots is not None:
                 keys = cache.k[i, slots, :, :kv_len]  # (B, K, kv_len, D) view, no copy
