@@ -1,4 +1,4 @@
-"""The compiled CPU decode-attention kernel against plain torch attention."""
+"""The compiled CPU kernels against plain torch: decode attention and RMSNorm."""
 
 from __future__ import annotations
 
@@ -10,17 +10,22 @@ import pytest
 import torch
 
 from worker.model import native
-from worker.model.native import COMPILERS, DecodeAttention, load_decode_attention
+from worker.model.native import COMPILERS, DecodeAttention, NativeKernels, load_native_kernels
 
 if not any(shutil.which(c) for c in COMPILERS):
     pytest.skip("no C compiler on this machine: the model uses its torch path", allow_module_level=True)
 
 
 @pytest.fixture(scope="module")
-def kernel() -> DecodeAttention:
-    k = load_decode_attention()
-    assert k is not None, "a C compiler is present, so the kernel must build and load"
+def kernels() -> NativeKernels:
+    k = load_native_kernels()
+    assert k is not None, "a C compiler is present, so the kernels must build and load"
     return k
+
+
+@pytest.fixture(scope="module")
+def kernel(kernels: NativeKernels) -> DecodeAttention:
+    return kernels.decode_attention
 
 
 def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -95,22 +100,22 @@ def test_the_build_is_cached_and_a_missing_compiler_falls_back(tmp_path: Path,
     assert built.exists() and native._build(native.SOURCE, tmp_path) == built  # second call reuses it
     assert [p.name for p in tmp_path.iterdir()] == [built.name]  # no temporary files left behind
     monkeypatch.setattr(native, "COMPILERS", ("no-such-compiler-here",))
-    load_decode_attention.cache_clear()
+    load_native_kernels.cache_clear()
     try:
-        assert load_decode_attention(tmp_path / "other") is None
+        assert load_native_kernels(tmp_path / "other") is None
     finally:
-        load_decode_attention.cache_clear()
+        load_native_kernels.cache_clear()
 
 
 def test_a_compile_error_falls_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     bad = tmp_path / "bad.c"
     bad.write_text("this is not C\n")
     monkeypatch.setattr(native, "SOURCE", bad)
-    load_decode_attention.cache_clear()
+    load_native_kernels.cache_clear()
     try:
-        assert load_decode_attention(tmp_path / "cache") is None
+        assert load_native_kernels(tmp_path / "cache") is None
     finally:
-        load_decode_attention.cache_clear()
+        load_native_kernels.cache_clear()
 
 
 def test_an_unwritable_cache_folder_falls_back_to_the_temp_folder(tmp_path: Path,
@@ -125,9 +130,21 @@ def test_an_unwritable_cache_folder_falls_back_to_the_temp_folder(tmp_path: Path
 
     monkeypatch.setattr(native, "_build", build)
     monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
-    load_decode_attention.cache_clear()
+    load_native_kernels.cache_clear()
     try:
-        assert load_decode_attention(locked / "kernels") is not None
+        assert load_native_kernels(locked / "kernels") is not None
         assert list((tmp_path / "tmp").glob(f"tokenrelay-kernels-{os.getuid()}/*.so"))
     finally:
-        load_decode_attention.cache_clear()
+        load_native_kernels.cache_clear()
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 576), (16, 1, 64), (1, 37, 96), (3, 5, 1)])
+def test_rms_norm_matches_torch(kernels: NativeKernels, shape: tuple[int, ...]) -> None:
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(*shape, generator=g) * 3
+    w = torch.randn(shape[-1], generator=g)
+    want = torch.rms_norm(x, w.shape, w, 1e-5)
+    assert (kernels.rms_norm(x, w, 1e-5) - want).abs().max() <= 1e-5 * want.abs().max()
+    strided = torch.randn(shape[0], shape[1] + 1, shape[2], generator=g)[:, 1:]  # a non-contiguous view
+    assert torch.allclose(kernels.rms_norm(strided, w, 1e-5), torch.rms_norm(strided, w.shape, w, 1e-5),
+                          rtol=1e-5, atol=1e-6)

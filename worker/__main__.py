@@ -65,8 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "[env TOKENRELAY_PREFIX_CACHING=0 to disable]")
     p.add_argument("--native-kernels", action=argparse.BooleanOptionalAction,
                    default=_env("TOKENRELAY_NATIVE_KERNELS", "1") not in ("0", "false", "no"),
-                   help="on CPU fp32, compute decode attention in a C kernel built on first use with the "
-                        "machine's compiler (falls back to torch when there is none) "
+                   help="on CPU fp32, run decode attention and RMSNorm in C kernels built on first use "
+                        "with the machine's compiler (falls back to torch when there is none) "
                         "[env TOKENRELAY_NATIVE_KERNELS=0 to disable]")
     p.add_argument("--num-threads", type=int, default=_env("TOKENRELAY_NUM_THREADS"),
                    help="torch CPU threads; default torch's choice [env TOKENRELAY_NUM_THREADS]")

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.model.config import ModelConfig
-from worker.model.native import DecodeAttention, load_decode_attention
+from worker.model.native import DecodeAttention, load_native_kernels
 from worker.model.rope import apply_rope, rope_tables
 
 
@@ -143,10 +143,12 @@ class LlamaModel:
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
-        # CPU fp32 decode reads each row's own cache length in a C kernel (see native.py)
-        self.native_decode: DecodeAttention | None = (
-            load_decode_attention() if enable_native_kernels and self.device.type == "cpu"
-            and dtype == torch.float32 else None)
+        # CPU fp32: decode attention (each row's own cache length) and RMSNorm in C (see native.py)
+        native = (load_native_kernels() if enable_native_kernels and self.device.type == "cpu"
+                  and dtype == torch.float32 else None)
+        self.native_decode: DecodeAttention | None = native.decode_attention if native else None
+        self.rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = (
+            native.rms_norm if native else rms_norm)
         kernel = pick_linear(self.device, dtype)
         self.linear, self._pack = kernel.linear, kernel.pack
         self.embed = weights.pop("model.embed_tokens.weight").to(self.device, dtype)  # (V, C)
@@ -215,9 +217,9 @@ class LlamaModel:
                 bias = torch.zeros(B, K, 1, kv_len, dtype=self.dtype, device=self.device)
                 mask = bias.masked_fill_(~mask, float("-inf")).view(B * K, 1, kv_len)  # (B * K, 1, kv_len)
         for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.attn_norm, self.config.rms_norm_eps)  # (B, T, C)
+            h = self.rms_norm(x, layer.attn_norm, self.config.rms_norm_eps)  # (B, T, C)
             x = x + self._attention(h, layer, cache, i, batch, cos, sin, mask, write_index, key_counts)
-            h = rms_norm(x, layer.mlp_norm, self.config.rms_norm_eps)  # (B, T, C)
+            h = self.rms_norm(x, layer.mlp_norm, self.config.rms_norm_eps)  # (B, T, C)
             x = x + self._mlp(h, layer)
         if batch.segment_bounds is not None:
             last = [b - 1 for b in batch.segment_bounds[1:]]
@@ -225,7 +227,7 @@ class LlamaModel:
             x = x[0, last + list(range(num_prefill, input_ids.shape[1]))]  # (num_prompts + num_decodes, C)
         else:
             x = x[:, -1]  # (B, C)
-        x = rms_norm(x, self.norm, self.config.rms_norm_eps)
+        x = self.rms_norm(x, self.norm, self.config.rms_norm_eps)
         return self.linear(x, self.lm_head).float()  # (B, V)
 
     def _attention(self, h: torch.Tensor, layer: LayerWeights, cache: KVCache, i: int,

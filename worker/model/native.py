@@ -1,4 +1,4 @@
-"""Hand-written CPU kernels (C, in kernels/), compiled on first use with the machine's compiler.
+"""Hand-written CPU kernels (C, kernels/cpu.c), compiled on first use with the machine's compiler.
 
 Built with -march=native into a cache directory keyed by the source, the compiler
 and the CPU (so a shared home on a mixed fleet never runs an illegal instruction),
@@ -21,13 +21,14 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kernels") / "decode_attention.c"
+SOURCE = Path(__file__).with_name("kernels") / "cpu.c"
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
 COMPILERS = ("cc", "gcc", "clang")
 
@@ -57,9 +58,30 @@ class DecodeAttention:
         return out
 
 
+class RmsNorm:
+    """RMSNorm over the last dim in one pass (torch's CPU rms_norm is ~6 small ops)."""
+
+    def __init__(self, fn: Callable[..., None]) -> None:
+        self._fn = fn
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x (..., C) fp32; weight (C,) contiguous. Returns a new (..., C) tensor."""
+        assert x.dtype == weight.dtype == torch.float32 and weight.is_contiguous()
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        self._fn(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps)
+        return out
+
+
+@dataclass(frozen=True)
+class NativeKernels:
+    decode_attention: DecodeAttention
+    rms_norm: RmsNorm
+
+
 @functools.cache
-def load_decode_attention(cache_dir: Path | None = None) -> DecodeAttention | None:
-    """The compiled kernel, or None (logged once) where it cannot be built or loaded here."""
+def load_native_kernels(cache_dir: Path | None = None) -> NativeKernels | None:
+    """The compiled kernels, or None (logged once) where they cannot be built or loaded here."""
     try:
         try:
             path = _build(SOURCE, cache_dir or _default_cache_dir())
@@ -67,16 +89,19 @@ def load_decode_attention(cache_dir: Path | None = None) -> DecodeAttention | No
             path = _build(SOURCE, Path(tempfile.gettempdir()) / f"tokenrelay-kernels-{os.getuid()}")
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError, RuntimeError) as e:
-        log.warning("native decode attention unavailable, using torch: %s", e)
+        log.warning("native CPU kernels unavailable, using torch: %s", e)
         return None
     if len(_openmp_runtimes()) > 1:  # ours did not bind to torch's: two pools would fight for cores
-        log.warning("native decode attention disabled: two OpenMP runtimes loaded (%s)",
+        log.warning("native CPU kernels disabled: two OpenMP runtimes loaded (%s)",
                     ", ".join(sorted(_openmp_runtimes())))
         return None
-    fn = lib.decode_attention_f32
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int]
-    return DecodeAttention(fn)
+    attention = lib.decode_attention_f32
+    attention.restype = ctypes.c_int
+    attention.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int]
+    norm = lib.rms_norm_f32
+    norm.restype = None
+    norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
+    return NativeKernels(DecodeAttention(attention), RmsNorm(norm))
 
 
 def _build(source: Path, cache_dir: Path) -> Path:

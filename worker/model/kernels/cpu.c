@@ -1,5 +1,7 @@
-/* Decode attention on CPU, fp32: one new query token per row over that row's own
- * cached keys and values.
+/* CPU kernels, fp32, loaded by worker/model/native.py.
+ *
+ * Decode attention: one new query token per row over that row's own cached keys
+ * and values.
  *
  * Why a hand kernel: torch's batched matmuls must read every row's cache up to
  * the longest row of the batch, and for these shapes (a few query heads per kv
@@ -105,4 +107,21 @@ int decode_attention_f32(const float *q, const float *k_cache, const float *v_ca
         free(scores);
     }
     return failed ? -1 : 0;
+}
+
+/* RMSNorm of each row, fp32: out = x / sqrt(mean(x^2) + eps) * weight, the sum of
+ * squares accumulated in fp32 in a fixed order. torch's CPU rms_norm is ~6 small
+ * ops; on a decode step's few rows their dispatch costs ~70 us per call. */
+void rms_norm_f32(const float *x, const float *weight, float *out, int64_t rows, int64_t cols,
+                  float eps) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *xr = x + r * cols;
+        float *o = out + r * cols;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t c = 0; c < cols; ++c) sum += xr[c] * xr[c];
+        const float inv = 1.0f / __builtin_sqrtf(sum / (float)cols + eps);
+#pragma omp simd
+        for (int64_t c = 0; c < cols; ++c) o[c] = xr[c] * inv * weight[c];
+    }
 }
