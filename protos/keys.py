@@ -45,8 +45,9 @@ Delivery guarantee: at least once per request, acknowledged late; streams resume
   the group. A worker that drains on SIGTERM hands over what it could not
   finish in time the same way: it leaves those entries pending (with their
   progress), deletes its heartbeat and exits; with no other live worker it
-  fails them with UNAVAILABLE instead. While an entry waits to be re-claimed the gateway keeps the
-  call open (as for a queued request, bounded by the call's deadline).
+  fails them with UNAVAILABLE instead. While an entry waits to be re-claimed
+  the gateway keeps the call open (as for a queued request, bounded by the
+  call's deadline).
 
 Token events (pub/sub, fire and forget)
   After every engine step a worker publishes, per reply channel, one

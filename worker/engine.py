@@ -18,7 +18,7 @@ from worker.kv_cache import KVCacheManager
 from worker.model.llama import KVCache, LlamaModel
 from worker.model_runner import ModelRunner, SampledToken
 from worker.scheduler import Scheduler
-from worker.sequence import Sequence
+from worker.sequence import Sequence, sampled_sequences
 from worker.stopping import StoppingCriteria
 
 
@@ -104,7 +104,7 @@ class Engine:
         if sched.is_empty:
             return outputs
         tokens = self.runner.run(sched.prefills, sched.decodes)
-        sampled = [c.seq for c in sched.prefills if c.is_last] + sched.decodes
+        sampled = sampled_sequences(sched.prefills, sched.decodes)
         return outputs + self._postprocess(sampled, tokens)
 
     def _apply_aborts(self) -> list[EngineOutput]:

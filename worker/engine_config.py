@@ -14,7 +14,7 @@ class EngineConfig:
     device: str = "cpu"  # "cpu", "cuda", "cuda:1", ...
     dtype: str = "float32"
     max_num_seqs: int = 16  # sequences decoded together (KV cache slots)
-    max_model_len: int | None = None  # tokens per sequence; None = min(model context, 4096)
+    max_model_len: int | None = None  # tokens per sequence; None = min(model context, 2048)
     kv_cache_memory_mb: int | None = None  # None = room for max_num_seqs full sequences
     # Prompt tokens computed per step; longer prompts are prefilled in chunks over
     # several steps. Bounds how long prompts stall the running streams (~1 s for
@@ -23,7 +23,7 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; None = torch's default
     # Reuse the K/V a freed slot still holds for a new prompt with the same prefix.
     enable_prefix_caching: bool = True
-    # CPU fp32 decode attention in a C kernel compiled on first use (worker/model/native.py).
+    # CPU fp32 decode attention and RMSNorm in C kernels compiled on first use (worker/model/native.py).
     enable_native_kernels: bool = True
 
     def __post_init__(self) -> None:

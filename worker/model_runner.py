@@ -18,7 +18,7 @@ import torch
 
 from worker.model.llama import ForwardBatch, KVCache, LlamaModel
 from worker.sampling import Sampler, SamplerOutput, SamplingRow, build_sampling_batch
-from worker.sequence import PrefillChunk, Sequence
+from worker.sequence import PrefillChunk, Sequence, sampled_sequences
 
 
 @dataclass
@@ -50,7 +50,7 @@ class ModelRunner:
                 logits.append(self._prefill(prefills))
             if decodes:
                 logits.append(self._decode(decodes))
-        seqs = [c.seq for c in prefills if c.is_last] + decodes
+        seqs = sampled_sequences(prefills, decodes)
         if not seqs:
             return []  # only partial prompt chunks ran
         all_logits = logits[0] if len(logits) == 1 else torch.cat(logits)  # (B, V); no copy in pure decode

@@ -60,6 +60,12 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
 
+def sampled_sequences(prefills: list[PrefillChunk], decodes: list[Sequence]) -> list[Sequence]:
+    """Who gets a token this step, in the runner's output order: prompts completed by
+    their chunk, then every decode."""
+    return [c.seq for c in prefills if c.is_last] + decodes
+
+
 @dataclass
 class PrefillChunk:
     """Prompt tokens [start, start + num_tokens) of one sequence, computed this step."""

@@ -129,7 +129,7 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.dtype == torch.float32:  # one fused op, bit-identical to the maths below in fp32
+    if x.dtype == torch.float32:  # torch's own op, bit-identical to the maths below in fp32
         return torch.rms_norm(x, weight.shape, weight, eps)
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
@@ -246,14 +246,15 @@ class LlamaModel:
         cache.k[i].index_put_(write_index, k)
         cache.v[i].index_put_(write_index, v)
         kv_len, slots = batch.kv_len, batch.slot_range
-        if T == 1 and key_counts is not None and self.native_decode is not None:  # CPU fp32 decode
+        if T == 1 and key_counts is not None:  # CPU fp32 decode (key_counts: the kernel is loaded)
+            assert self.native_decode is not None
             out = self.native_decode(qk[:, 0, :H], cache.k[i], cache.v[i], batch.slot_ids,
                                      key_counts)  # (B, H, D)
             return self.linear(out.view(B, 1, H * D), layer.wo)  # (B, 1, C)
         if batch.segment_bounds is not None:  # packed prompt chunks, then any decode tokens
             outs = self._chunk_attention(q, k, v, cache, i, batch)
-            if batch.decode_slot_ids is not None and self.native_decode is not None:
-                assert key_counts is not None
+            if batch.decode_slot_ids is not None:
+                assert key_counts is not None and self.native_decode is not None
                 decoded = self.native_decode(qk[0, batch.segment_bounds[-1]:, :H], cache.k[i], cache.v[i],
                                              batch.decode_slot_ids, key_counts)  # (num_decodes, H, D)
                 outs.append(decoded.transpose(0, 1)[None])  # (1, H, num_decodes, D)
