@@ -31,10 +31,12 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 	$(BIN)/ruff check protos gateway worker tests benchmarks
 	$(BIN)/mypy protos gateway worker
+	$(BIN)/lint-imports
 
 lint: $(STAMP)
 	$(BIN)/ruff check protos gateway worker tests benchmarks
 	$(BIN)/mypy protos gateway worker
+	$(BIN)/lint-imports
 
 bench-engine: $(STAMP)
 	$(BIN)/python benchmarks/engine.py

@@ -19,7 +19,7 @@ import statistics
 import torch
 
 from protos.params import SamplingParams
-from worker.engine import Engine
+from worker.engine.core import Engine
 from worker.model.llama import LlamaModel
 from worker.model.loader import load_model
 

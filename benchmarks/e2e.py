@@ -63,8 +63,8 @@ def percentile(values: list[float], q: float) -> float:
 def inproc_runner(threads: int, max_model_len: int) -> Callable[[str], dict[str, float]]:
     """A warmed-up in-process engine; the returned function runs the workload once."""
     from protos.params import PromptInput, SamplingParams
-    from worker.engine_config import EngineConfig
-    from worker.text_engine import TextEngine
+    from worker.engine.config import EngineConfig
+    from worker.engine.text_engine import TextEngine
 
     engine = TextEngine.from_config(EngineConfig(max_num_seqs=NUM_CONCURRENT, num_threads=threads,
                                                  max_model_len=max_model_len))

@@ -45,11 +45,11 @@ def peak_rss_mb() -> float:
 # -- our engine ---------------------------------------------------------------
 def run_ours() -> dict[str, float]:
     from protos.params import SamplingParams
-    from worker.engine import Engine
-    from worker.engine_config import EngineConfig
-    from worker.memory import weights_loading
+    from worker.engine.config import EngineConfig
+    from worker.engine.core import Engine
     from worker.model.llama import LlamaModel
     from worker.model.loader import load_model
+    from worker.model.memory import weights_loading
 
     with weights_loading():
         config, weights = load_model(None)

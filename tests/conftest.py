@@ -21,7 +21,7 @@ from gateway.redis_server import EmbeddedRedis
 from protos.keys import Keys
 from tests.service import GatewayThread, WorkerThread, flush_prefix
 from worker.config import WorkerConfig
-from worker.engine_config import EngineConfig
+from worker.engine.config import EngineConfig
 
 # Small enough to keep the tests quick, big enough for a chat answer; the
 # "prompt longer than the context" test relies on it.
@@ -69,7 +69,7 @@ def prefix(redis_url: str) -> Iterator[str]:
 @pytest.fixture(scope="session")
 def smollm_engine() -> Any:
     """The real TextEngine on the default SmolLM2 model, loaded once per session."""
-    from worker.text_engine import TextEngine
+    from worker.engine.text_engine import TextEngine
 
     return TextEngine.from_config(EngineConfig(max_num_seqs=TEST_MAX_NUM_SEQS,
                                                max_model_len=TEST_MAX_MODEL_LEN))

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from protos.params import SamplingParams
-from worker.engine import Engine
+from worker.engine.core import Engine
 from worker.model.config import ModelConfig
 from worker.model.llama import LlamaModel
 

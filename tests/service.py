@@ -21,7 +21,7 @@ from gateway.server import Gateway
 from protos.keys import Keys
 from protos.tokenrelay.v1 import generate_pb2, generate_pb2_grpc
 from worker.config import WorkerConfig
-from worker.consumer import Consumer, Engine
+from worker.io.consumer import Consumer, Engine
 
 ROOT = Path(__file__).resolve().parent.parent
 

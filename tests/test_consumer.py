@@ -18,8 +18,8 @@ from protos.keys import STREAM_DATA_FIELD, Keys
 from protos.tokenrelay.v1 import queue_pb2
 from tests.service import WorkerThread, wait_until
 from worker.config import WorkerConfig
-from worker.consumer import Consumer, claim_capacity
-from worker.outputs import Admitted
+from worker.engine.outputs import Admitted
+from worker.io.consumer import Consumer, claim_capacity
 
 REPLIES = "test-replies"
 

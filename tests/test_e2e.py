@@ -18,7 +18,7 @@ from protos.params import ChatMessage, PromptInput, SamplingParams
 from protos.tokenrelay.v1 import generate_pb2
 from tests.conftest import TEST_MAX_MODEL_LEN, TEST_MAX_NUM_SEQS
 from tests.service import GatewayThread, WorkerProcess, WorkerThread, stub_for, wait_until, workers_ready
-from worker.outputs import RequestOutput
+from worker.engine.outputs import RequestOutput
 
 pytestmark = pytest.mark.slow
 

@@ -41,7 +41,7 @@ def test_client_cancel_frees_the_worker_slot_within_a_second(
         info = wait_until(lambda: (i := server_info(stub).workers[0]).num_running == 0 and i, timeout=1.0)
         assert info.num_free_slots == info.max_num_seqs
         assert time.monotonic() - cancelled_at < 1.0
-        assert not worker.consumer.engine.has_unfinished()
+        assert not worker.io.consumer.engine.has_unfinished()
 
 
 def test_deadline_passed_mid_stream_aborts_the_request(

@@ -24,7 +24,7 @@ from protos.tokenrelay.v1 import generate_pb2, queue_pb2
 from tests.service import GatewayThread, stub_for
 
 NO_TORCH_MODULES = ["gateway.server", "gateway.client", "gateway.cli", "gateway.launcher", "gateway.__main__",
-                    "worker.consumer", "worker.config", "worker.__main__"]
+                    "worker.io.consumer", "worker.config", "worker.__main__"]
 
 
 def test_gateway_and_consumer_never_import_torch() -> None:

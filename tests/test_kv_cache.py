@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker.kv_cache import KVCacheManager
+from worker.engine.kv_cache import KVCacheManager
 
 
 def test_lowest_free_slot_first_and_reuse() -> None:

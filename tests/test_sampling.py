@@ -1,4 +1,4 @@
-"""Tests for worker/sampling.py: filters with hand-computed tables, determinism, statistics."""
+"""Tests for worker/engine/sampling.py: filters with hand-computed tables, determinism, statistics."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from protos.params import SamplingParams
-from worker.sampling import (
+from worker.engine.sampling import (
     Sampler,
     SamplingBatch,
     SamplingRow,

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from protos.params import FinishReason, SamplingParams
-from worker.kv_cache import KVCacheManager
-from worker.scheduler import Scheduler, SchedulerOutput
-from worker.sequence import Sequence
-from worker.stopping import StoppingCriteria
+from worker.engine.kv_cache import KVCacheManager
+from worker.engine.scheduler import Scheduler, SchedulerOutput
+from worker.engine.sequence import Sequence
+from worker.engine.stopping import StoppingCriteria
 
 
 def make_seq(request_id: str, num_tokens: int) -> Sequence:

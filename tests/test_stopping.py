@@ -1,4 +1,4 @@
-"""Tests for worker/stopping.py: token-level criteria and incremental stop strings."""
+"""Tests for worker/engine/stopping.py: token-level criteria and incremental stop strings."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protos.params import FinishReason, SamplingParams
-from worker.stopping import StoppingCriteria, StopStringMatcher
+from worker.engine.stopping import StoppingCriteria, StopStringMatcher
 
 EOS = frozenset({2, 99})
 

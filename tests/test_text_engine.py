@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 
 from protos.params import ChatMessage, FinishReason, PromptInput, SamplingParams
-from worker.outputs import RequestOutput
-from worker.text_engine import TextEngine
+from worker.engine.outputs import RequestOutput
+from worker.engine.text_engine import TextEngine
 
 PROMPTS = [
     "Once upon a time, there was a little girl named Lily who",
@@ -131,7 +131,7 @@ def test_chat_truncation_keeps_the_system_message(engine: TextEngine) -> None:
 ], ids=["seeded-sampled", "greedy-penalised"])
 def test_a_resumed_request_continues_exactly_where_it_stopped(
         engine: TextEngine, params: SamplingParams) -> None:
-    from worker.outputs import Resume
+    from worker.engine.outputs import Resume
 
     prompt = PromptInput(prompt="Voici une recette simple de crêpes : ")
     full = run(engine, {"alone": (prompt, params)})["alone"]
@@ -152,7 +152,7 @@ def test_a_resumed_request_continues_exactly_where_it_stopped(
     ((), 5, FinishReason.LENGTH), (("a",), 16, FinishReason.STOP)])
 def test_a_resumed_request_that_had_already_ended_only_gets_its_final(
         engine: TextEngine, stop: tuple[str, ...], max_tokens: int, reason: FinishReason) -> None:
-    from worker.outputs import Resume
+    from worker.engine.outputs import Resume
 
     prompt = PromptInput(prompt="Once upon a time, there was a little girl named Lily who")
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, stop=stop)

@@ -1,4 +1,4 @@
-"""worker/tokenizer.py against transformers' tokenizer for SmolLM2, and streaming detokenization."""
+"""worker/text/tokenizer.py against transformers' tokenizer for SmolLM2, and streaming detokenization."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import pre_tokenizers
 
 from protos.params import ChatMessage
-from worker.tokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, Tokenizer
+from worker.text.tokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, Tokenizer
 
 CORPUS = [
     "Hello world",
@@ -85,7 +85,8 @@ def byte_token(tok: Tokenizer, byte_ids: dict[str, list[int]]) -> dict[int, int]
 
 
 def test_imports_no_torch() -> None:
-    code = "import sys, worker.tokenizer; assert 'torch' not in sys.modules, 'worker.tokenizer imports torch'"
+    code = ("import sys, worker.text.tokenizer; "
+            "assert 'torch' not in sys.modules, 'worker.text.tokenizer imports torch'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
 
 

@@ -16,7 +16,7 @@ from types import FrameType
 
 from protos.keys import DEFAULT_PREFIX
 from worker.config import DEFAULT_REDIS_URL, WorkerConfig, default_worker_id
-from worker.engine_config import DTYPES, EngineConfig
+from worker.engine.config import DTYPES, EngineConfig
 
 
 def _env(name: str, default: object = None) -> str | None:
@@ -109,8 +109,8 @@ def config_from_args(argv: list[str] | None = None) -> tuple[WorkerConfig, str]:
 def main(argv: list[str] | None = None) -> int:
     config, log_level = config_from_args(argv)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s worker %(levelname)s %(message)s")
-    from worker.consumer import Consumer
-    from worker.text_engine import TextEngine  # torch: only once the flags are known to be good
+    from worker.engine.text_engine import TextEngine  # torch: only once the flags are known to be good
+    from worker.io.consumer import Consumer
 
     engine = TextEngine.from_config(config.engine)
     consumer = Consumer(engine, config)

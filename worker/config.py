@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from protos.keys import DEFAULT_PREFIX, Keys
-from worker.engine_config import EngineConfig
+from worker.engine.config import EngineConfig
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 

@@ -6,14 +6,14 @@ from pathlib import Path
 
 import torch
 
-from worker.engine import Engine
-from worker.engine_config import EngineConfig
-from worker.memory import weights_loading
+from worker.engine.config import EngineConfig
+from worker.engine.core import Engine
+from worker.engine.text_engine import TextEngine
 from worker.model.config import ModelConfig
 from worker.model.llama import LlamaModel
 from worker.model.loader import default_model_path, load_model
-from worker.text_engine import TextEngine
-from worker.tokenizer import Tokenizer
+from worker.model.memory import weights_loading
+from worker.text.tokenizer import Tokenizer
 
 DEFAULT_MAX_MODEL_LEN = 2048
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

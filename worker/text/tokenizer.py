@@ -22,8 +22,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as Backend
 
 from protos.params import ChatMessage
-from worker.gguf_tokenizer import byte_level_bpe_from_gguf, bytes_to_unicode
 from worker.model.gguf_meta import default_model_path, end_of_generation_ids, read_gguf_metadata
+from worker.text.gguf_tokenizer import byte_level_bpe_from_gguf, bytes_to_unicode
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decode shows for bytes that are not (yet) valid UTF-8
 

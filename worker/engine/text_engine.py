@@ -21,12 +21,12 @@ from protos.params import (
     TokenLogprob,
     Usage,
 )
-from worker.engine import Engine, EngineOutput, context_overflow
-from worker.engine_config import EngineConfig
-from worker.outputs import Admitted, RequestOutput, Resume
-from worker.sequence import Sequence
-from worker.stopping import StopStringMatcher
-from worker.tokenizer import IncrementalDetokenizer, Tokenizer
+from worker.engine.config import EngineConfig
+from worker.engine.core import Engine, EngineOutput, context_overflow
+from worker.engine.outputs import Admitted, RequestOutput, Resume
+from worker.engine.sequence import Sequence
+from worker.engine.stopping import StopStringMatcher
+from worker.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @dataclass

@@ -17,8 +17,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from protos.params import FinishReason
-from worker.kv_cache import KVCacheManager
-from worker.sequence import PrefillChunk, Sequence, SequenceStatus
+from worker.engine.kv_cache import KVCacheManager
+from worker.engine.sequence import PrefillChunk, Sequence, SequenceStatus
 
 
 @dataclass

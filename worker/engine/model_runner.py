@@ -16,9 +16,9 @@ from typing import cast
 
 import torch
 
+from worker.engine.sampling import Sampler, SamplerOutput, SamplingRow, build_sampling_batch
+from worker.engine.sequence import PrefillChunk, Sequence, sampled_sequences
 from worker.model.llama import ForwardBatch, KVCache, LlamaModel
-from worker.sampling import Sampler, SamplerOutput, SamplingRow, build_sampling_batch
-from worker.sequence import PrefillChunk, Sequence, sampled_sequences
 
 
 @dataclass

@@ -14,12 +14,12 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from protos.params import FinishReason, SamplingParams
-from worker.kv_cache import KVCacheManager
+from worker.engine.kv_cache import KVCacheManager
+from worker.engine.model_runner import ModelRunner, SampledToken
+from worker.engine.scheduler import Scheduler
+from worker.engine.sequence import Sequence, sampled_sequences
+from worker.engine.stopping import StoppingCriteria
 from worker.model.llama import KVCache, LlamaModel
-from worker.model_runner import ModelRunner, SampledToken
-from worker.scheduler import Scheduler
-from worker.sequence import Sequence, sampled_sequences
-from worker.stopping import StoppingCriteria
 
 
 def context_overflow(prompt_tokens: int, max_tokens: int, context: int) -> ValueError:

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from protos.params import FinishReason, SamplingParams
-from worker.stopping import StoppingCriteria
+from worker.engine.stopping import StoppingCriteria
 
 
 class SequenceStatus(enum.Enum):

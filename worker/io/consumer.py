@@ -33,9 +33,9 @@ from protos.convert import chunk_to_pb, finish_reason_to_pb, params_from_pb, usa
 from protos.params import FinishReason, PromptInput, SamplingParams
 from protos.tokenrelay.v1 import generate_pb2, queue_pb2
 from worker.config import WorkerConfig
-from worker.outputs import Admitted, RequestOutput, Resume
-from worker.reclaim import Claimed, parse_entry, reclaim_dead_workers
-from worker.redis_io import AbortListener, Backoff, Outbox, Publisher, connect
+from worker.engine.outputs import Admitted, RequestOutput, Resume
+from worker.io.reclaim import Claimed, parse_entry, reclaim_dead_workers
+from worker.io.redis_io import AbortListener, Backoff, Outbox, Publisher, connect
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ ErrorCode = queue_pb2.ErrorCode
 
 
 class Engine(Protocol):
-    """What the consumer needs from `worker.text_engine.TextEngine`."""
+    """What the consumer needs from `worker.engine.text_engine.TextEngine`."""
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams, *,
                     arrival_time: float | None = None, resume: Resume | None = None) -> Admitted: ...
