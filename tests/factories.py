@@ -7,9 +7,10 @@ from typing import Any
 import torch
 
 from protos.params import SamplingParams
-from worker.engine.core import Engine
+from worker.engine.core import EngineCore
 from worker.model.config import ModelConfig
 from worker.model.llama import LlamaModel
+from worker.model.native import load_native_kernels
 
 VOCAB = 128
 
@@ -44,7 +45,8 @@ def ours_from_hf(hf: Any, dtype: torch.dtype = torch.float32, native: bool = Tru
     weights = {k: v.detach().clone() for k, v in hf.state_dict().items()}
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
-    return LlamaModel(config, weights, dtype=dtype, enable_native_kernels=native)
+    kernels = load_native_kernels() if native and dtype == torch.float32 else None
+    return LlamaModel(config, weights, dtype=dtype, kernels=kernels)
 
 
 def _rope_scaling(c: Any) -> dict[str, Any] | None:
@@ -54,9 +56,16 @@ def _rope_scaling(c: Any) -> dict[str, Any] | None:
     return dict(rs)
 
 
-def make_engine(model: LlamaModel | None = None, num_slots: int = 4, max_len: int = 128,
-                max_prefill_tokens: int = 512, eos: frozenset[int] = frozenset()) -> Engine:
-    return Engine(model or ours_from_hf(make_hf_model()), num_slots, max_len, max_prefill_tokens, eos)
+def make_engine(model: LlamaModel | None = None, num_seqs: int = 4, max_len: int = 128,
+                max_prefill_tokens: int = 512, eos: frozenset[int] = frozenset(), *,
+                num_blocks: int | None = None, block_size: int = 4, enable_prefix_caching: bool = True,
+                kv_cache_dtype: torch.dtype | None = None) -> EngineCore:
+    """An engine over a tiny random Llama; the pool holds num_seqs full sequences unless num_blocks says."""
+    return EngineCore(model or ours_from_hf(make_hf_model()),
+                      num_blocks=num_blocks or num_seqs * -(-max_len // block_size), block_size=block_size,
+                      max_model_len=max_len, max_num_seqs=num_seqs, max_prefill_tokens=max_prefill_tokens,
+                      eos_token_ids=eos, kv_cache_dtype=kv_cache_dtype,
+                      enable_prefix_caching=enable_prefix_caching)
 
 
 def make_prompts(n: int, lengths: tuple[int, ...] = (3, 9, 17, 30), seed: int = 0) -> list[list[int]]:
@@ -68,7 +77,7 @@ def greedy(max_tokens: int = 8, **kw: Any) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
 
 
-def run_to_completion(engine: Engine, max_steps: int = 1000) -> dict[str, list[int]]:
+def run_to_completion(engine: EngineCore, max_steps: int = 1000) -> dict[str, list[int]]:
     """Step until idle; returns every request's generated ids."""
     out: dict[str, list[int]] = {}
     for _ in range(max_steps):

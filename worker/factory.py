@@ -1,22 +1,42 @@
-"""Build a ready TextEngine from an EngineConfig: weights, tokenizer, KV cache."""
+"""Build a ready TextEngine from an EngineConfig: weights, kernels, tokenizer, KV cache."""
 
 from __future__ import annotations
 
+import logging
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from worker.engine.config import EngineConfig
-from worker.engine.core import Engine
+from worker.engine.core import EngineCore
 from worker.engine.text_engine import TextEngine
 from worker.model.config import ModelConfig
-from worker.model.llama import LlamaModel
+from worker.model.llama import KVCache, LlamaModel
 from worker.model.loader import default_model_path, load_model
 from worker.model.memory import weights_loading
+from worker.model.native import NativeKernels, load_native_kernels
 from worker.text.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MODEL_LEN = 2048
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Default KV pool on CPU: this share of physical RAM. The pool is a zeroed mmap whose
+# pages cost memory only once written, so it is what the cache may grow to, not what
+# the worker takes at start-up. 10% of a 24 GB host is 2.4 GB: ~3,300 blocks of 16
+# tokens for SmolLM2 in fp32, ~53k tokens.
+DEFAULT_CPU_KV_SHARE = 0.10
+DEFAULT_CUDA_MEMORY_UTILIZATION = 0.90  # share of the GPU memory free after a warm-up forward
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    dtype: torch.dtype
 
 
 def build_text_engine(config: EngineConfig) -> TextEngine:
@@ -24,31 +44,80 @@ def build_text_engine(config: EngineConfig) -> TextEngine:
         torch.set_num_threads(config.num_threads)
     path = Path(config.model) if config.model else default_model_path()
     dtype = DTYPES[config.dtype]
+    device = torch.device(config.device)
     with weights_loading():
         model_config, weights = load_model(path, dtype=dtype)
-        model = LlamaModel(model_config, weights, dtype=dtype, device=config.device,
-                           enable_native_kernels=config.enable_native_kernels)
+        model = LlamaModel(model_config, weights, dtype=dtype, device=device,
+                           kernels=native_kernels(config, device, dtype))
         del weights
     tokenizer = Tokenizer.load(path)
-    max_len, num_slots = cache_shape(config, model_config, dtype)
+    plan = plan_kv_cache(config, model_config, device, model)
+    log.info("KV cache: %d blocks of %d tokens (%s, %.0f MB), max_model_len %d, max_num_seqs %d",
+             plan.num_blocks, plan.block_size, str(plan.dtype).removeprefix("torch."),
+             plan.num_blocks * KVCache.bytes_per_block(model_config, plan.block_size, plan.dtype) / 2**20,
+             plan.max_model_len, config.max_num_seqs)
     eos = frozenset(tokenizer.eos_token_ids) | frozenset(model_config.eos_token_ids)
-    engine = Engine(model, num_slots, max_len, config.max_prefill_tokens, eos,
-                    enable_prefix_caching=config.enable_prefix_caching)
+    engine = EngineCore(model, num_blocks=plan.num_blocks, block_size=plan.block_size,
+                        max_model_len=plan.max_model_len, max_num_seqs=config.max_num_seqs,
+                        max_prefill_tokens=config.max_prefill_tokens, eos_token_ids=eos,
+                        kv_cache_dtype=plan.dtype, enable_prefix_caching=config.enable_prefix_caching)
     return TextEngine(engine, tokenizer, model_name=path.stem if path.is_file() else path.name)
 
 
-def cache_shape(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> tuple[int, int]:
-    """(tokens per slot, number of slots) from the config and the memory budget."""
+def native_kernels(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> NativeKernels | None:
+    """The C kernels on CPU in fp32 (built here, on first use, not by the model)."""
+    if not config.enable_native_kernels or device.type != "cpu" or dtype != torch.float32:
+        return None
+    return load_native_kernels()
+
+
+def plan_kv_cache(config: EngineConfig, model: ModelConfig, device: torch.device,
+                  llama: LlamaModel | None = None) -> CachePlan:
+    """Context length, block size, number of blocks and K/V dtype from the config and the memory
+    budget (see EngineConfig.kv_cache_memory_mb for the defaults)."""
     context = model.max_position_embeddings
     max_len = config.max_model_len or min(context, DEFAULT_MAX_MODEL_LEN)
     if max_len > context:
         raise ValueError(f"max_model_len ({max_len}) exceeds the model's context ({context})")
-    bytes_per_slot = model.kv_bytes_per_token * max_len * dtype.itemsize // 4
-    num_slots = config.max_num_seqs
+    dtype = DTYPES[config.kv_cache_dtype or config.dtype]
+    bs = config.block_size
+    block_bytes = KVCache.bytes_per_block(model, bs, dtype)
+    blocks_per_seq = -(-max_len // bs)
     if config.kv_cache_memory_mb is not None:
-        num_slots = min(num_slots, config.kv_cache_memory_mb * 2**20 // bytes_per_slot)
-        if num_slots < 1:
-            raise ValueError(
-                f"kv_cache_memory_mb ({config.kv_cache_memory_mb}) cannot hold one sequence of "
-                f"max_model_len {max_len} ({bytes_per_slot / 2**20:.1f} MB)")
-    return max_len, num_slots
+        num_blocks = config.kv_cache_memory_mb * 2**20 // block_bytes
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory_mb ({config.kv_cache_memory_mb}) cannot hold one KV block "
+                             f"of {bs} tokens ({block_bytes / 2**20:.2f} MB)")
+    else:
+        budget = _default_budget_bytes(device, llama, bs)
+        num_blocks = max(blocks_per_seq, min(budget // block_bytes, config.max_num_seqs * blocks_per_seq))
+    return CachePlan(max_len, bs, num_blocks, dtype)
+
+
+def _default_budget_bytes(device: torch.device, llama: LlamaModel | None, block_size: int) -> int:
+    if device.type == "cuda":
+        if llama is not None:
+            _warm_up(llama, block_size)
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * DEFAULT_CUDA_MEMORY_UTILIZATION)
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * DEFAULT_CPU_KV_SHARE)
+
+
+def _warm_up(llama: LlamaModel, block_size: int, num_tokens: int = 512) -> None:
+    """One prompt-sized forward on a one-sequence cache, so the memory its activations
+    need is taken (and held by the caching allocator) before the free memory is measured."""
+    from worker.model.llama import ForwardBatch
+
+    n = min(num_tokens, llama.config.max_position_embeddings)
+    num_blocks = -(-n // block_size)
+    cache = KVCache(llama.config, num_blocks, block_size, llama.dtype, llama.device)
+    dev = llama.device
+    batch = ForwardBatch(
+        input_ids=torch.zeros(n, dtype=torch.int64, device=dev), positions=torch.arange(n, device=dev),
+        slot_mapping=torch.arange(n, device=dev),
+        block_tables=torch.arange(num_blocks, dtype=torch.int32, device=dev)[None],
+        context_lens=torch.tensor([n], dtype=torch.int32, device=dev), query_start_loc=(0, n),
+        context_lens_host=(n,), num_prefills=1, logits_indices=torch.tensor([n - 1], device=dev))
+    llama.forward(batch, cache)
+    del cache
+    torch.cuda.synchronize(dev)

@@ -13,15 +13,32 @@ class EngineConfig:
     model: str | None = None
     device: str = "cpu"  # "cpu", "cuda", "cuda:1", ...
     dtype: str = "float32"
-    max_num_seqs: int = 16  # sequences decoded together (KV cache slots)
+    # Most sequences batched together. Not a memory reservation: KV blocks are
+    # taken as sequences grow, so many short requests run where few long ones would.
+    max_num_seqs: int = 128
     max_model_len: int | None = None  # tokens per sequence; None = min(model context, 2048)
-    kv_cache_memory_mb: int | None = None  # None = room for max_num_seqs full sequences
+    # Size of the KV block pool, allocated once. None: on CPU 10% of physical RAM
+    # (DEFAULT_CPU_KV_SHARE), on CUDA 90% of the memory left free after loading
+    # the weights and a warm-up forward; never more than max_num_seqs full-length
+    # sequences need, never less than one.
+    kv_cache_memory_mb: int | None = None
+    # Tokens per KV block. 16 on every device: small enough that the last,
+    # partly filled block of a sequence wastes little, large enough that a block
+    # (16 positions x head dim, per kv head) is a few KB of contiguous reads for
+    # the CPU decode kernel; the CUDA path gathers blocks for torch's SDPA, which
+    # takes any size.
+    block_size: int = 16
+    # K/V storage: None = the model's dtype. float16/bfloat16 halve the cache
+    # (its memory and, at long contexts, most of a decode step's reads) also on
+    # CPU, where the C decode kernel reads them directly.
+    kv_cache_dtype: str | None = None
     # Prompt tokens computed per step; longer prompts are prefilled in chunks over
     # several steps. Bounds how long prompts stall the running streams (~1 s for
     # 512 on a 2-core CPU); larger is a little more efficient for prefill.
     max_prefill_tokens: int = 512
     num_threads: int | None = None  # torch intra-op threads; None = torch's default
-    # Reuse the K/V a freed slot still holds for a new prompt with the same prefix.
+    # Share the K/V of full blocks whose prefix is the same (running requests with one
+    # system prompt, the next turn of a chat); finished requests leave theirs cached.
     enable_prefix_caching: bool = True
     # CPU fp32 decode attention and RMSNorm in C kernels compiled on first use (worker/model/native.py).
     enable_native_kernels: bool = True
@@ -29,6 +46,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(DTYPES)}, got {self.kv_cache_dtype!r}")
+        if not 1 <= self.block_size <= 1024:
+            raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len < 2:

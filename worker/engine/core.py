@@ -2,7 +2,9 @@
 
 `step()` = apply aborts → schedule → run the model → postprocess. Aborts are
 collected between steps (thread-safe) and applied at the start of the next, so
-an aborted request frees its KV cache slot within one step.
+an aborted request frees its KV blocks within one step. Only after the model
+has run does postprocess count the step's tokens as computed and hash the
+blocks they filled (a failed step caches nothing).
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
+import torch
+
 from protos.params import FinishReason, SamplingParams
-from worker.engine.kv_cache import KVCacheManager
+from worker.engine.kv_manager import KVCacheManager
 from worker.engine.model_runner import ModelRunner, SampledToken
-from worker.engine.scheduler import Scheduler
+from worker.engine.scheduler import Scheduler, SchedulerOutput
 from worker.engine.sequence import Sequence, sampled_sequences
 from worker.engine.stopping import StoppingCriteria
 from worker.model.llama import KVCache, LlamaModel
@@ -36,16 +40,17 @@ class EngineOutput:
     finish_reason: FinishReason | None = None
 
 
-class Engine:
-    def __init__(self, model: LlamaModel, num_slots: int, max_len: int, max_prefill_tokens: int,
-                 eos_token_ids: frozenset[int], *, enable_prefix_caching: bool = True) -> None:
+class EngineCore:
+    def __init__(self, model: LlamaModel, *, num_blocks: int, block_size: int, max_model_len: int,
+                 max_num_seqs: int, max_prefill_tokens: int, eos_token_ids: frozenset[int],
+                 kv_cache_dtype: torch.dtype | None = None, enable_prefix_caching: bool = True) -> None:
         self.model = model
-        self.max_len = max_len
+        self.max_len = max_model_len
         self.eos_token_ids = eos_token_ids
-        cache = KVCache(model.config, num_slots, max_len, model.dtype, model.device)
-        self.kv = KVCacheManager(num_slots, max_len, enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, max_prefill_tokens)
-        self.runner = ModelRunner(model, cache)
+        cache = KVCache(model.config, num_blocks, block_size, kv_cache_dtype or model.dtype, model.device)
+        self.kv = KVCacheManager(num_blocks, block_size, max_model_len, enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, max_num_seqs, max_prefill_tokens)
+        self.runner = ModelRunner(model, cache, self.kv)
         self._aborts: set[str] = set()
         self._lock = threading.Lock()
 
@@ -74,9 +79,12 @@ class Engine:
             raise ValueError("prompt must contain at least one token")
         if self.scheduler.find(request_id) is not None:
             raise ValueError(f"request_id {request_id!r} is already running")
-        room = self.max_len - len(prompt_ids)
-        if params.max_tokens > room:
+        if len(prompt_ids) + params.max_tokens > self.max_len:
             raise context_overflow(len(prompt_ids), params.max_tokens, self.max_len)
+        if len(prompt_ids) + params.max_tokens > self.kv.max_num_tokens:  # a small pool, not the context
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                             f"the KV cache of this worker ({self.kv.num_blocks} blocks of "
+                             f"{self.kv.block_size} tokens); lower max_tokens")
         if seed is None:
             seed = params.seed if params.seed is not None else random.getrandbits(63)
         return Sequence(request_id=request_id, prompt_ids=list(prompt_ids), params=params, seed=seed,
@@ -104,8 +112,18 @@ class Engine:
         if sched.is_empty:
             return outputs
         tokens = self.runner.run(sched.prefills, sched.decodes)
+        self._commit(sched)
         sampled = sampled_sequences(sched.prefills, sched.decodes)
         return outputs + self._postprocess(sampled, tokens)
+
+    def _commit(self, sched: SchedulerOutput) -> None:
+        """The step ran: its tokens' K/V are in the cache; blocks they filled become findable."""
+        for c in sched.prefills:
+            c.seq.num_computed_tokens = c.start + c.num_tokens
+        for s in sched.decodes:
+            s.num_computed_tokens = s.num_tokens
+        for seq in [c.seq for c in sched.prefills] + sched.decodes:
+            self.kv.commit(seq.request_id, seq.num_computed_tokens, seq.prompt_ids, seq.output_ids)
 
     def _apply_aborts(self) -> list[EngineOutput]:
         with self._lock:

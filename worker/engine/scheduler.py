@@ -1,30 +1,45 @@
-"""Who runs next: admit waiting requests into free KV cache slots (no torch).
+"""Who runs next: decode the running, prefill prompts under a token budget, admit
+while KV blocks last, preempt when they run out (no torch).
 
-Each step runs every prefilled sequence for one decode token, plus up to
-`max_prefill_tokens` prompt tokens: first the next chunk of prompts already
-being prefilled, then the prompts of newly admitted sequences (FIFO, while
-slots are free). A prompt longer than what is left of the budget is prefilled
-in chunks over several steps (chunked prefill), so neither a burst of prompts
-nor one very long prompt stalls the running streams for more than one budget's
-worth of compute per step. A request that does not fit waits; it is never
-dropped.
+Each step, in this order:
+
+1. Every prefilled running sequence decodes one token. Crossing a block
+   boundary needs a new block; when the pool has none, the newest running
+   request is preempted (its blocks freed, its full blocks left cached) until
+   the older one fits. A preempted request goes back to the front of the
+   queue and later recomputes prompt + generated tokens, mostly from the
+   prefix cache, and goes on with the same seed: its stream only pauses.
+2. Up to `max_prefill_tokens` prompt tokens: first the next chunks of prompts
+   already being prefilled (older first), then the prompts of newly admitted
+   requests, FIFO. A prompt longer than what is left of the budget is
+   prefilled in chunks over several steps, next to the running decodes.
+3. A waiting request is admitted when the batch has room (`max_num_seqs`) and
+   the blocks of its uncached prompt fit while one block per running request
+   stays free for their decodes. Nothing is admitted in a step that preempted
+   (it would take back the blocks just freed). A request never fits only if it
+   is larger than the pool, and `Engine` refuses those up front: nothing waits
+   forever.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from protos.params import FinishReason
-from worker.engine.kv_cache import KVCacheManager
+from worker.engine.kv_manager import KVCacheManager
 from worker.engine.sequence import PrefillChunk, Sequence, SequenceStatus
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class SchedulerOutput:
     prefills: list[PrefillChunk] = field(default_factory=list)  # prompt chunks run this step
-    decodes: list[Sequence] = field(default_factory=list)  # one token each, sorted by slot
+    decodes: list[Sequence] = field(default_factory=list)  # one token each, oldest first
+    preempted: list[Sequence] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -32,11 +47,16 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_prefill_tokens: int) -> None:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_prefill_tokens: int) -> None:
+        if max_num_seqs < 1 or max_prefill_tokens < 1:
+            raise ValueError(f"max_num_seqs ({max_num_seqs}) and max_prefill_tokens "
+                             f"({max_prefill_tokens}) must be >= 1")
         self.kv = kv
+        self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Sequence] = deque()
-        self.running: dict[str, Sequence] = {}
+        self.running: dict[str, Sequence] = {}  # in admission order
+        self.num_preemptions = 0
 
     @property
     def num_waiting(self) -> int:
@@ -50,27 +70,61 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add(self, seq: Sequence) -> None:
-        if seq.num_tokens > self.kv.max_len:
-            raise ValueError(f"sequence of {seq.num_tokens} tokens exceeds max_model_len {self.kv.max_len}")
+        if seq.num_tokens > self.kv.max_num_tokens:
+            raise ValueError(f"sequence of {seq.num_tokens} tokens exceeds what one sequence can hold "
+                             f"({self.kv.max_num_tokens} tokens)")
         self.waiting.append(seq)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        out.decodes = sorted((s for s in self.running.values() if s.is_prefilled),
-                             key=lambda s: s.slot if s.slot is not None else -1)
+        self._schedule_decodes(out)
         budget = self.max_prefill_tokens
         for seq in self.running.values():  # admission order: older prompts finish first
             if budget > 0 and not seq.is_prefilled:
                 budget -= self._add_chunk(out, seq, budget)
-        while budget > 0 and self.waiting and self.kv.can_allocate(self.waiting[0].num_tokens):
-            seq = self.waiting.popleft()
-            seq.slot, seq.num_cached_tokens = self.kv.allocate(seq.request_id, seq.prefill_ids)
-            seq.num_computed_tokens = seq.num_cached_tokens  # prefill starts after the cached prefix
+        while budget > 0 and self.waiting and not out.preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            prefill_ids = seq.prefill_ids
+            if self.kv.is_prefix_pending(prefill_ids):
+                break  # computed this step by another request: a cache hit next step
+            num_cached = self.kv.allocate(seq.request_id, prefill_ids, num_reserved=len(self.running))
+            if num_cached is None:
+                break  # FIFO: no request overtakes one that waits for blocks
+            self.waiting.popleft()
+            seq.num_computed_tokens = num_cached  # prefill starts after the cached prefix
+            if seq.admitted_time is None:
+                seq.num_cached_tokens = num_cached
+                seq.admitted_time = time.time()
             seq.status = SequenceStatus.RUNNING
-            seq.admitted_time = time.time()
             self.running[seq.request_id] = seq
             budget -= self._add_chunk(out, seq, budget)
         return out
+
+    def _schedule_decodes(self, out: SchedulerOutput) -> None:
+        for seq in list(self.running.values()):  # oldest first: the newest are preempted first
+            if seq.request_id not in self.running or not seq.is_prefilled:
+                continue
+            while not self.kv.grow(seq.request_id, seq.num_tokens):
+                victim = next(reversed(self.running.values()))
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.decodes.append(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free the request's blocks; it recomputes prompt + generated tokens when readmitted."""
+        del self.running[seq.request_id]
+        self.kv.free(seq.request_id)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_resumed = len(seq.output_ids)  # prefilled next time, then decoding goes on
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        log.info("preempted %s (%d tokens) for lack of KV blocks; %d preemptions so far",
+                 seq.request_id, seq.num_tokens, self.num_preemptions)
 
     @staticmethod
     def _add_chunk(out: SchedulerOutput, seq: Sequence, budget: int) -> int:
@@ -80,7 +134,7 @@ class Scheduler:
         return n
 
     def finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
-        """End a sequence (stopped, aborted or failed) and free its slot at once."""
+        """End a sequence (stopped, aborted or failed) and free its blocks at once."""
         if seq.is_finished:
             return
         seq.status = SequenceStatus.FINISHED
@@ -91,9 +145,7 @@ class Scheduler:
             self.waiting.remove(seq)
         except ValueError:
             pass
-        # what the slot's K/V now hold: every token already fed through the model
-        self.kv.free(seq.request_id, (seq.prompt_ids + seq.output_ids)[:seq.num_computed_tokens])
-        seq.slot = None
+        self.kv.free(seq.request_id)
 
     def find(self, request_id: str) -> Sequence | None:
         seq = self.running.get(request_id)

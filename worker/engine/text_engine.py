@@ -1,4 +1,4 @@
-"""Text in, text out: tokenize → Engine → detokenize, stop strings, usage.
+"""Text in, text out: tokenize → EngineCore → detokenize, stop strings, usage.
 
 The front half of the worker, like vLLM's input/output processors: the engine
 core only sees token ids; this class owns the tokenizer, chat templates,
@@ -22,7 +22,7 @@ from protos.params import (
     Usage,
 )
 from worker.engine.config import EngineConfig
-from worker.engine.core import Engine, EngineOutput, context_overflow
+from worker.engine.core import EngineCore, EngineOutput, context_overflow
 from worker.engine.outputs import Admitted, RequestOutput, Resume
 from worker.engine.sequence import Sequence
 from worker.engine.stopping import StopStringMatcher
@@ -33,10 +33,16 @@ from worker.text.tokenizer import IncrementalDetokenizer, Tokenizer
 class EngineStats:
     model_name: str
     num_running: int
-    num_waiting: int
+    num_waiting: int  # admitted, waiting for KV blocks or prefill budget (preempted ones too)
     max_num_seqs: int
-    num_free_slots: int
     max_model_len: int
+    block_size: int
+    num_blocks: int
+    num_free_blocks: int  # held by no request; cached prefix blocks included (evicted when needed)
+    kv_cache_usage: float  # share of blocks held by requests, 0..1
+    num_prefix_cache_hit_tokens: int  # since start
+    num_prefix_cache_query_tokens: int
+    num_preemptions: int
 
 
 @dataclass
@@ -47,7 +53,7 @@ class _TextState:
 
 
 class TextEngine:
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, model_name: str = "model") -> None:
+    def __init__(self, engine: EngineCore, tokenizer: Tokenizer, model_name: str = "model") -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -103,9 +109,13 @@ class TextEngine:
         return self.engine.has_unfinished() or bool(self._ready)
 
     def stats(self) -> EngineStats:
-        sched = self.engine.scheduler
-        return EngineStats(self.model_name, sched.num_running, sched.num_waiting, self.engine.kv.num_slots,
-                           self.engine.kv.num_free_slots, self.max_model_len)
+        sched, kv = self.engine.scheduler, self.engine.kv
+        return EngineStats(
+            model_name=self.model_name, num_running=sched.num_running, num_waiting=sched.num_waiting,
+            max_num_seqs=sched.max_num_seqs, max_model_len=self.max_model_len, block_size=kv.block_size,
+            num_blocks=kv.num_blocks, num_free_blocks=kv.num_free_blocks, kv_cache_usage=kv.usage,
+            num_prefix_cache_hit_tokens=kv.num_prefix_hit_tokens,
+            num_prefix_cache_query_tokens=kv.num_prefix_query_tokens, num_preemptions=sched.num_preemptions)
 
     def step(self) -> list[RequestOutput]:
         ready, self._ready = self._ready, []

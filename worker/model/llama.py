@@ -1,9 +1,13 @@
-"""A Llama-family decoder as plain maths over a static, slot-indexed KV cache.
+"""A Llama-family decoder as plain maths over a paged KV cache.
 
-No I/O, no scheduling: the model runner decides which cache slot and which
-positions each row of the batch uses. Shapes: B batch rows, T tokens per row,
-C hidden size, H query heads, K kv heads, D head dim, S cache slots, L tokens
-per slot, V vocab.
+No I/O, no scheduling: the model runner flattens one step's new tokens (prompt
+chunks first, then one token per decoding sequence) and says where each one's
+K/V go and which cache blocks each sequence reads (`ForwardBatch`, vLLM's
+attention metadata). Two attention paths: a prompt chunk attends causally over
+its cached prefix and itself; a decode token attends over its sequence's
+cache. Shapes: T new tokens in the step, S sequences, C hidden size, H query
+heads, K kv heads, D head dim, N cache blocks of Bs tokens, M blocks per
+block table, V vocab.
 """
 
 from __future__ import annotations
@@ -11,42 +15,34 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from worker.model.config import ModelConfig
-from worker.model.native import DecodeAttention, load_native_kernels
+from worker.model.native import NativeKernels
 from worker.model.rope import apply_rope, rope_tables
 
 
 @dataclass
 class ForwardBatch:
-    """Where each row of a forward pass reads and writes the KV cache."""
+    """One step's new tokens and where their K/V are read and written.
 
-    input_ids: torch.Tensor  # (B, T)
-    positions: torch.Tensor  # (B, T) absolute position of each token
-    slot_ids: torch.Tensor  # (B,) cache slot of each row
-    kv_len: int  # attend over cache positions [0, kv_len), masked per row by position
-    slot_range: slice | None = None  # slot_ids as a range: the cache is read as a view
-    # False when every query may see all kv_len keys (one decode row, or rows all
-    # at the same position): attention then runs without a mask.
-    needs_mask: bool = True
-    # Packed prefill: B == 1 and the row holds prompt chunks back to back; chunk s
-    # spans [bounds[s], bounds[s + 1]). A chunk starting at position 0 attends
-    # causally within itself, so the cache is not read back; the matmuls see all
-    # tokens at once and no compute goes to padding. Logits are returned for the
-    # last token of each chunk: (num_chunks, V).
-    segment_bounds: tuple[int, ...] | None = None
-    token_slots: torch.Tensor | None = None  # (B, T) cache slot of each token; None = slot_ids per row
-    # Chunked prefill: absolute position of each segment's first token (None = all 0).
-    # A segment starting later attends to its slot's cached keys [0, start) too.
-    segment_starts: tuple[int, ...] | None = None
-    segment_slots: tuple[int, ...] | None = None  # cache slot of each segment (host ints)
-    # Mixed step (native decode attention only): the packed row ends with one decode
-    # token for each of these slots, after the last segment; their logits follow the
-    # segments'. Weights are then read once per step, not once for prompts and again
-    # for decodes.
-    decode_slot_ids: torch.Tensor | None = None  # (num_decodes,)
+    Sequence s owns tokens [query_start_loc[s], query_start_loc[s + 1]); the first
+    `num_prefills` sequences are prompt chunks, the rest decode one token each. A
+    sequence's tokens are the last ones of its context: positions
+    [context_lens[s] - n, context_lens[s]).
+    """
+
+    input_ids: torch.Tensor  # (T,)
+    positions: torch.Tensor  # (T,) absolute position of each token
+    slot_mapping: torch.Tensor  # (T,) int64: block * Bs + offset, where each new K/V is written
+    block_tables: torch.Tensor  # (S, M) int32: each sequence's blocks, padded with block 0
+    context_lens: torch.Tensor  # (S,) int32: cached + new tokens each sequence attends over
+    query_start_loc: tuple[int, ...]  # (S + 1,) on the host
+    context_lens_host: tuple[int, ...]  # (S,) context_lens on the host
+    num_prefills: int
+    logits_indices: torch.Tensor  # (R,) the tokens whose logits are returned
 
 
 @dataclass
@@ -61,15 +57,36 @@ class LayerWeights:
 
 
 class KVCache:
-    """K and V for every layer, allocated once: each (num_layers, S, K, L, D)."""
+    """K and V of every layer in blocks, allocated once: each (num_layers, N, K, Bs, D).
 
-    def __init__(self, config: ModelConfig, num_slots: int, max_len: int,
+    A block holds Bs consecutive positions of one sequence, all kv heads; each
+    (block, kv head) is Bs * D contiguous values, what the decode kernel reads.
+    On CPU the memory comes from a zeroed mmap (numpy's calloc): pages cost RAM
+    only once written, so a large budget does not take the memory up front, and
+    never-written positions read as finite zeros (the torch decode path reads
+    whole blocks and weights the positions past a row's end by 0, so those
+    must not be NaN).
+    """
+
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device) -> None:
-        shape = (config.num_layers, num_slots, config.num_kv_heads, max_len, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (N, S, K, L, D)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)  # (N, S, K, L, D)
-        self.num_slots = num_slots
-        self.max_len = max_len
+        shape = (config.num_layers, num_blocks, config.num_kv_heads, block_size, config.head_dim)
+        self.k = _zeros(shape, dtype, device)  # (L, N, K, Bs, D)
+        self.v = _zeros(shape, dtype, device)  # (L, N, K, Bs, D)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.dtype = dtype
+
+    @staticmethod
+    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        return 2 * config.num_layers * config.num_kv_heads * block_size * config.head_dim * dtype.itemsize
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    num_bytes = int(np.prod(shape)) * dtype.itemsize
+    return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 PACK_ROWS_HINT = 16  # oneDNN picks the blocked weight layout for this many rows (a decode batch)
@@ -139,16 +156,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", *,
-                 enable_native_kernels: bool = True) -> None:
+                 kernels: NativeKernels | None = None) -> None:
+        """`kernels`: the C kernels (worker/model/native.py) for CPU decode attention and
+        RMSNorm, built by the caller; None keeps the torch path (CUDA, half precision)."""
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
-        # CPU fp32: decode attention (each row's own cache length) and RMSNorm in C (see native.py)
-        native = (load_native_kernels() if enable_native_kernels and self.device.type == "cpu"
-                  and dtype == torch.float32 else None)
-        self.native_decode: DecodeAttention | None = native.decode_attention if native else None
+        self.kernels = kernels
         self.rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = (
-            native.rms_norm if native else rms_norm)
+            kernels.rms_norm if kernels is not None and dtype == torch.float32 else rms_norm)
         kernel = pick_linear(self.device, dtype)
         self.linear, self._pack = kernel.linear, kernel.pack
         self.embed = weights.pop("model.embed_tokens.weight").to(self.device, dtype)  # (V, C)
@@ -164,7 +180,7 @@ class LlamaModel:
         # half-precision activations are not promoted to fp32 by the rotation
         cos, sin = rope_tables(config, config.max_position_embeddings, self.device)  # (P, D)
         self.cos, self.sin = cos.to(dtype), sin.to(dtype)
-        self.kv_head_index = torch.arange(config.num_kv_heads, device=self.device)[None, :, None]  # (1, K, 1)
+        self.kv_head_index = torch.arange(config.num_kv_heads, device=self.device)[None, :]  # (1, K)
 
     def _take_layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"model.layers.{i}."
@@ -188,116 +204,100 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
-        """Run B rows of T tokens, writing their K/V into the cache.
+        """Run the step's T new tokens, writing their K/V into the cache.
 
-        Returns float32 logits of the last token of each row (B, V), or of each
-        packed prompt (num_prompts, V).
+        Returns float32 logits (R, V) of the tokens in batch.logits_indices.
         """
-        input_ids, positions, kv_len = batch.input_ids, batch.positions, batch.kv_len
-        x = F.embedding(input_ids, self.embed)  # (B, T, C)
-        cos = self.cos[positions].unsqueeze(2)  # (B, T, 1, D)
-        sin = self.sin[positions].unsqueeze(2)  # (B, T, 1, D)
-        # new K/V go to cache[layer, slot, kv head, position]: index tensors broadcast to (B, K, T)
-        slots = batch.slot_ids[:, None] if batch.token_slots is None else batch.token_slots  # (B, 1 or T)
-        write_index = (slots[:, None, :],  # (B, 1, 1 or T)
-                       self.kv_head_index,  # (1, K, 1)
-                       positions[:, None, :])  # (B, 1, T)
-        mask, key_counts = None, None
-        if input_ids.shape[1] == 1 and self.native_decode is not None:
-            key_counts = positions[:, 0] + 1  # (B,): the kernel reads keys [0, position] of each row
-        elif batch.decode_slot_ids is not None:
-            assert self.native_decode is not None, "mixed steps need the native decode kernel"
-            key_counts = positions[0, -batch.decode_slot_ids.shape[0]:] + 1  # (num_decodes,)
-        elif batch.segment_bounds is None and batch.needs_mask:
-            # key j is visible to a query at position p iff j <= p (covers causal + padding)
-            key_pos = torch.arange(kv_len, device=self.device)  # (kv_len,)
-            mask = (key_pos[None, None, None, :] <= positions[:, None, :, None])  # (B, 1, T, kv_len)
-            if input_ids.shape[1] == 1:  # decode: an additive bias per (row, kv head) for decode_attention
-                B, K = input_ids.shape[0], self.config.num_kv_heads
-                bias = torch.zeros(B, K, 1, kv_len, dtype=self.dtype, device=self.device)
-                mask = bias.masked_fill_(~mask, float("-inf")).view(B * K, 1, kv_len)  # (B * K, 1, kv_len)
+        x = F.embedding(batch.input_ids, self.embed)  # (T, C)
+        cos = self.cos[batch.positions].unsqueeze(1)  # (T, 1, D)
+        sin = self.sin[batch.positions].unsqueeze(1)  # (T, 1, D)
+        bs = cache.block_size
+        # new K/V go to cache[layer, block, kv head, offset]: index tensors broadcast to (T, K)
+        write_index = ((batch.slot_mapping // bs)[:, None], self.kv_head_index, (batch.slot_mapping % bs)[:, None])
+        decode_bias = self._decode_bias(batch, bs) if self.kernels is None else None
         for i, layer in enumerate(self.layers):
-            h = self.rms_norm(x, layer.attn_norm, self.config.rms_norm_eps)  # (B, T, C)
-            x = x + self._attention(h, layer, cache, i, batch, cos, sin, mask, write_index, key_counts)
-            h = self.rms_norm(x, layer.mlp_norm, self.config.rms_norm_eps)  # (B, T, C)
+            h = self.rms_norm(x, layer.attn_norm, self.config.rms_norm_eps)  # (T, C)
+            x = x + self._attention(h, layer, cache, i, batch, cos, sin, write_index, decode_bias)
+            h = self.rms_norm(x, layer.mlp_norm, self.config.rms_norm_eps)  # (T, C)
             x = x + self._mlp(h, layer)
-        if batch.segment_bounds is not None:
-            last = [b - 1 for b in batch.segment_bounds[1:]]
-            num_prefill = batch.segment_bounds[-1]
-            x = x[0, last + list(range(num_prefill, input_ids.shape[1]))]  # (num_prompts + num_decodes, C)
-        else:
-            x = x[:, -1]  # (B, C)
-        x = self.rms_norm(x, self.norm, self.config.rms_norm_eps)
-        return self.linear(x, self.lm_head).float()  # (B, V)
+        x = self.rms_norm(x[batch.logits_indices], self.norm, self.config.rms_norm_eps)  # (R, C)
+        return self.linear(x, self.lm_head).float()  # (R, V)
 
     def _attention(self, h: torch.Tensor, layer: LayerWeights, cache: KVCache, i: int,
                    batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor,
-                   mask: torch.Tensor | None, write_index: tuple[torch.Tensor, ...],
-                   key_counts: torch.Tensor | None) -> torch.Tensor:
+                   write_index: tuple[torch.Tensor, ...], decode_bias: torch.Tensor | None) -> torch.Tensor:
         cfg = self.config
-        B, T, _ = h.shape
+        T = h.shape[0]
         H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv = self.linear(h, layer.wqkv, layer.bqkv)  # (B, T, (H + 2K) * D)
+        qkv = self.linear(h, layer.wqkv, layer.bqkv)  # (T, (H + 2K) * D)
         qk, v = qkv.split(((H + K) * D, K * D), dim=-1)
-        qk = apply_rope(qk.view(B, T, H + K, D), cos, sin)  # (B, T, H + K, D): one rotation for both
-        q = qk[:, :, :H].transpose(1, 2)  # (B, H, T, D)
-        k = qk[:, :, H:].transpose(1, 2)  # (B, K, T, D)
-        v = v.view(B, T, K, D).transpose(1, 2)  # (B, K, T, D)
-        cache.k[i].index_put_(write_index, k)
-        cache.v[i].index_put_(write_index, v)
-        kv_len, slots = batch.kv_len, batch.slot_range
-        if T == 1 and key_counts is not None:  # CPU fp32 decode (key_counts: the kernel is loaded)
-            assert self.native_decode is not None
-            out = self.native_decode(qk[:, 0, :H], cache.k[i], cache.v[i], batch.slot_ids,
-                                     key_counts)  # (B, H, D)
-            return self.linear(out.view(B, 1, H * D), layer.wo)  # (B, 1, C)
-        if batch.segment_bounds is not None:  # packed prompt chunks, then any decode tokens
-            outs = self._chunk_attention(q, k, v, cache, i, batch)
-            if batch.decode_slot_ids is not None:
-                assert key_counts is not None and self.native_decode is not None
-                decoded = self.native_decode(qk[0, batch.segment_bounds[-1]:, :H], cache.k[i], cache.v[i],
-                                             batch.decode_slot_ids, key_counts)  # (num_decodes, H, D)
-                outs.append(decoded.transpose(0, 1)[None])  # (1, H, num_decodes, D)
-            out = torch.cat(outs, dim=2)  # (1, H, T, D)
-        else:
-            if slots is not None:
-                keys = cache.k[i, slots, :, :kv_len]  # (B, K, kv_len, D) view, no copy
-                values = cache.v[i, slots, :, :kv_len]
-            else:
-                keys = cache.k[i, batch.slot_ids, :, :kv_len]  # (B, K, kv_len, D) gathered copy
-                values = cache.v[i, batch.slot_ids, :, :kv_len]
-            if T == 1:
-                out = decode_attention(q, keys, values, mask)
-            else:
-                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=H != K)
-        out = out.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H * D)
-        return self.linear(out, layer.wo)  # (B, T, C)
+        qk = apply_rope(qk.view(T, H + K, D), cos, sin)  # (T, H + K, D): one rotation for both
+        q, k = qk[:, :H], qk[:, H:]  # (T, H, D), (T, K, D)
+        cache.k[i].index_put_(write_index, k.to(cache.dtype))
+        cache.v[i].index_put_(write_index, v.view(T, K, D).to(cache.dtype))
+        outs = self._prefill_attention(q, k, v.view(T, K, D), cache, i, batch)
+        first_decode = batch.query_start_loc[batch.num_prefills]
+        if first_decode < T:
+            outs.append(self._decode_attention(q[first_decode:], cache, i, batch, decode_bias))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)  # (T, H, D)
+        return self.linear(out.reshape(T, H * D), layer.wo)  # (T, C)
 
-    @staticmethod
-    def _chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, i: int,
-                         batch: ForwardBatch) -> list[torch.Tensor]:
-        """Per packed chunk: causal attention over its own new tokens and, for a chunk that
-        continues a prompt, over the keys its earlier chunks left in the cache."""
-        bounds, gqa = batch.segment_bounds, q.shape[1] != k.shape[1]
-        assert bounds is not None
-        starts = batch.segment_starts or (0,) * (len(bounds) - 1)
-        outs = []
-        for s, (a, b, start) in enumerate(zip(bounds[:-1], bounds[1:], starts, strict=True)):
-            if start == 0:
-                outs.append(F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b],
-                                                           is_causal=True, enable_gqa=gqa))
-                continue
-            assert batch.segment_slots is not None
-            slot, n = batch.segment_slots[s], b - a
-            keys = cache.k[i, slot:slot + 1, :, :start + n]  # (1, K, start + n, D): this chunk included
-            values = cache.v[i, slot:slot + 1, :, :start + n]
-            query_pos = torch.arange(start, start + n, device=q.device)  # (n,)
-            mask = torch.arange(start + n, device=q.device)[None, :] <= query_pos[:, None]  # (n, start + n)
-            outs.append(F.scaled_dot_product_attention(q[:, :, a:b], keys, values, attn_mask=mask,
-                                                       enable_gqa=gqa))
+    def _prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
+                           i: int, batch: ForwardBatch) -> list[torch.Tensor]:
+        """Per prompt chunk: causal attention over its own new tokens and, when it continues
+        a prompt (chunked prefill, prefix hit), over the keys already in its blocks."""
+        outs, gqa, bs = [], q.shape[1] != k.shape[1], cache.block_size
+        for s in range(batch.num_prefills):
+            a, b = batch.query_start_loc[s], batch.query_start_loc[s + 1]
+            n, context = b - a, batch.context_lens_host[s]
+            qs = q[a:b].transpose(0, 1)  # (H, n, D)
+            if context == n:  # the whole context is new: nothing to read back
+                out = F.scaled_dot_product_attention(qs, k[a:b].transpose(0, 1), v[a:b].transpose(0, 1),
+                                                     is_causal=True, enable_gqa=gqa)  # (H, n, D)
+            else:
+                blocks = batch.block_tables[s, :-(-context // bs)]  # (m,)
+                keys = _gather_blocks(cache.k[i], blocks[None], q.dtype)[0, :, :context]  # (K, context, D)
+                values = _gather_blocks(cache.v[i], blocks[None], q.dtype)[0, :, :context]
+                query_pos = torch.arange(context - n, context, device=q.device)  # (n,)
+                mask = torch.arange(context, device=q.device)[None, :] <= query_pos[:, None]  # (n, context)
+                out = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, enable_gqa=gqa)
+            outs.append(out.transpose(0, 1))  # (n, H, D)
         return outs
+
+    def _decode_attention(self, q: torch.Tensor, cache: KVCache, i: int, batch: ForwardBatch,
+                          bias: torch.Tensor | None) -> torch.Tensor:
+        """One token per sequence over its whole context: q (B, H, D) -> (B, H, D)."""
+        p = batch.num_prefills
+        tables, lens = batch.block_tables[p:], batch.context_lens[p:]  # (B, M), (B,)
+        if self.kernels is not None:  # reads exactly each row's own positions through its table
+            return self.kernels.paged_decode_attention(q, cache.k[i], cache.v[i], tables, lens)
+        assert bias is not None, "the torch decode path needs its bias (_decode_bias)"
+        m = bias.shape[-1] // cache.block_size
+        keys = _gather_blocks(cache.k[i], tables[:, :m], q.dtype)  # (B, K, m * Bs, D)
+        values = _gather_blocks(cache.v[i], tables[:, :m], q.dtype)
+        return decode_attention(q[:, :, None], keys, values, bias)[:, :, 0]  # (B, H, D)
+
+    def _decode_bias(self, batch: ForwardBatch, block_size: int) -> torch.Tensor | None:
+        """For the torch decode path: 0 for each row's positions, -inf past its end:
+        (B * K, 1, m * Bs), m the longest row's block count. None without decodes."""
+        lens = batch.context_lens[batch.num_prefills:]  # (B,)
+        if lens.shape[0] == 0:
+            return None
+        m = -(-max(batch.context_lens_host[batch.num_prefills:]) // block_size)
+        key_pos = torch.arange(m * block_size, device=lens.device)  # (m * Bs,)
+        bias = torch.zeros(lens.shape[0], m * block_size, dtype=self.dtype, device=lens.device)
+        bias.masked_fill_(key_pos[None, :] >= lens[:, None], float("-inf"))  # (B, m * Bs)
+        K = self.config.num_kv_heads
+        return bias[:, None, None, :].expand(-1, K, 1, -1).reshape(-1, 1, m * block_size)  # (B * K, 1, m * Bs)
 
     def _mlp(self, h: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
         gate, up = self.linear(h, layer.w_gate_up).chunk(2, dim=-1)  # (B, T, F) each
         return self.linear(F.silu(gate) * up, layer.w_down)  # (B, T, C)
 
+
+def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Blocks of each row laid end to end: cache (N, K, Bs, D), tables (B, m) -> (B, K, m * Bs, D)."""
+    B, m = tables.shape
+    _, K, bs, D = cache.shape
+    blocks = cache[tables.long()]  # (B, m, K, Bs, D) gathered copy
+    return blocks.transpose(1, 2).reshape(B, K, m * bs, D).to(dtype)
