@@ -12,9 +12,10 @@ import os
 import signal
 import sys
 
-from gateway.config import DEFAULT_LISTEN, DEFAULT_REDIS_URL, GatewayConfig, default_gateway_id
+from gateway.config import DEFAULT_LISTEN, GatewayConfig
 from gateway.server import Gateway
-from protos.keys import DEFAULT_PREFIX
+from protos.keys import DEFAULT_PREFIX, default_instance_id
+from protos.redis_conn import DEFAULT_REDIS_URL
 
 
 def _env(name: str, default: object) -> str:
@@ -58,7 +59,7 @@ def config_from_args(argv: list[str] | None = None) -> tuple[GatewayConfig, str]
     try:
         config = GatewayConfig(
             listen=args.listen, redis_url=args.redis_url, key_prefix=args.key_prefix,
-            gateway_id=args.gateway_id or default_gateway_id(), max_queue_depth=args.max_queue_depth,
+            gateway_id=args.gateway_id or default_instance_id(), max_queue_depth=args.max_queue_depth,
             retry_pushback_ms=args.retry_pushback_ms, shutdown_grace_s=args.shutdown_grace)
     except ValueError as e:
         parser.error(str(e))

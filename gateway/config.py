@@ -2,21 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import uuid
 from dataclasses import dataclass, field
 
-from protos.keys import DEFAULT_PREFIX, Keys
+from protos.keys import DEFAULT_PREFIX, Keys, check_name, default_instance_id
+from protos.redis_conn import DEFAULT_REDIS_URL, check_redis_url
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
-REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://")
-
-
-def default_gateway_id() -> str:
-    """Unique per process (it names the reply channel): host-pid-random."""
-    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
 @dataclass(frozen=True)
@@ -25,7 +16,8 @@ class GatewayConfig:
     listen: str = DEFAULT_LISTEN
     redis_url: str = DEFAULT_REDIS_URL
     key_prefix: str = DEFAULT_PREFIX
-    gateway_id: str = field(default_factory=default_gateway_id)
+    # Names the gateway's reply channel: unique per process.
+    gateway_id: str = field(default_factory=default_instance_id)
     # Requests waiting in the queue (not yet claimed by a worker) beyond which
     # new calls get RESOURCE_EXHAUSTED instead of joining the queue.
     max_queue_depth: int = 256
@@ -50,11 +42,8 @@ class GatewayConfig:
         host, _, port = self.listen.rpartition(":")
         if not host or not port.isdigit() or int(port) > 65535:
             raise ValueError(f"listen must be host:port, got {self.listen!r}")
-        if not self.redis_url.startswith(REDIS_URL_SCHEMES):
-            raise ValueError(f"redis_url must start with one of {', '.join(REDIS_URL_SCHEMES)}, "
-                             f"got {self.redis_url!r}")
-        if not self.gateway_id or any(c.isspace() for c in self.gateway_id):
-            raise ValueError(f"gateway_id must be non-empty without spaces, got {self.gateway_id!r}")
+        check_redis_url(self.redis_url)
+        check_name("gateway_id", self.gateway_id)
         for name in ("max_queue_depth", "retry_pushback_ms"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

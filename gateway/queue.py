@@ -16,19 +16,18 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.exceptions import ResponseError
 
 from gateway.config import GatewayConfig
-from protos.keys import ABORTED_TTL_S, STREAM_DATA_FIELD
+from protos.keys import ABORTED_TTL_S, STREAM_DATA_FIELD, Heartbeat
+from protos.redis_conn import client_options
 from protos.tokenrelay.v1 import generate_pb2, queue_pb2
 
 log = logging.getLogger(__name__)
 
 
 def connect(config: GatewayConfig) -> aioredis.Redis:
-    return aioredis.Redis.from_url(config.redis_url, protocol=2, socket_timeout=config.redis_timeout_s,
-                                   socket_connect_timeout=config.redis_timeout_s, retry=Retry(NoBackoff(), 0))
+    return aioredis.Redis.from_url(config.redis_url, **client_options(Retry, config.redis_timeout_s))
 
 
 class EntryState(enum.Enum):
@@ -123,12 +122,9 @@ class RequestQueue:
 
 
 def _worker_info(fields: dict[bytes, bytes]) -> generate_pb2.WorkerInfo:
+    """A heartbeat hash -> WorkerInfo; a field the worker did not write reads as 0 or ""."""
     f = {k.decode(): v.decode() for k, v in fields.items()}
-
-    def num(name: str) -> int:
-        return int(f.get(name, "0") or 0)
-
-    info: dict[str, Any] = {name: num(name) for name in ("num_running", "num_waiting", "max_num_seqs",
-                                                          "num_free_slots", "num_finished", "max_model_len")}
-    return generate_pb2.WorkerInfo(worker_id=f.get("worker_id", ""), model=f.get("model", ""),
-                                   heartbeat_unix=float(f.get("heartbeat_unix", "0") or 0), **info)
+    info: dict[str, Any] = {name: f.get(name, "") for name in Heartbeat.TEXT}
+    info |= {name: float(f.get(name) or 0) for name in Heartbeat.FLOAT}
+    info |= {name: int(f.get(name) or 0) for name in Heartbeat.INT}
+    return generate_pb2.WorkerInfo(**info)

@@ -20,6 +20,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from gateway.errors import AlreadyExists, GatewayError, Unavailable
+from protos.redis_conn import Backoff
 from protos.tokenrelay.v1 import queue_pb2
 
 log = logging.getLogger(__name__)
@@ -87,12 +88,12 @@ class ReplyRouter:
         self._orphans.pop(request_id, None)
 
     async def _run(self) -> None:
-        delay = 0.0
+        backoff = Backoff(self._max_backoff_s)
         while True:
             pubsub = self._client.pubsub()
             try:
                 await self._subscribe(pubsub)
-                delay = 0.0
+                backoff.reset()
                 self._set_ready(True)
                 self._tried.set()
                 async for message in pubsub.listen():
@@ -105,8 +106,7 @@ class ReplyRouter:
                 self._set_ready(False)
                 self._fail_all(Unavailable(f"lost the connection to the queue (Redis): {e}"))
                 self._tried.set()
-                delay = min(self._max_backoff_s, max(0.05, delay * 2))
-                await asyncio.sleep(delay)  # reconnect backoff
+                await asyncio.sleep(backoff.failed())
             finally:
                 await pubsub.aclose()
 

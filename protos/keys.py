@@ -16,8 +16,9 @@ or test runs can share one Redis. ``{p}`` below is that prefix.
 
 Requests (stream + consumer group)
   The gateway XADDs one entry per request: ``data`` = ``queue.QueuedRequest``
-  bytes. Workers XREADGROUP ``>`` only as many entries as they have free
-  sequence slots, so what stays in the stream is real queue depth and other
+  bytes. Workers XREADGROUP ``>`` only as many entries as they can run now
+  (free sequence slots, and none while their engine has requests waiting for
+  KV-cache blocks), so what stays in the stream is real queue depth and other
   workers can take it. The group is created at id 0 with MKSTREAM by whoever
   needs it first (and again after a Redis restart lost it), so nothing added
   before the group existed is skipped.
@@ -66,19 +67,66 @@ Aborts
   from being dropped too.
 
 Worker heartbeat
-  Each worker refreshes its hash (model, num_running, num_free_slots, ...)
-  about every half second and whenever its load changes; the key expires
-  when the worker stops heart-beating, so a dead worker disappears.
+  Each worker refreshes its hash (fields: `Heartbeat` below) about every half
+  second and whenever its load changes, in one HSET, so the fields a gateway
+  reads always come from one moment; the key expires when the worker stops
+  heart-beating, so a dead worker disappears.
 """
 
 from __future__ import annotations
 
+import os
+import socket
+import uuid
 from dataclasses import dataclass
 
 DEFAULT_PREFIX = "tokenrelay"
 STREAM_DATA_FIELD = b"data"  # the field of a request stream entry holding QueuedRequest bytes
 ABORTED_TTL_S = 600  # long enough to outlive any realistic wait in the queue
 WORKER_KEY_MARK = ":worker:"
+
+
+def check_name(what: str, name: str) -> None:
+    """ValueError unless `name` can be part of a key: non-empty, without spaces."""
+    if not name or any(c.isspace() for c in name):
+        raise ValueError(f"{what} must be non-empty without spaces, got {name!r}")
+
+
+def default_instance_id() -> str:
+    """host-pid-random: unique per process (a gateway's reply channel, a worker's consumer
+    name and heartbeat key) and readable in GetServerInfo."""
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class Heartbeat:
+    """Field names of a worker's heartbeat hash ``{p}:worker:{worker_id}``.
+
+    Each field is the `WorkerInfo` field of the same name in generate.proto,
+    which documents it. Values are strings (it is a Redis hash); TEXT, INT and
+    FLOAT say how the gateway parses them back.
+    """
+
+    WORKER_ID = "worker_id"
+    MODEL = "model"
+    HEARTBEAT_UNIX = "heartbeat_unix"  # time.time() of the write
+    NUM_FINISHED = "num_finished"
+    # From the engine's stats, each under its own name.
+    NUM_RUNNING = "num_running"
+    NUM_WAITING = "num_waiting"
+    MAX_NUM_SEQS = "max_num_seqs"
+    MAX_MODEL_LEN = "max_model_len"
+    BLOCK_SIZE = "block_size"
+    NUM_BLOCKS = "num_blocks"
+    NUM_FREE_BLOCKS = "num_free_blocks"
+    KV_CACHE_USAGE = "kv_cache_usage"
+    NUM_PREFIX_CACHE_HIT_TOKENS = "num_prefix_cache_hit_tokens"
+    NUM_PREFIX_CACHE_QUERY_TOKENS = "num_prefix_cache_query_tokens"
+    NUM_PREEMPTIONS = "num_preemptions"
+
+    TEXT = (WORKER_ID, MODEL)
+    FLOAT = (HEARTBEAT_UNIX, KV_CACHE_USAGE)
+    INT = (NUM_FINISHED, NUM_RUNNING, NUM_WAITING, MAX_NUM_SEQS, MAX_MODEL_LEN, BLOCK_SIZE, NUM_BLOCKS,
+           NUM_FREE_BLOCKS, NUM_PREFIX_CACHE_HIT_TOKENS, NUM_PREFIX_CACHE_QUERY_TOKENS, NUM_PREEMPTIONS)
 
 
 @dataclass(frozen=True)
@@ -88,8 +136,7 @@ class Keys:
     prefix: str = DEFAULT_PREFIX
 
     def __post_init__(self) -> None:
-        if not self.prefix or any(c.isspace() for c in self.prefix):
-            raise ValueError(f"key prefix must be non-empty without spaces, got {self.prefix!r}")
+        check_name("key prefix", self.prefix)
 
     @property
     def requests(self) -> str:

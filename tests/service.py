@@ -21,7 +21,7 @@ from gateway.server import Gateway
 from protos.keys import Keys
 from protos.tokenrelay.v1 import generate_pb2, generate_pb2_grpc
 from worker.config import WorkerConfig
-from worker.io.consumer import Consumer, Engine
+from worker.io.consumer import Consumer, TextEngineProtocol
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -61,7 +61,7 @@ class GatewayThread:
 class WorkerThread:
     """A real Consumer driving an in-process engine on a thread."""
 
-    def __init__(self, engine: Engine, config: WorkerConfig) -> None:
+    def __init__(self, engine: TextEngineProtocol, config: WorkerConfig) -> None:
         self.config = config
         self.consumer = Consumer(engine, config)
         self._thread = threading.Thread(target=self.consumer.run, name=config.worker_id, daemon=True)

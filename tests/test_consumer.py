@@ -14,7 +14,7 @@ import redis
 
 from gateway.redis_server import EmbeddedRedis
 from protos.convert import build_request
-from protos.keys import STREAM_DATA_FIELD, Keys
+from protos.keys import STREAM_DATA_FIELD, Heartbeat, Keys
 from protos.tokenrelay.v1 import queue_pb2
 from tests.service import WorkerThread, wait_until
 from worker.config import WorkerConfig
@@ -24,18 +24,25 @@ from worker.io.consumer import Consumer, claim_capacity
 REPLIES = "test-replies"
 
 
-def stats(running: int = 0, waiting: int = 0, max_num_seqs: int = 8,
-          free: int | None = None) -> SimpleNamespace:
-    free = max_num_seqs - running if free is None else free
+def make_stats(running: int = 0, waiting: int = 0, max_num_seqs: int = 8,
+               **fields: object) -> SimpleNamespace:
+    """What `TextEngine.stats()` returns, for an engine with 64 blocks of 16 tokens."""
+    defaults: dict[str, object] = dict(
+        model_name="fake", max_model_len=256, block_size=16, num_blocks=64, num_free_blocks=64,
+        kv_cache_usage=0.0, num_prefix_cache_hit_tokens=0, num_prefix_cache_query_tokens=0, num_preemptions=0)
     return SimpleNamespace(num_running=running, num_waiting=waiting, max_num_seqs=max_num_seqs,
-                           num_free_slots=free)
+                           **(defaults | fields))
 
 
 @pytest.mark.parametrize(("engine_stats", "expected"), [
-    (stats(), 8), (stats(running=3), 5), (stats(running=3, waiting=2), 3),
-    (stats(running=8), 0), (stats(running=2, waiting=9), 0), (stats(running=1, free=2), 2),
+    (make_stats(), 8), (make_stats(running=3), 5), (make_stats(running=8), 0),
+    # Requests waiting for KV blocks or prefill budget: this worker is full, free slots or not.
+    (make_stats(running=3, waiting=2), 0), (make_stats(running=0, waiting=1), 0),
+    (make_stats(running=2, waiting=9), 0),
+    # Blocks are the scheduler's to judge: a nearly full cache alone does not stop claiming.
+    (make_stats(running=1, num_free_blocks=1, kv_cache_usage=0.98), 7),
 ])
-def test_claims_only_free_slots(engine_stats: SimpleNamespace, expected: int) -> None:
+def test_claims_free_slots_only_while_nothing_waits(engine_stats: SimpleNamespace, expected: int) -> None:
     assert claim_capacity(engine_stats) == expected
 
 
@@ -156,7 +163,7 @@ def test_stop_drains_running_requests_then_aborts_what_is_left(
     enqueue(client, keys, "endless", max_tokens=480, ignore_eos=True)  # > 5 s of decoding on a CPU
     worker = make_worker(drain_timeout_s=5.0)
     heartbeat = keys.worker(worker.config.worker_id)
-    wait_until(lambda: client.hget(heartbeat, "num_running") == b"2", timeout=30)
+    wait_until(lambda: client.hget(heartbeat, Heartbeat.NUM_RUNNING) == b"2", timeout=30)
     started = time.monotonic()
     worker.stop()
     assert time.monotonic() - started < 15
@@ -188,7 +195,7 @@ class BrokenEngine:
         raise RuntimeError("boom")
 
     def stats(self) -> SimpleNamespace:
-        return SimpleNamespace(model_name="broken", max_model_len=64, **vars(stats(len(self.request_ids))))
+        return make_stats(running=len(self.request_ids), model_name="broken")
 
 
 def test_an_engine_failure_answers_every_caller_before_the_worker_dies(

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -21,7 +22,9 @@ from gateway.redis_server import free_port
 from gateway.relay import relay
 from protos.convert import build_request
 from protos.tokenrelay.v1 import generate_pb2, queue_pb2
-from tests.service import GatewayThread, stub_for
+from tests.service import GatewayThread, WorkerThread, stub_for, wait_until, workers_ready
+from worker.config import WorkerConfig
+from worker.engine.outputs import Admitted
 
 NO_TORCH_MODULES = ["gateway.server", "gateway.client", "gateway.cli", "gateway.launcher", "gateway.__main__",
                     "worker.io.consumer", "worker.config", "worker.__main__"]
@@ -153,6 +156,49 @@ def test_redis_unreachable_from_the_start_is_unavailable_not_a_hang(prefix: str)
             assert time.monotonic() - start < 1
     finally:
         gateway.stop()
+
+
+class IdleEngine:
+    """An engine with nothing to run and fixed stats: enough for a worker to heart-beat."""
+
+    def __init__(self, **stats: object) -> None:
+        self._stats = SimpleNamespace(**stats)
+
+    def add_request(self, *args: object, **kwargs: object) -> Admitted:
+        raise AssertionError("nothing is enqueued in this test")
+
+    def abort(self, request_id: str) -> None:
+        pass
+
+    def step(self) -> list:
+        return []
+
+    def has_unfinished(self) -> bool:
+        return False
+
+    def stats(self) -> SimpleNamespace:
+        return self._stats
+
+
+def test_server_info_shows_every_heartbeat_field_of_a_worker(
+        make_gateway: Callable[..., GatewayThread], redis_url: str, prefix: str) -> None:
+    # num_waiting=0: with nothing to step, a waiting request would make the claim loop spin.
+    stats = dict(model_name="tiny", num_running=3, num_waiting=0, max_num_seqs=8, max_model_len=512,
+                 block_size=16, num_blocks=640, num_free_blocks=600, kv_cache_usage=0.0625,
+                 num_prefix_cache_hit_tokens=96, num_prefix_cache_query_tokens=400, num_preemptions=1)
+    worker = WorkerThread(IdleEngine(**stats), WorkerConfig(redis_url=redis_url, key_prefix=prefix,
+                                                             worker_id="w1", claim_block_ms=50)).start()
+    try:
+        channel, stub = stub_for(make_gateway().target)
+        with channel:
+            wait_until(workers_ready(stub, 1), timeout=10)
+            info = stub.GetServerInfo(generate_pb2.GetServerInfoRequest(), timeout=5).workers[0]
+    finally:
+        worker.stop()
+    expected = {k: v for k, v in stats.items() if k != "model_name"}
+    assert {k: getattr(info, k) for k in expected} == expected
+    assert (info.worker_id, info.model, info.num_finished) == ("w1", "tiny", 0)
+    assert abs(info.heartbeat_unix - time.time()) < 10
 
 
 def test_entry_state_follows_a_request_through_redis(redis_url: str, prefix: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from worker.model import gguf_meta
 from worker.model.config import ModelConfig
 from worker.model.loader import default_model_path, load_model
+from worker.model.rope import SUPPORTED_ROPE_TYPES
 
 Q = gguf.GGMLQuantizationType
 
@@ -127,6 +129,37 @@ def test_hf_unsupported_configs(tmp_path: Path, changes: dict[str, Any], match: 
         load_model(tmp_path)
 
 
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "dynamic", "factor": 2.0},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    {"type": "longrope", "factor": 2.0},
+])
+def test_hf_rope_types_the_model_cannot_compute_fail_at_load(tmp_path: Path, scaling: dict[str, Any]) -> None:
+    """The loader accepts exactly the rope types rope.py implements."""
+    make_hf_checkpoint(tmp_path)
+    edit_config(tmp_path, rope_parameters=None, rope_scaling=scaling)
+    kind = scaling.get("rope_type", scaling.get("type"))
+    with pytest.raises(ValueError, match=f"rope_scaling type '{kind}' is not supported"):
+        load_model(tmp_path)
+
+
+@pytest.mark.parametrize("kind", SUPPORTED_ROPE_TYPES)
+def test_hf_every_supported_rope_type_loads(tmp_path: Path, kind: str) -> None:
+    make_hf_checkpoint(tmp_path)
+    scaling = {"rope_type": kind, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    edit_config(tmp_path, rope_parameters=None, rope_scaling=scaling)
+    config, _ = load_model(tmp_path)
+    assert config.rope_scaling == (None if kind == "default" else scaling)
+
+
+def test_hf_rope_type_missing_a_parameter_is_named(tmp_path: Path) -> None:
+    make_hf_checkpoint(tmp_path)
+    edit_config(tmp_path, rope_parameters=None, rope_scaling={"rope_type": "llama3", "factor": 8.0})
+    with pytest.raises(ValueError, match="'llama3' needs low_freq_factor"):
+        load_model(tmp_path)
+
+
 def test_mistral_without_sliding_window_loads(tmp_path: Path) -> None:
     make_hf_checkpoint(tmp_path)
     edit_config(tmp_path, architectures=["MistralForCausalLM"], sliding_window=None)
@@ -164,9 +197,14 @@ _GGUF_NAMES = {
 
 
 def write_gguf(path: Path, hf: dict[str, torch.Tensor], tie: bool, arch: str = "llama",
-               extra: dict[str, np.ndarray] | None = None) -> None:
-    """A llama.cpp-style GGUF of the tiny model: F32 norms/embeddings, F16 q/k, Q8_0 the rest."""
+               extra: dict[str, np.ndarray] | None = None,
+               metadata: Callable[[gguf.GGUFWriter], object] | None = None) -> None:
+    """A llama.cpp-style GGUF of the tiny model: F32 norms/embeddings, F16 q/k, Q8_0 the rest.
+
+    metadata(writer) adds more keys."""
     w = gguf.GGUFWriter(path, arch)
+    if metadata is not None:
+        metadata(w)
     w.add_name("tiny")
     w.add_block_count(2)
     w.add_context_length(128)
@@ -245,6 +283,27 @@ def test_gguf_unsupported(tmp_path: Path) -> None:
     write_gguf(tmp_path / "b.gguf", hf, True, extra={"rope_freqs.weight": np.ones(8, np.float32)})
     with pytest.raises(ValueError, match="rope_freqs"):
         load_model(tmp_path / "b.gguf")
+
+
+def test_gguf_rope_scaling(tmp_path: Path) -> None:
+    """Linear scaling loads; YaRN, which rope.py does not compute, fails at load."""
+    hf = make_hf_checkpoint(tmp_path / "hf", tie=True)
+    hf.pop("lm_head.weight")
+
+    def scaling(kind: gguf.RopeScalingType, factor: float) -> Callable[[gguf.GGUFWriter], None]:
+        def add(w: gguf.GGUFWriter) -> None:
+            w.add_rope_scaling_type(kind)
+            w.add_rope_scaling_factor(factor)
+            w.add_rope_scaling_orig_ctx_len(64)
+        return add
+
+    write_gguf(tmp_path / "linear.gguf", hf, True, metadata=scaling(gguf.RopeScalingType.LINEAR, 2.0))
+    config, _ = load_model(tmp_path / "linear.gguf")
+    assert config.rope_scaling == {"rope_type": "linear", "factor": 2.0,
+                                   "original_max_position_embeddings": 64}
+    write_gguf(tmp_path / "yarn.gguf", hf, True, metadata=scaling(gguf.RopeScalingType.YARN, 4.0))
+    with pytest.raises(ValueError, match="rope_scaling type 'yarn' is not supported"):
+        load_model(tmp_path / "yarn.gguf")
 
 
 # ---------------------------------------------------------------- the real SmolLM2 GGUF

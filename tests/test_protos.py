@@ -5,6 +5,10 @@ from __future__ import annotations
 import math
 
 import pytest
+import redis
+import redis.asyncio as aioredis
+import redis.asyncio.retry
+import redis.retry
 
 from protos import gen
 from protos.convert import (
@@ -17,8 +21,9 @@ from protos.convert import (
     usage_from_pb,
     usage_to_pb,
 )
-from protos.keys import Keys
+from protos.keys import Heartbeat, Keys, check_name, default_instance_id
 from protos.params import FinishReason, Logprobs, SamplingParams, TokenLogprob, Usage
+from protos.redis_conn import Backoff, check_redis_url, client_options
 from protos.tokenrelay.v1 import generate_pb2
 
 
@@ -103,3 +108,48 @@ def test_keys_share_one_prefix() -> None:
     assert len(set(names)) == len(names)
     with pytest.raises(ValueError):
         Keys("has space")
+
+
+def test_heartbeat_fields_are_the_worker_info_fields() -> None:
+    """The worker writes and the gateway reads exactly the fields GetServerInfo documents."""
+    fields = Heartbeat.TEXT + Heartbeat.INT + Heartbeat.FLOAT
+    assert len(set(fields)) == len(fields)
+    assert set(fields) == set(generate_pb2.WorkerInfo.DESCRIPTOR.fields_by_name)
+    float_fields = {f.name for f in generate_pb2.WorkerInfo.DESCRIPTOR.fields if f.type == f.TYPE_DOUBLE}
+    assert float_fields == set(Heartbeat.FLOAT)
+
+
+def test_instance_ids_are_unique_names() -> None:
+    ids = {default_instance_id() for _ in range(50)}
+    assert len(ids) == 50
+    for name in ids:
+        check_name("id", name)
+    with pytest.raises(ValueError, match="id must be non-empty"):
+        check_name("id", "")
+
+
+@pytest.mark.parametrize("url", ["redis://h:1/0", "rediss://:pw@h:1/2", "unix:///tmp/r.sock"])
+def test_redis_urls_redis_py_connects_with(url: str) -> None:
+    check_redis_url(url)
+
+
+@pytest.mark.parametrize("url", ["http://h:1", "h:6379", ""])
+def test_other_redis_urls_are_rejected(url: str) -> None:
+    with pytest.raises(ValueError, match="redis_url must start with"):
+        check_redis_url(url)
+
+
+def test_backoff_doubles_from_50ms_to_its_cap_and_resets() -> None:
+    backoff = Backoff(max_s=0.3)
+    assert [backoff.failed() for _ in range(5)] == [0.05, 0.1, 0.2, 0.3, 0.3]
+    backoff.reset()
+    assert backoff.failed() == 0.05
+
+
+@pytest.mark.parametrize("client_type", [redis.Redis, aioredis.Redis])
+def test_clients_fail_fast_without_hidden_retries(client_type: type) -> None:
+    retry_type = redis.retry.Retry if client_type is redis.Redis else redis.asyncio.retry.Retry
+    client = client_type.from_url("redis://127.0.0.1:1/0", **client_options(retry_type, timeout_s=5.0))
+    kwargs = client.connection_pool.connection_kwargs
+    assert (kwargs["socket_timeout"], kwargs["socket_connect_timeout"]) == (5.0, 2.0)
+    assert kwargs["retry"].get_retries() == 0 and kwargs["protocol"] == 2

@@ -14,8 +14,9 @@ import signal
 import sys
 from types import FrameType
 
-from protos.keys import DEFAULT_PREFIX
-from worker.config import DEFAULT_REDIS_URL, WorkerConfig, default_worker_id
+from protos.keys import DEFAULT_PREFIX, default_instance_id
+from protos.redis_conn import DEFAULT_REDIS_URL
+from worker.config import WorkerConfig
 from worker.engine.config import DTYPES, EngineConfig
 
 
@@ -97,7 +98,7 @@ def config_from_args(argv: list[str] | None = None) -> tuple[WorkerConfig, str]:
                               enable_prefix_caching=args.prefix_caching,
                               enable_native_kernels=args.native_kernels)
         config = WorkerConfig(engine=engine, redis_url=args.redis_url, key_prefix=args.key_prefix,
-                              worker_id=args.worker_id or default_worker_id(),
+                              worker_id=args.worker_id or default_instance_id(),
                               drain_timeout_s=args.drain_timeout, heartbeat_ttl_s=args.heartbeat_ttl,
                               heartbeat_interval_s=min(0.5, args.heartbeat_ttl / 5),
                               max_deliveries=args.max_deliveries)

@@ -2,20 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import uuid
 from dataclasses import dataclass, field
 
-from protos.keys import DEFAULT_PREFIX, Keys
+from protos.keys import DEFAULT_PREFIX, Keys, check_name, default_instance_id
+from protos.redis_conn import DEFAULT_REDIS_URL, check_redis_url
 from worker.engine.config import EngineConfig
-
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
-
-
-def default_worker_id() -> str:
-    """Unique per process and readable in GetServerInfo: host-pid-random."""
-    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
 @dataclass(frozen=True)
@@ -24,7 +15,7 @@ class WorkerConfig:
     redis_url: str = DEFAULT_REDIS_URL
     key_prefix: str = DEFAULT_PREFIX
     # Consumer name in the Redis group and the name reported in Final.worker_id.
-    worker_id: str = field(default_factory=default_worker_id)
+    worker_id: str = field(default_factory=default_instance_id)
     # On SIGTERM: how long running requests may take to finish. Then they are
     # left to another live worker to resume, or failed with UNAVAILABLE if none is alive.
     drain_timeout_s: float = 30.0
@@ -47,11 +38,8 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         Keys(self.key_prefix)  # validates the prefix
-        if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("redis_url must start with redis://, rediss:// or unix://, "
-                             f"got {self.redis_url!r}")
-        if not self.worker_id or any(c.isspace() for c in self.worker_id):
-            raise ValueError(f"worker_id must be non-empty without spaces, got {self.worker_id!r}")
+        check_redis_url(self.redis_url)
+        check_name("worker_id", self.worker_id)
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if not 0 < self.heartbeat_interval_s < self.heartbeat_ttl_s:

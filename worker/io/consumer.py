@@ -1,11 +1,11 @@
 """The worker's Redis side: claim requests, feed the engine, publish its tokens.
 
-One loop on one thread owns the engine (torch lives behind the `Engine`
-protocol; this module imports none):
+One loop on one thread owns the engine (torch lives behind the
+`TextEngineProtocol`; this module imports none):
 
-    apply aborts -> claim up to free slots (re-claim crashed workers' entries
-    first, then XREADGROUP) -> engine.step() -> hand that step's events and
-    progress to the publisher thread
+    apply aborts -> claim what the engine can run now (re-claim crashed
+    workers' entries first, then XREADGROUP) -> engine.step() -> hand that
+    step's events and progress to the publisher thread
 
 The publisher thread sends each step's events as ONE pipelined round trip (one
 PUBLISH of a `TokenEventBatch` per reply channel, then XACK+XDEL of finished
@@ -30,19 +30,21 @@ from typing import Any, Protocol, cast
 import redis
 
 from protos.convert import chunk_to_pb, finish_reason_to_pb, params_from_pb, usage_to_pb
+from protos.keys import Heartbeat
 from protos.params import FinishReason, PromptInput, SamplingParams
+from protos.redis_conn import Backoff
 from protos.tokenrelay.v1 import generate_pb2, queue_pb2
 from worker.config import WorkerConfig
 from worker.engine.outputs import Admitted, RequestOutput, Resume
 from worker.io.reclaim import Claimed, parse_entry, reclaim_dead_workers
-from worker.io.redis_io import AbortListener, Backoff, Outbox, Publisher, connect
+from worker.io.redis_io import AbortListener, Outbox, Publisher, connect
 
 log = logging.getLogger(__name__)
 
 ErrorCode = queue_pb2.ErrorCode
 
 
-class Engine(Protocol):
+class TextEngineProtocol(Protocol):
     """What the consumer needs from `worker.engine.text_engine.TextEngine`."""
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams, *,
@@ -80,15 +82,26 @@ class Tracked:
 
 
 def claim_capacity(stats: Any) -> int:
-    """Requests to claim now: free sequence slots not already promised to waiting ones."""
-    free = min(stats.num_free_slots, stats.max_num_seqs - stats.num_running)
-    return max(0, free - stats.num_waiting)
+    """Requests to claim now (stats: the engine's `EngineStats`).
+
+    None while the engine has waiting requests: they wait for KV-cache blocks or
+    prefill budget, so this worker is full whatever its free sequence slots say,
+    and a request claimed now would only wait here while another worker could
+    run it. Otherwise the free sequence slots. KV blocks are not counted ahead:
+    how many a request needs depends on its prefix-cache hits and on how long it
+    generates, so the scheduler decides, and what it cannot fit waits, which
+    stops claiming.
+    """
+    if stats.num_waiting:
+        return 0
+    return max(0, stats.max_num_seqs - stats.num_running)
 
 
 class Consumer:
     """Runs one engine against the request stream until `stop()`, then drains."""
 
-    def __init__(self, engine: Engine, config: WorkerConfig, client: redis.Redis | None = None) -> None:
+    def __init__(self, engine: TextEngineProtocol, config: WorkerConfig,
+                 client: redis.Redis | None = None) -> None:
         self.engine, self.config, self.keys = engine, config, config.keys
         self._client = client or connect(config)
         self._publisher = Publisher(self._client, config)
@@ -344,10 +357,15 @@ class Consumer:
             self._outbox = Outbox()
 
     def _load(self) -> dict[str, str]:
-        """Heartbeat fields (strings: they go into a Redis hash)."""
-        s = self.engine.stats()
-        fields = {"worker_id": self.config.worker_id, "model": s.model_name, "num_running": s.num_running,
-                  "num_waiting": s.num_waiting, "max_num_seqs": s.max_num_seqs,
-                  "num_free_slots": s.num_free_slots, "num_finished": self.num_finished,
-                  "max_model_len": s.max_model_len}
+        """Heartbeat fields (strings: they go into a Redis hash); the publisher adds the time."""
+        s, H = self.engine.stats(), Heartbeat
+        fields = {
+            H.WORKER_ID: self.config.worker_id, H.MODEL: s.model_name, H.NUM_FINISHED: self.num_finished,
+            H.NUM_RUNNING: s.num_running, H.NUM_WAITING: s.num_waiting, H.MAX_NUM_SEQS: s.max_num_seqs,
+            H.MAX_MODEL_LEN: s.max_model_len, H.BLOCK_SIZE: s.block_size, H.NUM_BLOCKS: s.num_blocks,
+            H.NUM_FREE_BLOCKS: s.num_free_blocks, H.KV_CACHE_USAGE: s.kv_cache_usage,
+            H.NUM_PREFIX_CACHE_HIT_TOKENS: s.num_prefix_cache_hit_tokens,
+            H.NUM_PREFIX_CACHE_QUERY_TOKENS: s.num_prefix_cache_query_tokens,
+            H.NUM_PREEMPTIONS: s.num_preemptions,
+        }
         return {k: str(v) for k, v in fields.items()}

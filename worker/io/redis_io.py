@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
-from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from protos.keys import Heartbeat
+from protos.redis_conn import Backoff, client_options
 from protos.tokenrelay.v1 import queue_pb2
 from worker.config import WorkerConfig
 
@@ -32,24 +33,7 @@ CLOSE_FLUSH_TIMEOUT_S = 5.0  # how long a stopping worker keeps trying to publis
 
 def connect(config: WorkerConfig) -> redis.Redis:
     """A client that fails fast (no hidden retries): the loops below own the retrying."""
-    return redis.Redis.from_url(config.redis_url, protocol=2, socket_timeout=config.redis_timeout_s,
-                                socket_connect_timeout=min(2.0, config.redis_timeout_s),
-                                retry=Retry(NoBackoff(), 0))
-
-
-class Backoff:
-    """Exponential reconnect delay: 50 ms doubling up to max_s."""
-
-    def __init__(self, max_s: float) -> None:
-        self.max_s = max_s
-        self.delay = 0.0
-
-    def failed(self) -> float:
-        self.delay = min(self.max_s, max(0.05, self.delay * 2))
-        return self.delay
-
-    def reset(self) -> None:
-        self.delay = 0.0
+    return redis.Redis.from_url(config.redis_url, **client_options(Retry, config.redis_timeout_s))
 
 
 @dataclass
@@ -170,7 +154,7 @@ class Publisher:
             pipe.hdel(self._keys.progress, *outbox.acks)
         key = self._keys.worker(worker_id)
         if load is not None:
-            fields: dict[Any, Any] = {**load, "heartbeat_unix": repr(time.time())}  # (narrow stub)
+            fields: dict[Any, Any] = {**load, Heartbeat.HEARTBEAT_UNIX: repr(time.time())}  # (narrow stub)
             pipe.hset(key, mapping=fields)
             pipe.pexpire(key, int(self._config.heartbeat_ttl_s * 1000))
         if delete_heartbeat:

@@ -19,7 +19,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
     # Hugging Face `rope_scaling` dict (e.g. {"rope_type": "llama3", "factor": 8.0,
     # "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-    # "original_max_position_embeddings": 8192}); None = plain RoPE.
+    # "original_max_position_embeddings": 8192}); None = plain RoPE. The supported
+    # types are rope.py's table; the loaders check a config against it.
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False, compare=False)
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False

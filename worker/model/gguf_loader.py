@@ -17,6 +17,7 @@ import torch
 
 from worker.model.config import ModelConfig
 from worker.model.gguf_meta import GGUFMetadata, GGUFTensorInfo, end_of_generation_ids, read_gguf_metadata
+from worker.model.rope import check_rope_scaling
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -76,20 +77,20 @@ def _to_numpy(file: BinaryIO, t: GGUFTensorInfo) -> np.ndarray:
 
 
 def _rope_scaling(meta: GGUFMetadata, arch: str) -> dict[str, Any] | None:
+    """llama.cpp's rope scaling keys as a Hugging Face rope_scaling dict, checked against rope.py."""
     kind = meta.get(f"{arch}.rope.scaling.type")
     factor = meta.get(f"{arch}.rope.scaling.factor")
     if kind is None and meta.get(f"{arch}.rope.scale_linear") is not None:
         kind, factor = "linear", meta.get(f"{arch}.rope.scale_linear")
     if kind in (None, "none") or (kind == "linear" and factor in (None, 1.0)):
         return None
-    if kind == "linear":
-        return {"rope_type": "linear", "factor": float(factor)}
-    if kind == "yarn":
-        scaling = {"rope_type": "yarn", "factor": float(factor)}
-        if (orig := meta.get(f"{arch}.rope.scaling.original_context_length")) is not None:
-            scaling["original_max_position_embeddings"] = int(orig)
-        return scaling
-    raise ValueError(f"unsupported GGUF rope scaling type {kind!r} (supported: none, linear, yarn)")
+    scaling: dict[str, Any] = {"rope_type": str(kind)}
+    if factor is not None:
+        scaling["factor"] = float(factor)
+    if (orig := meta.get(f"{arch}.rope.scaling.original_context_length")) is not None:
+        scaling["original_max_position_embeddings"] = int(orig)
+    check_rope_scaling(scaling)
+    return scaling
 
 
 def read_gguf_config(meta: GGUFMetadata) -> ModelConfig:

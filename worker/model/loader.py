@@ -18,13 +18,12 @@ from safetensors import safe_open
 from worker.model.config import ModelConfig
 from worker.model.gguf_loader import load_gguf
 from worker.model.gguf_meta import default_model_path
+from worker.model.rope import check_rope_scaling, rope_type
 
 __all__ = ["check_weights", "default_model_path", "expected_shapes", "load_model"]
 
 # Architectures whose checkpoints have exactly the Llama tensor layout.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
-# Hugging Face `rope_type` values the model may be asked to implement.
-SUPPORTED_ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3")
 
 
 def load_model(
@@ -101,14 +100,13 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     else:
         theta = float(cfg.get("rope_theta", 10000.0))
         params = dict(cfg.get("rope_scaling") or {})
-    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    kind = rope_type(params)
     params.pop("type", None)
-    if rope_type == "default":
+    if kind == "default":
         return theta, None
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        supported = ", ".join(SUPPORTED_ROPE_TYPES)
-        raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: {supported})")
-    return theta, {"rope_type": rope_type, **params}
+    scaling = {**params, "rope_type": kind}
+    check_rope_scaling(scaling)  # fail at load, naming the type, not when the model is built
+    return theta, scaling
 
 
 def read_hf_config(folder: Path) -> ModelConfig:
