@@ -1,4 +1,4 @@
-"""Engine core on a tiny random Llama: batching, cache reuse, aborts, failures."""
+"""Engine core on a tiny random Llama: batching, prefix sharing, preemption, aborts, failures."""
 
 from __future__ import annotations
 
@@ -29,15 +29,14 @@ def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:  # type: ignore[no-un
     return ids[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("mixed_steps", [True, False], ids=["one-forward", "two-forwards"])
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 @pytest.mark.parametrize("budget", [512, 7], ids=["whole-prompts", "chunked-prefill"])
 def test_greedy_equals_transformers_generate_in_a_mixed_batch(hf, budget: int,  # type: ignore[no-untyped-def]
-                                                              mixed_steps: bool) -> None:
-    # budget 7: prompts of 9-30 tokens are prefilled over several steps, next to running decodes.
-    # one-forward: those steps run prompt chunks and decodes as one packed row (CPU kernel).
-    engine = make_engine(ours_from_hf(hf), num_slots=4, max_prefill_tokens=budget)
-    engine.runner.enable_mixed_steps = mixed_steps and engine.runner.model.native_decode is not None
-    prompts = make_prompts(6)  # 6 requests, 4 slots: two wait, then join mid-flight
+                                                              native: bool) -> None:
+    # budget 7: prompts of 9-30 tokens are prefilled over several steps, next to running decodes,
+    # in one forward per step (decode attention in the C kernel, or in torch)
+    engine = make_engine(ours_from_hf(hf, native=native), num_seqs=4, max_prefill_tokens=budget)
+    prompts = make_prompts(6)  # 6 requests, a batch of 4: two wait, then join mid-flight
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, greedy(max_tokens=12))
     got = run_to_completion(engine)
@@ -52,14 +51,14 @@ def test_batched_equals_alone(hf) -> None:  # type: ignore[no-untyped-def]
         e = make_engine(ours_from_hf(hf))
         e.add_request("x", p, greedy(10))
         alone[f"r{i}"] = run_to_completion(e)["x"]
-    engine = make_engine(ours_from_hf(hf), num_slots=8)
+    engine = make_engine(ours_from_hf(hf), num_seqs=8)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, greedy(10))
     assert run_to_completion(engine) == alone
 
 
 def test_full_cache_makes_requests_wait_not_drop() -> None:
-    engine = make_engine(num_slots=2)
+    engine = make_engine(num_seqs=2)
     for i, p in enumerate(make_prompts(5)):
         engine.add_request(f"r{i}", p, greedy(4))
     first = {o.seq.request_id: [o.token.token_id] for o in engine.step() if o.token}
@@ -68,11 +67,11 @@ def test_full_cache_makes_requests_wait_not_drop() -> None:
     for rid, ids in first.items():
         got[rid] = ids + got[rid]
     assert sorted(got) == [f"r{i}" for i in range(5)] and all(len(v) == 4 for v in got.values())
-    assert engine.kv.num_free_slots == 2
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks and engine.kv.usage == 0
 
 
 def test_abort_frees_the_slot_at_the_next_step() -> None:
-    engine = make_engine(num_slots=1)
+    engine = make_engine(num_seqs=1)
     engine.add_request("a", [5, 6, 7], greedy(50))
     engine.add_request("b", [8, 9], greedy(3))
     engine.step()
@@ -80,13 +79,13 @@ def test_abort_frees_the_slot_at_the_next_step() -> None:
     engine.abort("a")
     outs = engine.step()
     assert [(o.seq.request_id, o.finish_reason) for o in outs][0] == ("a", FinishReason.ABORT)
-    assert engine.scheduler.running.get("b") is not None  # b took the freed slot in the same step
+    assert engine.scheduler.running.get("b") is not None  # b took a's place in the batch in the same step
     assert len(engine.scheduler.running["b"].output_ids) == 1
     assert len(run_to_completion(engine)["b"]) == 2
 
 
 def test_abort_of_a_waiting_request() -> None:
-    engine = make_engine(num_slots=1)
+    engine = make_engine(num_seqs=1)
     engine.add_request("a", [5, 6, 7], greedy(5))
     engine.add_request("b", [8, 9], greedy(5))
     engine.abort("b")
@@ -143,7 +142,7 @@ def test_seeded_sampling_reproduces_alone_and_in_a_busy_batch(hf) -> None:  # ty
     e = make_engine(ours_from_hf(hf))
     e.add_request("x", prompt, params)
     alone = run_to_completion(e)["x"]
-    e = make_engine(ours_from_hf(hf), num_slots=6)
+    e = make_engine(ours_from_hf(hf), num_seqs=6)
     for i, p in enumerate(make_prompts(5, seed=9)):
         e.add_request(f"n{i}", p, SamplingParams(max_tokens=16, seed=i))
     e.add_request("x", prompt, params)
@@ -165,7 +164,7 @@ def test_half_precision_engine_batches_like_fp32(hf, dtype: torch.dtype) -> None
     prompts = make_prompts(6)
     results = {}
     for dt in (torch.float32, dtype):
-        engine = make_engine(ours_from_hf(hf, dtype=dt), num_slots=4)
+        engine = make_engine(ours_from_hf(hf, dtype=dt), num_seqs=4)
         for i, p in enumerate(prompts):
             engine.add_request(f"r{i}", p, greedy(max_tokens=8))
         results[dt] = run_to_completion(engine)
@@ -176,14 +175,65 @@ def test_half_precision_engine_batches_like_fp32(hf, dtype: torch.dtype) -> None
 
 
 def test_a_follow_up_reuses_the_cached_prefix_and_answers_the_same(hf) -> None:  # type: ignore[no-untyped-def]
-    engine = make_engine(ours_from_hf(hf), num_slots=2)
+    engine = make_engine(ours_from_hf(hf), num_seqs=2)
     first = make_prompts(1, lengths=(30,), seed=4)[0]
     engine.add_request("turn1", first, greedy(6))
     answer = run_to_completion(engine)["turn1"]
     follow_up = first + answer + make_prompts(1, lengths=(9,), seed=5)[0]  # the next turn of a chat
     seq = engine.add_request("turn2", follow_up, greedy(8))
     got = run_to_completion(engine)["turn2"]
-    assert seq.num_cached_tokens == 35  # all but the last answer token (its K/V was never computed)
-    fresh = make_engine(ours_from_hf(hf), num_slots=2)
+    # 35 tokens were computed (the last answer token never was): their 8 full blocks of 4 are cached
+    assert seq.num_cached_tokens == 32
+    fresh = make_engine(ours_from_hf(hf), num_seqs=2)
     fresh.add_request("alone", follow_up, greedy(8))
     assert got == run_to_completion(fresh)["alone"] == hf_greedy(hf, follow_up, 8)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_a_tiny_pool_preempts_and_every_request_still_answers_the_same(hf, native: bool) -> None:  # type: ignore[no-untyped-def]
+    prompts = make_prompts(6, lengths=(9, 17, 30, 5))
+    params = [greedy(16) if i % 2 else SamplingParams(max_tokens=16, temperature=0.9, top_k=20, seed=i)
+              for i in range(6)]
+    results = []
+    for num_blocks in (None, 14):  # unconstrained, then 14 blocks of 4 tokens for 6 requests of <= 46
+        engine = make_engine(ours_from_hf(hf, native=native), num_seqs=6, num_blocks=num_blocks,
+                             max_prefill_tokens=16)
+        for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+            engine.add_request(f"r{i}", p, sp)
+        results.append(run_to_completion(engine))
+        engine.kv.check()
+        assert engine.kv.usage == 0
+    assert engine.scheduler.num_preemptions > 0
+    assert results[1] == results[0]
+    for i in range(1, 6, 2):
+        assert results[1][f"r{i}"] == hf_greedy(hf, prompts[i], 16)
+
+
+def test_concurrent_requests_share_one_system_prompt(hf) -> None:  # type: ignore[no-untyped-def]
+    system = make_prompts(1, lengths=(40,), seed=20)[0]  # 10 blocks of 4
+    questions = make_prompts(8, lengths=(3, 6), seed=21)
+    engine = make_engine(ours_from_hf(hf), num_seqs=8)
+    for i, q in enumerate(questions):
+        engine.add_request(f"r{i}", system + q, greedy(5))
+    got: dict[str, list[int]] = {}
+    for _ in range(2):  # r0 prefills the system prompt; the others wait one step for it
+        for o in engine.step():
+            got.setdefault(o.seq.request_id, []).append(o.token.token_id) if o.token else None
+    assert engine.scheduler.num_running == 8
+    tables = [engine.kv.block_table(f"r{i}") for i in range(8)]
+    assert all(t[:10] == tables[0][:10] for t in tables)
+    distinct = {b for t in tables for b in t}
+    assert len(distinct) == 10 + sum(len(t) - 10 for t in tables)  # the prefix once, the tails each
+    assert engine.kv.num_prefix_hit_tokens == 7 * 40
+    for rid, ids in run_to_completion(engine).items():
+        got[rid] = got.get(rid, []) + ids
+    for i, q in enumerate(questions):
+        assert got[f"r{i}"] == hf_greedy(hf, system + q, 5)
+
+
+def test_a_request_larger_than_the_pool_is_refused_naming_the_limit() -> None:
+    engine = make_engine(num_seqs=2, num_blocks=5, block_size=4, max_len=128)  # 20 tokens in all
+    with pytest.raises(ValueError, match="KV cache of this worker"):
+        engine.add_request("r", [5] * 10, greedy(11))
+    engine.add_request("ok", [5] * 10, greedy(10))
+    assert len(run_to_completion(engine)["ok"]) == 10

@@ -1,82 +1,151 @@
-"""Admission policy: FIFO into free slots under a prompt-token budget (no model)."""
+"""Admission, chunked prefill and preemption over KV blocks (no model)."""
 
 from __future__ import annotations
 
+import itertools
+
 from protos.params import FinishReason, SamplingParams
-from worker.engine.kv_cache import KVCacheManager
+from worker.engine.kv_manager import KVCacheManager
 from worker.engine.scheduler import Scheduler, SchedulerOutput
-from worker.engine.sequence import Sequence
+from worker.engine.sequence import Sequence, SequenceStatus
 from worker.engine.stopping import StoppingCriteria
 
 
-def make_seq(request_id: str, num_tokens: int) -> Sequence:
-    params = SamplingParams(max_tokens=4)
-    return Sequence(request_id, [5] * num_tokens, params, seed=0,
-                    stopping=StoppingCriteria(params, frozenset(), 4))
+_distinct = itertools.count(1000)
 
 
-def make_scheduler(num_slots: int = 4, budget: int = 100) -> Scheduler:
-    return Scheduler(KVCacheManager(num_slots, max_len=1000), max_prefill_tokens=budget)
+def make_seq(request_id: str, num_tokens: int, prompt: list[int] | None = None) -> Sequence:
+    """A request; without `prompt`, tokens no other request shares (no prefix hits)."""
+    params = SamplingParams(max_tokens=64)
+    prompt = prompt or [next(_distinct) for _ in range(num_tokens)]
+    return Sequence(request_id, prompt, params, seed=0,
+                    stopping=StoppingCriteria(params, frozenset(), 64))
+
+
+def make_scheduler(num_blocks: int = 1000, block_size: int = 4, max_num_seqs: int = 8,
+                   budget: int = 100) -> Scheduler:
+    kv = KVCacheManager(num_blocks, block_size, max_model_len=1000)
+    return Scheduler(kv, max_num_seqs=max_num_seqs, max_prefill_tokens=budget)
+
+
+def run(s: Scheduler, out: SchedulerOutput, token: int = 1) -> None:
+    """What the engine does after the model ran: tokens computed, blocks hashed, new tokens appended."""
+    for c in out.prefills:
+        c.seq.num_computed_tokens = c.start + c.num_tokens
+    for q in out.decodes:
+        q.num_computed_tokens = q.num_tokens
+    for seq in [c.seq for c in out.prefills] + out.decodes:
+        s.kv.commit(seq.request_id, seq.num_computed_tokens, seq.prompt_ids, seq.output_ids)
+    for seq in [c.seq for c in out.prefills if c.is_last] + out.decodes:
+        seq.output_ids.append(token)
 
 
 def chunks(out: SchedulerOutput) -> list[tuple[str, int, int]]:
-    """(request id, start, num tokens) of each prompt chunk; marks them computed, as the runner does."""
-    for c in out.prefills:
-        c.seq.num_computed_tokens = c.start + c.num_tokens
     return [(c.seq.request_id, c.start, c.num_tokens) for c in out.prefills]
 
 
-def test_admits_fifo_until_slots_run_out() -> None:
-    s = make_scheduler(num_slots=2)
+def test_admits_fifo_up_to_max_num_seqs() -> None:
+    s = make_scheduler(max_num_seqs=2)
     for i in range(3):
         s.add(make_seq(f"r{i}", 10))
     assert chunks(s.schedule()) == [("r0", 0, 10), ("r1", 0, 10)] and s.num_waiting == 1
 
 
+def test_admits_while_prompt_blocks_fit_keeping_one_per_running_request() -> None:
+    s = make_scheduler(num_blocks=8, block_size=4)
+    for i in range(3):
+        s.add(make_seq(f"r{i}", 10, prompt=[10 * i + j for j in range(10)]))  # 3 blocks each
+    # r0 takes 3 (reserve 0), r1 needs 3 + 1 reserved of the 5 left; r2 would need 3 + 2 of 2
+    assert [c[0] for c in chunks(s.schedule())] == ["r0", "r1"]
+    assert s.kv.num_free_blocks == 2 and s.num_waiting == 1
+
+
 def test_prompts_beyond_the_budget_are_prefilled_in_chunks_older_first() -> None:
     s = make_scheduler(budget=100)
     s.add(make_seq("long", 250))
-    s.add(make_seq("a", 60))
-    assert chunks(s.schedule()) == [("long", 0, 100)]
-    assert chunks(s.schedule()) == [("long", 100, 100)]
-    s.add(make_seq("b", 30))
+    s.add(make_seq("a", 60, prompt=list(range(60))))
+    out = s.schedule()
+    assert chunks(out) == [("long", 0, 100)]
+    run(s, out)
+    out = s.schedule()
+    assert chunks(out) == [("long", 100, 100)]
+    run(s, out)
+    s.add(make_seq("b", 30, prompt=list(range(100, 130))))
     out = s.schedule()
     assert chunks(out) == [("long", 200, 50), ("a", 0, 50)]
     assert [c.is_last for c in out.prefills] == [True, False]
-    assert chunks(s.schedule()) == [("a", 50, 10), ("b", 0, 30)]
+    run(s, out)
+    out = s.schedule()
+    assert chunks(out) == [("a", 50, 10), ("b", 0, 30)] and [q.request_id for q in out.decodes] == ["long"]
 
 
 def test_a_long_prompt_never_stops_the_running_streams() -> None:
     s = make_scheduler(budget=64)
     s.add(make_seq("running", 8))
-    chunks(s.schedule())
-    s.running["running"].output_ids.append(1)
-    s.add(make_seq("long", 1000))
-    for _ in range(1000 // 64):
+    run(s, s.schedule())
+    s.add(make_seq("long", 900, prompt=[7] * 900))
+    for _ in range(900 // 64):
         out = s.schedule()
         assert [q.request_id for q in out.decodes] == ["running"]
         assert sum(n for _, _, n in chunks(out)) == 64
+        run(s, out)
 
 
-def test_decodes_are_prefilled_sequences_sorted_by_slot() -> None:
+def test_decodes_are_the_prefilled_running_sequences_in_admission_order() -> None:
     s = make_scheduler()
     for i in range(3):
-        s.add(make_seq(f"r{i}", 5))
-    for c in s.schedule().prefills:
-        c.seq.num_computed_tokens = 5
-        c.seq.output_ids.append(1)
+        s.add(make_seq(f"r{i}", 5, prompt=[i] * 5))
+    run(s, s.schedule())
     s.finish(s.running["r1"], FinishReason.EOS)
-    s.add(make_seq("r3", 5))
+    s.add(make_seq("r3", 5, prompt=[3] * 5))
     out = s.schedule()
-    assert [c.seq.request_id for c in out.prefills] == ["r3"] and out.prefills[0].seq.slot == 1
-    assert [(q.request_id, q.slot) for q in out.decodes] == [("r0", 0), ("r2", 2)]
+    assert chunks(out) == [("r3", 0, 5)] and [q.request_id for q in out.decodes] == ["r0", "r2"]
 
 
-def test_finish_frees_slot_and_removes_waiting() -> None:
-    s = make_scheduler(num_slots=1)
+def test_finish_frees_the_blocks_and_removes_a_waiting_request() -> None:
+    s = make_scheduler(max_num_seqs=1)
     s.add(make_seq("a", 5))
     s.add(make_seq("b", 5))
     s.schedule()
     s.finish(s.waiting[0], FinishReason.ABORT)
     s.finish(s.running["a"], FinishReason.ABORT)
-    assert not s.has_unfinished() and s.kv.num_free_slots == 1
+    assert not s.has_unfinished() and s.kv.num_free_blocks == s.kv.num_blocks
+
+
+def test_out_of_blocks_preempts_the_newest_which_resumes_first_with_its_tokens() -> None:
+    s = make_scheduler(num_blocks=6, block_size=4)
+    s.add(make_seq("old", 8, prompt=list(range(8))))  # 2 blocks
+    s.add(make_seq("new", 8, prompt=list(range(20, 28))))  # 2 blocks, 1 reserved for old
+    out = s.schedule()
+    run(s, out, token=100)  # both prefilled; each has 9 tokens, needing a 3rd block at the next step
+    s.add(make_seq("later", 4, prompt=[9] * 4))
+    out = s.schedule()  # old grows into block 5, new into block 6
+    assert [q.request_id for q in out.decodes] == ["old", "new"] and not out.preempted
+    run(s, out, token=101)
+    for _ in range(3):
+        out = s.schedule()
+        run(s, out, token=102)
+    out = s.schedule()  # 13 tokens each: 4th blocks needed, none left: new (the newest) goes
+    assert [q.request_id for q in out.decodes] == ["old"] and [q.request_id for q in out.preempted] == ["new"]
+    assert not out.prefills  # nothing is admitted in a step that preempted
+    new = s.waiting[0]
+    assert new.request_id == "new" and new.status is SequenceStatus.WAITING and s.num_preemptions == 1
+    assert new.num_computed_tokens == 0 and new.num_resumed == len(new.output_ids) == 5
+    assert new.prefill_ids == list(range(20, 28)) + [100, 101, 102, 102, 102]
+    assert not s.kv.has("new") and s.kv.num_free_blocks == 2  # new's 3 freed, old took one
+    s.finish(s.running["old"], FinishReason.EOS)
+    out = s.schedule()  # resumed ahead of "later"; old's new block evicted new's tail block, not its head
+    assert chunks(out)[0] == ("new", 8, 5) and out.prefills[0].is_last
+
+
+def test_a_prompt_whose_prefix_another_request_computes_now_waits_one_step_for_the_hit() -> None:
+    s = make_scheduler(block_size=4, budget=100)
+    system = list(range(40))
+    s.add(make_seq("a", 0, prompt=system + [1, 2]))
+    s.add(make_seq("b", 0, prompt=system + [3, 4, 5]))
+    out = s.schedule()
+    assert chunks(out) == [("a", 0, 42)]  # b would otherwise compute the same 10 blocks again
+    run(s, out)
+    out = s.schedule()
+    assert chunks(out) == [("b", 40, 3)] and s.running["b"].num_cached_tokens == 40
+    assert s.kv.block_table("a")[:10] == s.kv.block_table("b")[:10]

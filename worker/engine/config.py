@@ -47,7 +47,8 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.kv_cache_dtype is not None and self.kv_cache_dtype not in DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {', '.join(DTYPES)}, got {self.kv_cache_dtype!r}")
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if not 1 <= self.block_size <= 1024:
             raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
         if self.max_num_seqs < 1:

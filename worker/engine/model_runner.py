@@ -71,8 +71,9 @@ class ModelRunner:
             context_lens.append(s.num_tokens)
             query_start.append(query_start[-1] + 1)
             logits_indices.append(query_start[-1] - 1)
-        owners = [t for t, a, b in zip(tables, query_start, query_start[1:], strict=False) for _ in range(b - a)]
-        slots = [table[p // bs] * bs + p % bs for table, p in zip(owners, positions, strict=True)]
+        owner_of_token = [t for t, a, b in zip(tables, query_start, query_start[1:], strict=False)
+                          for _ in range(b - a)]
+        slots = [table[p // bs] * bs + p % bs for table, p in zip(owner_of_token, positions, strict=True)]
         width = max(map(len, tables))
         padded = [t + [0] * (width - len(t)) for t in tables]
 
