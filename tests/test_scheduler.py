@@ -10,7 +10,6 @@ from worker.engine.scheduler import Scheduler, SchedulerOutput
 from worker.engine.sequence import Sequence, SequenceStatus
 from worker.engine.stopping import StoppingCriteria
 
-
 _distinct = itertools.count(1000)
 
 

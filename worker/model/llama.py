@@ -213,7 +213,8 @@ class LlamaModel:
         sin = self.sin[batch.positions].unsqueeze(1)  # (T, 1, D)
         bs = cache.block_size
         # new K/V go to cache[layer, block, kv head, offset]: index tensors broadcast to (T, K)
-        write_index = ((batch.slot_mapping // bs)[:, None], self.kv_head_index, (batch.slot_mapping % bs)[:, None])
+        write_index = ((batch.slot_mapping // bs)[:, None], self.kv_head_index,  # (T, 1), (1, K)
+                       (batch.slot_mapping % bs)[:, None])  # (T, 1)
         decode_bias = self._decode_bias(batch, bs) if self.kernels is None else None
         for i, layer in enumerate(self.layers):
             h = self.rms_norm(x, layer.attn_norm, self.config.rms_norm_eps)  # (T, C)
@@ -288,7 +289,8 @@ class LlamaModel:
         bias = torch.zeros(lens.shape[0], m * block_size, dtype=self.dtype, device=lens.device)
         bias.masked_fill_(key_pos[None, :] >= lens[:, None], float("-inf"))  # (B, m * Bs)
         K = self.config.num_kv_heads
-        return bias[:, None, None, :].expand(-1, K, 1, -1).reshape(-1, 1, m * block_size)  # (B * K, 1, m * Bs)
+        bias = bias[:, None, None, :].expand(-1, K, 1, -1)  # (B, K, 1, m * Bs)
+        return bias.reshape(-1, 1, m * block_size)  # (B * K, 1, m * Bs)
 
     def _mlp(self, h: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
         gate, up = self.linear(h, layer.w_gate_up).chunk(2, dim=-1)  # (B, T, F) each

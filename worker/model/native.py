@@ -33,29 +33,85 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fP
 COMPILERS = ("cc", "gcc", "clang")
 
 
-class DecodeAttention:
-    """Attention of one new token per row over exactly that row's cached positions."""
+class PagedDecodeAttention:
+    """Attention of one new token per row over exactly that row's cached positions,
+    read through the row's block table (kernels/cpu.c says how)."""
 
-    def __init__(self, fn: Callable[..., int]) -> None:
-        self._fn = fn
+    def __init__(self, fns: dict[torch.dtype, Callable[..., int]]) -> None:
+        self._fns = fns  # by cache dtype
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_ids: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-        """q (B, H, D) fp32, rows may be strided; k_cache/v_cache (S, K, L, D) contiguous;
-        slot_ids, lens (B,) int64 with 1 <= lens <= L. Returns (B, H, D)."""
+                 block_tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        """q (B, H, D) fp32, rows may be strided, heads contiguous; k_cache/v_cache
+        (num_blocks, K, block_size, D) contiguous, fp32, fp16 or bf16; block_tables
+        (B, max_blocks) int32 contiguous; lens (B,) int32 with 1 <= lens <= max_blocks * block_size.
+        Position p of row b is at block block_tables[b, p // block_size], offset p % block_size.
+        Returns (B, H, D) fp32. Raises ValueError on any input the C code could not read safely."""
+        fn = _check_paged_inputs(self._fns, q, k_cache, v_cache, block_tables, lens)
         B, H, D = q.shape
-        S, K, L, _ = k_cache.shape
-        assert q.stride(2) == 1 and q.stride(1) == D, "heads of a row must be contiguous"
-        assert k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
-        assert slot_ids.dtype == lens.dtype == torch.int64
-        assert slot_ids.is_contiguous() and lens.is_contiguous()
-        out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)  # (B, H, D)
-        failed = self._fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
-                          slot_ids.data_ptr(), lens.data_ptr(), B, H, K, D, q.stride(0),
-                          K * L * D, L * D, D ** -0.5, torch.get_num_threads())
+        num_blocks, K, block_size, _ = k_cache.shape
+        out = torch.empty(B, H, D, dtype=torch.float32)  # (B, H, D)
+        # lens and block ids are checked in C, per row before it is read (free there; a torch
+        # check would be a few ops, a host sync and several % of a call at batch 16)
+        failed = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+                    block_tables.data_ptr(), lens.data_ptr(), B, H, K, D, q.stride(0),
+                    block_tables.stride(0), block_tables.shape[1], block_size, num_blocks,
+                    D ** -0.5, torch.get_num_threads())
+        if failed == -2:
+            max_len = block_tables.shape[1] * block_size
+            bad = ((lens < 1) | (lens > max_len)).nonzero()[:, 0].tolist()
+            raise ValueError(f"paged decode attention: lens must be in [1, max_blocks * block_size = "
+                             f"{max_len}], got {', '.join(f'row {b}: {lens[b].item()}' for b in bad)}")
+        if failed == -3:
+            raise ValueError(f"paged decode attention: block ids must be in [0, num_blocks = {num_blocks}), "
+                             f"got {_bad_block_ids(block_tables, lens, block_size, num_blocks)}")
         if failed:
-            raise MemoryError("decode attention: no memory for attention scores")
+            raise MemoryError("paged decode attention: no memory for attention scores")
         return out
+
+
+def _check_paged_inputs(fns: dict[torch.dtype, Callable[..., int]], q: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, block_tables: torch.Tensor,
+                        lens: torch.Tensor) -> Callable[..., int]:
+    """The C function for this cache dtype, after every check on metadata (no tensor data read)."""
+    def require(ok: bool, problem: str) -> None:
+        if not ok:
+            raise ValueError(f"paged decode attention: {problem}")
+
+    tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables, "lens": lens}
+    for name, t in tensors.items():
+        require(t.device.type == "cpu", f"{name} must be on the CPU, got {t.device}")
+    require(q.dtype == torch.float32, f"q must be float32, got {q.dtype}")
+    require(q.dim() == 3, f"q must be (B, H, D), got shape {tuple(q.shape)}")
+    require(k_cache.dtype in fns, f"k_cache must be one of {list(fns)}, got {k_cache.dtype}")
+    require(v_cache.dtype == k_cache.dtype, f"v_cache dtype {v_cache.dtype} != k_cache dtype {k_cache.dtype}")
+    require(k_cache.dim() == 4,
+            f"k_cache must be (num_blocks, K, block_size, D), got shape {tuple(k_cache.shape)}")
+    require(v_cache.shape == k_cache.shape,
+            f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}")
+    require(k_cache.is_contiguous() and v_cache.is_contiguous(), "k_cache and v_cache must be contiguous")
+    B, H, D = q.shape
+    _, K, _, cache_D = k_cache.shape
+    require(cache_D == D, f"head dim of q ({D}) != head dim of the cache ({cache_D})")
+    require(H > 0 and D > 0, f"q must have heads and a head dim, got shape {tuple(q.shape)}")
+    require(K > 0 and H % K == 0, f"query heads ({H}) must be a multiple of kv heads ({K})")
+    require(q.stride(2) == 1 and (H == 1 or q.stride(1) == D), "the heads of a row of q must be contiguous")
+    for name, t in (("block_tables", block_tables), ("lens", lens)):
+        require(t.dtype == torch.int32, f"{name} must be int32, got {t.dtype}")
+        require(t.is_contiguous(), f"{name} must be contiguous")
+    require(block_tables.dim() == 2 and block_tables.shape[0] == B,
+            f"block_tables must be (B={B}, max_blocks), got shape {tuple(block_tables.shape)}")
+    require(lens.shape == (B,), f"lens must be (B={B},), got shape {tuple(lens.shape)}")
+    return fns[k_cache.dtype]
+
+
+def _bad_block_ids(block_tables: torch.Tensor, lens: torch.Tensor, block_size: int, num_blocks: int) -> str:
+    """The rows using a block id outside [0, num_blocks) and those ids, for the error message."""
+    num_used = (lens[:, None] + block_size - 1) // block_size  # (B, 1)
+    used = torch.arange(block_tables.shape[1]) < num_used  # (B, max_blocks)
+    bad = used & ((block_tables < 0) | (block_tables >= num_blocks))  # (B, max_blocks)
+    rows = bad.any(dim=1).nonzero()[:, 0].tolist()
+    return ", ".join(f"row {b}: {block_tables[b][bad[b]].tolist()}" for b in rows)
 
 
 class RmsNorm:
@@ -75,7 +131,7 @@ class RmsNorm:
 
 @dataclass(frozen=True)
 class NativeKernels:
-    decode_attention: DecodeAttention
+    paged_decode_attention: PagedDecodeAttention
     rms_norm: RmsNorm
 
 
@@ -95,13 +151,15 @@ def load_native_kernels(cache_dir: Path | None = None) -> NativeKernels | None:
         log.warning("native CPU kernels disabled: two OpenMP runtimes loaded (%s)",
                     ", ".join(sorted(_openmp_runtimes())))
         return None
-    attention = lib.decode_attention_f32
-    attention.restype = ctypes.c_int
-    attention.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int]
+    attention = {dtype: getattr(lib, f"paged_decode_attention_{suffix}") for dtype, suffix in
+                 ((torch.float32, "f32"), (torch.float16, "f16"), (torch.bfloat16, "bf16"))}
+    for fn in attention.values():
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 9 + [ctypes.c_float, ctypes.c_int]
     norm = lib.rms_norm_f32
     norm.restype = None
     norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
-    return NativeKernels(DecodeAttention(attention), RmsNorm(norm))
+    return NativeKernels(PagedDecodeAttention(attention), RmsNorm(norm))
 
 
 def _build(source: Path, cache_dir: Path) -> Path:

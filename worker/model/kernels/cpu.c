@@ -1,7 +1,8 @@
-/* CPU kernels, fp32, loaded by worker/model/native.py.
+/* CPU kernels, loaded by worker/model/native.py.
  *
- * Decode attention: one new query token per row over that row's own cached keys
- * and values.
+ * Paged decode attention: one new query token per row over that row's own cached
+ * keys and values, read through the row's block table. Queries, output and all
+ * arithmetic are fp32; the cache is fp32, fp16 or bf16 (one entry point each).
  *
  * Why a hand kernel: torch's batched matmuls must read every row's cache up to
  * the longest row of the batch, and for these shapes (a few query heads per kv
@@ -11,12 +12,30 @@
  * libgomp.so.1 torch has loaded). Measured at batch 16, SmolLM2, ~360 cached
  * tokens per row: 17 ms per step for all 30 layers vs 39 ms with bmm.
  *
+ * Block table: position p of row b lives in physical block
+ * block_tables[b * block_table_stride + p / block_size] at offset p % block_size,
+ * and a cache is (num_blocks, KH, block_size, D) contiguous, so one block of one
+ * kv head is block_size * D consecutive values. Keys and values are visited in
+ * spans of consecutive positions inside one block (at most MAX_SPAN of them): an
+ * fp32 span is read in place, an fp16/bf16 span is first converted into a small
+ * fp32 scratch that stays in L1 and is then read once per query head.
+ *
  * Each (row, kv head) is computed alone in a fixed order, so a row's result does
- * not depend on which other rows share its batch.
+ * not depend on which other rows share its batch, and positions are summed in
+ * position order whatever blocks hold them: a paged cache gives bit for bit what
+ * the same values laid out contiguously give.
+ *
+ * fp32 vs fp16 cache, one thread, batch 16, SmolLM2 (H 9, KH 3, D 64, 30 layers),
+ * 400 cached tokens per row, block size 16: MEASURED_TIMES_GO_HERE
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
+
+#define MAX_SPAN 32 /* positions converted at a time: 32 * D fp32 values of scratch */
 
 /* e^x for x <= 0 (softmax arguments after subtracting the max), written so the
  * compiler vectorises it: Cephes' expf polynomial, ~1 ulp. NaN stays NaN. */
@@ -37,19 +56,103 @@ static inline float exp_nonpositive(float x) {
     return p * two_n;
 }
 
+static inline float float_from_bits(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint32_t bits_from_float(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+/* IEEE half to float, exact for every input, written with selects on integers
+ * (no branches) so the loop using it vectorises where there is no F16C. */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t em = h & 0x7fffu; /* exponent and mantissa */
+    const uint32_t rebias = (em >= 0x7c00u ? 255u - 31u : 127u - 15u) << 23; /* inf/nan: all ones */
+    const uint32_t normal = (em << 13) + rebias;
+    const uint32_t small = bits_from_float((float)(int32_t)em * 0x1p-24f); /* zero, subnormals */
+    const uint32_t is_small = 0u - (uint32_t)(em < 0x0400u);                  /* all ones or 0 */
+    return float_from_bits(((small & is_small) | (normal & ~is_small)) | (uint32_t)(h & 0x8000u) << 16);
+}
+
+/* A cache's values [index, index + count) as fp32: the cache itself for fp32,
+ * else converted into scratch (count <= MAX_SPAN * D). */
+typedef const float *(*load_span_fn)(const void *cache, int64_t index, int64_t count, float *scratch);
+
+static const float *load_f32(const void *cache, int64_t index, int64_t count, float *scratch) {
+    (void)count, (void)scratch;
+    return (const float *)cache + index;
+}
+
+static const float *load_f16(const void *cache, int64_t index, int64_t count, float *scratch) {
+    const uint16_t *src = (const uint16_t *)cache + index;
+    int64_t i = 0;
+#ifdef __F16C__
+    for (; i + 8 <= count; i += 8)
+        _mm256_storeu_ps(scratch + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+#endif
+    for (; i < count; ++i) scratch[i] = half_to_float(src[i]);
+    return scratch;
+}
+
+static const float *load_bf16(const void *cache, int64_t index, int64_t count, float *scratch) {
+    const uint16_t *src = (const uint16_t *)cache + index;
+    for (int64_t i = 0; i < count; ++i)
+        scratch[i] = float_from_bits((uint32_t)src[i] << 16); /* bf16 is the top half of an fp32 */
+    return scratch;
+}
+
+/* Where row b's cache lives for one kv head: its block ids, and each block's
+ * first value of that head at blocks[i] * block_values + head_offset. */
+typedef struct {
+    const int32_t *blocks;
+    int64_t block_size, block_values, head_offset, value_bytes;
+} row_pages;
+
+/* The span starting at position i: its length (inside i's block, at most MAX_SPAN,
+ * not past n) and the index of position i's first value. */
+static inline int64_t span_length(row_pages pages, int64_t i, int64_t n) {
+    int64_t m = pages.block_size - i % pages.block_size;
+    m = m < MAX_SPAN ? m : MAX_SPAN;
+    return m < n - i ? m : n - i;
+}
+
+static inline int64_t span_first(row_pages pages, int64_t i, int64_t D) {
+    return pages.blocks[i / pages.block_size] * pages.block_values + pages.head_offset +
+           i % pages.block_size * D;
+}
+
+/* Asks for the span after position i's span while i's is computed: spans of different
+ * blocks are not adjacent, so the hardware prefetcher does not see the next one coming. */
+static inline void prefetch_next_span(const void *cache, row_pages pages, int64_t i, int64_t n, int64_t D) {
+    if (i >= n) return;
+    const char *first = (const char *)cache + span_first(pages, i, D) * pages.value_bytes;
+    const int64_t bytes = span_length(pages, i, n) * D * pages.value_bytes;
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(first + b);
+}
+
 /* One (row, kv head): the G query heads sharing kv head over n keys.
- * Inlined with a constant D below so the loops over D unroll into registers. */
+ * Inlined with a constant D (and loader) below so the loops over D unroll into registers. */
 static inline __attribute__((always_inline)) void attend(
-    const float *qg, const float *keys, const float *values, float *o, float *scores,
-    int64_t n, int64_t G, int64_t D, float scale) {
-    for (int64_t l = 0; l < n; ++l) { /* scores (G, n): each key read once */
-        const float *key = keys + l * D;
-        for (int64_t g = 0; g < G; ++g) {
-            const float *qv = qg + g * D;
-            float dot = 0.0f;
+    const float *qg, const void *k_cache, const void *v_cache, load_span_fn load, row_pages pages,
+    float *o, float *scores, float *scratch, int64_t n, int64_t G, int64_t D, float scale) {
+    for (int64_t i = 0, m; i < n; i += m) { /* scores (G, n): each key read once */
+        m = span_length(pages, i, n);
+        prefetch_next_span(k_cache, pages, i + m, n, D);
+        const float *keys = load(k_cache, span_first(pages, i, D), m * D, scratch);
+        for (int64_t l = 0; l < m; ++l) {
+            const float *key = keys + l * D;
+            for (int64_t g = 0; g < G; ++g) {
+                const float *qv = qg + g * D;
+                float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < D; ++d) dot += qv[d] * key[d];
-            scores[g * n + l] = dot * scale;
+                for (int64_t d = 0; d < D; ++d) dot += qv[d] * key[d];
+                scores[g * n + i + l] = dot * scale;
+            }
         }
     }
     for (int64_t g = 0; g < G; ++g) { /* softmax per query head */
@@ -65,49 +168,92 @@ static inline __attribute__((always_inline)) void attend(
         for (int64_t l = 0; l < n; ++l) s[l] *= inv;
     }
     memset(o, 0, (size_t)(G * D) * sizeof(float)); /* o (G, D) = scores @ values: each value read once */
-    for (int64_t l = 0; l < n; ++l) {
-        const float *value = values + l * D;
-        for (int64_t g = 0; g < G; ++g) {
-            const float w = scores[g * n + l];
-            float *og = o + g * D;
+    for (int64_t i = 0, m; i < n; i += m) {
+        m = span_length(pages, i, n);
+        prefetch_next_span(v_cache, pages, i + m, n, D);
+        const float *values = load(v_cache, span_first(pages, i, D), m * D, scratch);
+        for (int64_t l = 0; l < m; ++l) {
+            const float *value = values + l * D;
+            for (int64_t g = 0; g < G; ++g) {
+                const float w = scores[g * n + i + l];
+                float *og = o + g * D;
 #pragma omp simd
-            for (int64_t d = 0; d < D; ++d) og[d] += w * value[d];
+                for (int64_t d = 0; d < D; ++d) og[d] += w * value[d];
+            }
         }
     }
 }
 
+enum { FAILED_NO_MEMORY = 1, FAILED_BAD_LENGTH = 2, FAILED_BAD_BLOCK = 4 };
+
+/* Row b's length and the block ids it uses, checked before a single value is read. */
+static int check_row(const int32_t *blocks, int64_t n, int64_t max_blocks, int64_t block_size,
+                     int64_t num_blocks) {
+    if (n < 1 || n > max_blocks * block_size) return FAILED_BAD_LENGTH;
+    int bad = 0;
+    for (int64_t i = 0; i < (n + block_size - 1) / block_size; ++i)
+        bad |= blocks[i] < 0 || blocks[i] >= num_blocks;
+    return bad ? FAILED_BAD_BLOCK : 0;
+}
+
 /* q: row b, query head h at q + b * q_row_stride + h * D; heads kv * G .. kv * G + G - 1
  *    share kv head kv (G = H / KH).
- * k_cache, v_cache: slot s, kv head kv, position l at s * slot_stride + kv * head_stride + l * D.
- * out: (B, H, D) contiguous. Row b reads positions [0, lens[b]) of slot slots[b]; lens[b] >= 1.
- * Returns 0, or -1 when scratch memory could not be allocated. */
-int decode_attention_f32(const float *q, const float *k_cache, const float *v_cache, float *out,
-                         const int64_t *slots, const int64_t *lens, int64_t B, int64_t H,
-                         int64_t KH, int64_t D, int64_t q_row_stride, int64_t slot_stride,
-                         int64_t head_stride, float scale, int num_threads) {
+ * k_cache, v_cache: (num_blocks, KH, block_size, D) contiguous.
+ * block_tables: row b's max_blocks block ids at block_tables + b * block_table_stride.
+ * lens: row b reads positions [0, lens[b]); 1 <= lens[b] <= max_blocks * block_size.
+ * out: (B, H, D) contiguous.
+ * Returns 0; -1 when scratch memory could not be allocated; -2 when a length is out
+ * of range; -3 when a used block id is outside [0, num_blocks) (nothing read then). */
+static inline __attribute__((always_inline)) int paged_decode_attention(
+    const float *q, const void *k_cache, const void *v_cache, load_span_fn load, int64_t value_bytes,
+    int64_t span_scratch,
+    float *out, const int32_t *block_tables, const int32_t *lens, int64_t B, int64_t H, int64_t KH,
+    int64_t D, int64_t q_row_stride, int64_t block_table_stride, int64_t max_blocks,
+    int64_t block_size, int64_t num_blocks, float scale, int num_threads) {
     const int64_t G = H / KH;
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : failed)
     for (int64_t task = 0; task < B * KH; ++task) {
         const int64_t b = task / KH, kv = task % KH, n = lens[b];
-        const int64_t offset = slots[b] * slot_stride + kv * head_stride;
-        const float *qg = q + b * q_row_stride + kv * G * D; /* (G, D) */
-        float *o = out + (b * H + kv * G) * D;              /* (G, D) */
-        float *scores = malloc((size_t)(G * n) * sizeof(float));
-        if (scores == NULL) {
-            failed = 1;
+        const row_pages pages = {block_tables + b * block_table_stride, block_size,
+                                 KH * block_size * D, kv * block_size * D, value_bytes};
+        const int bad = check_row(pages.blocks, n, max_blocks, block_size, num_blocks);
+        if (bad) {
+            failed |= bad;
             continue;
         }
+        const float *qg = q + b * q_row_stride + kv * G * D; /* (G, D) */
+        float *o = out + (b * H + kv * G) * D;              /* (G, D) */
+        float *scores = malloc((size_t)(G * n + span_scratch) * sizeof(float)); /* (G, n) then a span */
+        if (scores == NULL) {
+            failed |= FAILED_NO_MEMORY;
+            continue;
+        }
+        float *scratch = scores + G * n;
         if (D == 64)
-            attend(qg, k_cache + offset, v_cache + offset, o, scores, n, G, 64, scale);
+            attend(qg, k_cache, v_cache, load, pages, o, scores, scratch, n, G, 64, scale);
         else if (D == 128)
-            attend(qg, k_cache + offset, v_cache + offset, o, scores, n, G, 128, scale);
+            attend(qg, k_cache, v_cache, load, pages, o, scores, scratch, n, G, 128, scale);
         else
-            attend(qg, k_cache + offset, v_cache + offset, o, scores, n, G, D, scale);
+            attend(qg, k_cache, v_cache, load, pages, o, scores, scratch, n, G, D, scale);
         free(scores);
     }
-    return failed ? -1 : 0;
+    return failed & FAILED_BAD_LENGTH ? -2 : failed & FAILED_BAD_BLOCK ? -3 : failed ? -1 : 0;
 }
+
+#define PAGED_DECODE_ATTENTION(name, cache_type, load, span_scratch)                                    \
+    int name(const float *q, const cache_type *k_cache, const cache_type *v_cache, float *out,          \
+             const int32_t *block_tables, const int32_t *lens, int64_t B, int64_t H, int64_t KH,        \
+             int64_t D, int64_t q_row_stride, int64_t block_table_stride, int64_t max_blocks,           \
+             int64_t block_size, int64_t num_blocks, float scale, int num_threads) {                    \
+        return paged_decode_attention(q, k_cache, v_cache, load, sizeof(cache_type), span_scratch, out, block_tables, lens, \
+                                      B, H, KH, D, q_row_stride, block_table_stride, max_blocks,        \
+                                      block_size, num_blocks, scale, num_threads);                      \
+    }
+
+PAGED_DECODE_ATTENTION(paged_decode_attention_f32, float, load_f32, 0)
+PAGED_DECODE_ATTENTION(paged_decode_attention_f16, uint16_t, load_f16, MAX_SPAN * D)
+PAGED_DECODE_ATTENTION(paged_decode_attention_bf16, uint16_t, load_bf16, MAX_SPAN * D)
 
 /* RMSNorm of each row, fp32: out = x / sqrt(mean(x^2) + eps) * weight, the sum of
  * squares accumulated in fp32 in a fixed order. torch's CPU rms_norm is ~6 small
