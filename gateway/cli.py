@@ -30,7 +30,7 @@ def _add_stack_args(p: argparse.ArgumentParser, *, listen: str | None) -> None:
     w.add_argument("--model", help="GGUF file or Hugging Face folder (default: the bundled "
                                    "SmolLM2-135M-Instruct)")
     w.add_argument("--device", help="cpu (default), cuda, cuda:1, ...")
-    w.add_argument("--max-num-seqs", type=int, help="requests each worker generates together (default 16)")
+    w.add_argument("--max-num-seqs", type=int, help="requests each worker generates together (default 128)")
     w.add_argument("--num-threads", type=int, help="torch CPU threads per worker")
     p.add_argument("--max-queue-depth", type=int, help="gateway load-shedding limit (default 256)")
 

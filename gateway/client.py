@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         except grpc.RpcError as e:
             sys.stderr.write(f"\nerror: {e.code().name}: {e.details()}\n")
             return 1
-        except KeyboardInterrupt:  # Ctrl-C cancels the call, which frees the worker's slot
+        except KeyboardInterrupt:  # Ctrl-C cancels the call, which frees the worker's KV blocks
             return 130
     return 0
 

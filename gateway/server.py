@@ -36,6 +36,8 @@ from protos.tokenrelay.v1 import generate_pb2, generate_pb2_grpc, queue_pb2
 
 log = logging.getLogger(__name__)
 
+WORKER_LIMITS_TTL_S = 1.0  # how long the largest sequence the live workers can hold is remembered
+
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["TokenRelay"].full_name
 
 
@@ -50,6 +52,8 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
     def __init__(self, config: GatewayConfig, queue: RequestQueue, router: ReplyRouter) -> None:
         self.config, self.queue, self.router = config, queue, router
         self._background: set[asyncio.Task[None]] = set()
+        self._max_sequence_tokens: int | None = None  # None: no live worker known
+        self._limits_read_at = float("-inf")
 
     async def Generate(self, request: generate_pb2.GenerateRequest,  # noqa: N802 (gRPC's name)
                        context: grpc.aio.ServicerContext) -> AsyncIterator[generate_pb2.GenerateResponse]:
@@ -64,10 +68,11 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
         request_id = request.request_id or uuid.uuid4().hex
         try:
             check_request_id(request_id)
-            params_from_pb(request)
+            _, params = params_from_pb(request)
         except ValueError as e:
             raise InvalidArgument(str(e)) from None
         await self._admit()
+        await self._check_fits(params.max_tokens)
         calls = self.router.open(request_id)  # before XADD: no event can come before we listen
         entry_id: bytes | None = None
         is_done = False
@@ -84,7 +89,7 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
             is_aborted = entry_id is not None and not is_done
             self.router.close_call(request_id, is_aborted=is_aborted)
             if is_aborted:
-                # Cancelled by the client, deadline passed, or failed here: free the worker's slot.
+                # Cancelled by the client, deadline passed, or failed here: free the worker's KV blocks.
                 self.abort_later(request_id, "cancelled", entry_id)
 
     async def _admit(self) -> None:
@@ -97,6 +102,26 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
             raise redis_unavailable(e) from e
         if depth >= self.config.max_queue_depth:
             raise QueueFull(depth, self.config.max_queue_depth, self.config.retry_pushback_ms)
+
+    async def _check_fits(self, max_tokens: int) -> None:
+        """Refuse what no live worker could ever hold: max_tokens plus a one-token prompt beyond
+        every worker's largest sequence (max_model_len, or its whole KV cache). Prompt lengths
+        are only known once tokenized, so the worker checks prompt + max_tokens itself."""
+        now = time.monotonic()
+        if now - self._limits_read_at > WORKER_LIMITS_TTL_S:
+            self._limits_read_at = now
+            try:
+                workers = await self.queue.workers()
+            except RedisError:
+                return  # _admit has just reached Redis; a blip here only skips the check
+            limits = [min(w.max_model_len, w.num_blocks * w.block_size) for w in workers
+                      if w.max_model_len and w.num_blocks and w.block_size]
+            self._max_sequence_tokens = max(limits) if limits else None
+        limit = self._max_sequence_tokens
+        if limit is not None and max_tokens + 1 > limit:
+            raise InvalidArgument(f"stopping.max_tokens ({max_tokens}) leaves no room for a prompt: the "
+                                  f"largest sequence a live worker can hold is {limit} tokens "
+                                  "(its max_model_len or KV cache)")
 
     async def _enqueue(self, request_id: str, request: generate_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> bytes:

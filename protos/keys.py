@@ -17,7 +17,7 @@ or test runs can share one Redis. ``{p}`` below is that prefix.
 Requests (stream + consumer group)
   The gateway XADDs one entry per request: ``data`` = ``queue.QueuedRequest``
   bytes. Workers XREADGROUP ``>`` only as many entries as they can run now
-  (free sequence slots, and none while their engine has requests waiting for
+  (room in their batch, and none while their engine has requests waiting for
   KV-cache blocks), so what stays in the stream is real queue depth and other
   workers can take it. The group is created at id 0 with MKSTREAM by whoever
   needs it first (and again after a Redis restart lost it), so nothing added

@@ -42,7 +42,7 @@ def test_client_cancel_frees_the_worker_slot_within_a_second(
         # Its blocks are free again (any prefix it left cached counts as free).
         assert info.kv_cache_usage == 0 and info.num_free_blocks == info.num_blocks > 0
         assert time.monotonic() - cancelled_at < 1.0
-        assert not worker.io.consumer.engine.has_unfinished()
+        assert not worker.consumer.engine.has_unfinished()
 
 
 def test_deadline_passed_mid_stream_aborts_the_request(

@@ -201,6 +201,26 @@ def test_server_info_shows_every_heartbeat_field_of_a_worker(
     assert abs(info.heartbeat_unix - time.time()) < 10
 
 
+def test_max_tokens_no_live_worker_can_hold_is_refused_by_the_gateway(
+        make_gateway: Callable[..., GatewayThread], redis_url: str, prefix: str) -> None:
+    # the largest sequence this worker holds: min(max_model_len 512, 20 blocks x 16 = 320 tokens)
+    stats = dict(model_name="tiny", num_running=0, num_waiting=0, max_num_seqs=8, max_model_len=512,
+                 block_size=16, num_blocks=20, num_free_blocks=20, kv_cache_usage=0.0,
+                 num_prefix_cache_hit_tokens=0, num_prefix_cache_query_tokens=0, num_preemptions=0)
+    worker = WorkerThread(IdleEngine(**stats), WorkerConfig(redis_url=redis_url, key_prefix=prefix,
+                                                             worker_id="w1", claim_block_ms=50)).start()
+    try:
+        channel, stub = stub_for(make_gateway().target)
+        with channel:
+            wait_until(workers_ready(stub, 1), timeout=10)
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(build_request("hi", max_tokens=320), timeout=5))
+    finally:
+        worker.stop()
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "stopping.max_tokens (320)" in (e.value.details() or "") and "320 tokens" in (e.value.details() or "")
+
+
 def test_entry_state_follows_a_request_through_redis(redis_url: str, prefix: str) -> None:
     """queued -> claimed by a live worker -> its worker died -> finished (acked and deleted)."""
     config = GatewayConfig(listen="127.0.0.1:0", redis_url=redis_url, key_prefix=prefix)

@@ -46,23 +46,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cpu, cuda, cuda:1, ... [env TOKENRELAY_DEVICE]")
     p.add_argument("--dtype", choices=DTYPES, default=_env("TOKENRELAY_DTYPE", "float32"),
                    help="weight/activation dtype (use float32 on CPU) [env TOKENRELAY_DTYPE]")
-    p.add_argument("--max-num-seqs", type=int, default=_env("TOKENRELAY_MAX_NUM_SEQS", 16),
-                   help="requests generated together (KV cache slots) [env TOKENRELAY_MAX_NUM_SEQS]")
+    p.add_argument("--max-num-seqs", type=int, default=_env("TOKENRELAY_MAX_NUM_SEQS", 128),
+                   help="most requests batched together; KV memory is taken per block as they grow, not "
+                        "reserved per request [env TOKENRELAY_MAX_NUM_SEQS]")
     p.add_argument("--max-model-len", type=int, default=_env("TOKENRELAY_MAX_MODEL_LEN"),
                    help="tokens per sequence (prompt + output); default min(context, 2048) "
                         "[env TOKENRELAY_MAX_MODEL_LEN]")
     p.add_argument("--kv-cache-memory-mb", type=int, default=_env("TOKENRELAY_KV_CACHE_MEMORY_MB"),
-                   help="memory budget of the KV cache, allocated once at start-up; caps the number of "
-                        "slots; default: room for max-num-seqs full sequences "
-                        "[env TOKENRELAY_KV_CACHE_MEMORY_MB]")
+                   help="size of the KV block pool, allocated once at start-up; default: on CPU 10%% of "
+                        "physical RAM, on CUDA 90%% of the memory free after a warm-up forward (never more "
+                        "than max-num-seqs full sequences need) [env TOKENRELAY_KV_CACHE_MEMORY_MB]")
+    p.add_argument("--block-size", type=int, default=_env("TOKENRELAY_BLOCK_SIZE", 16),
+                   help="tokens per KV-cache block [env TOKENRELAY_BLOCK_SIZE]")
+    p.add_argument("--kv-cache-dtype", choices=DTYPES, default=_env("TOKENRELAY_KV_CACHE_DTYPE"),
+                   help="K/V storage dtype; default the model's; float16/bfloat16 halve the cache, on CPU "
+                        "too [env TOKENRELAY_KV_CACHE_DTYPE]")
     p.add_argument("--max-prefill-tokens", type=int, default=_env("TOKENRELAY_MAX_PREFILL_TOKENS", 512),
                    help="prompt tokens computed per engine step; longer prompts are prefilled in chunks "
                         "over several steps while running streams keep decoding "
                         "[env TOKENRELAY_MAX_PREFILL_TOKENS]")
     p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction,
                    default=_env("TOKENRELAY_PREFIX_CACHING", "1") not in ("0", "false", "no"),
-                   help="reuse the keys/values a finished request left in its cache slot for a new prompt "
-                        "that starts the same way (multi-turn chat, shared system prompts) "
+                   help="share the KV blocks of a common prompt prefix between requests, running or "
+                        "finished (shared system prompts, the next turn of a chat) "
                         "[env TOKENRELAY_PREFIX_CACHING=0 to disable]")
     p.add_argument("--native-kernels", action=argparse.BooleanOptionalAction,
                    default=_env("TOKENRELAY_NATIVE_KERNELS", "1") not in ("0", "false", "no"),
@@ -93,7 +99,8 @@ def config_from_args(argv: list[str] | None = None) -> tuple[WorkerConfig, str]:
     try:
         engine = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                              kv_cache_memory_mb=args.kv_cache_memory_mb,
+                              kv_cache_memory_mb=args.kv_cache_memory_mb, block_size=args.block_size,
+                              kv_cache_dtype=args.kv_cache_dtype,
                               max_prefill_tokens=args.max_prefill_tokens, num_threads=args.num_threads,
                               enable_prefix_caching=args.prefix_caching,
                               enable_native_kernels=args.native_kernels)
