@@ -119,9 +119,9 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
             self._max_sequence_tokens = max(limits) if limits else None
         limit = self._max_sequence_tokens
         if limit is not None and max_tokens + 1 > limit:
-            raise InvalidArgument(f"stopping.max_tokens ({max_tokens}) leaves no room for a prompt: the "
-                                  f"largest sequence a live worker can hold is {limit} tokens "
-                                  "(its max_model_len or KV cache)")
+            raise InvalidArgument(f"stopping.max_tokens ({max_tokens}) leaves no room for a prompt in the "
+                                  f"context of any live worker: the largest holds {limit} tokens "
+                                  "(its max_model_len or its whole KV cache)")
 
     async def _enqueue(self, request_id: str, request: generate_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> bytes:

@@ -123,6 +123,10 @@ class Heartbeat:
     NUM_PREFIX_CACHE_QUERY_TOKENS = "num_prefix_cache_query_tokens"
     NUM_PREEMPTIONS = "num_preemptions"
 
+    # A change of these is published with the next round; the others (block counts,
+    # usage, prefix tokens: they change almost every step) ride along, and are at most
+    # one heartbeat interval old, so a busy worker writes its hash ~2x a second, not per step.
+    EVENTS = (NUM_RUNNING, NUM_WAITING, NUM_FINISHED, NUM_PREEMPTIONS)
     TEXT = (WORKER_ID, MODEL)
     FLOAT = (HEARTBEAT_UNIX, KV_CACHE_USAGE)
     INT = (NUM_FINISHED, NUM_RUNNING, NUM_WAITING, MAX_NUM_SEQS, MAX_MODEL_LEN, BLOCK_SIZE, NUM_BLOCKS,

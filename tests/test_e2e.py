@@ -137,7 +137,7 @@ INVALID = [  # (request, words the status message must contain)
     (build_request(messages=[("wizard", "Hi")]), ["role", "wizard"]),
     (build_request("Hi", request_id="no spaces allowed"), ["request_id"]),
     (build_request("word " * (TEST_MAX_MODEL_LEN + 50), max_tokens=8), ["prompt", "context"]),  # worker-side
-    (build_request("Hi", max_tokens=TEST_MAX_MODEL_LEN + 1), ["max_tokens", "context"]),  # worker-side
+    (build_request("Hi", max_tokens=TEST_MAX_MODEL_LEN + 1), ["max_tokens", "context"]),  # gateway-side
 ]
 
 

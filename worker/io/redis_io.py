@@ -80,7 +80,7 @@ class Publisher:
         self._queue.put(outbox)
 
     def set_load(self, load: dict[str, str]) -> None:
-        """The latest heartbeat fields; a change is published with the next round."""
+        """The latest heartbeat fields; a change of an event field is published with the next round."""
         self._load = load
 
     def close(self) -> None:
@@ -99,7 +99,8 @@ class Publisher:
             except queue.Empty:
                 first = Outbox()
             outbox, closing = self._collect(first)
-            heartbeat = time.monotonic() >= next_heartbeat or self._load != self._sent_load
+            changed = any(self._load.get(k) != self._sent_load.get(k) for k in Heartbeat.EVENTS)
+            heartbeat = time.monotonic() >= next_heartbeat or changed
             self._send(outbox, heartbeat=heartbeat and not closing, delete_heartbeat=closing)
             if heartbeat:
                 next_heartbeat = time.monotonic() + self._config.heartbeat_interval_s
