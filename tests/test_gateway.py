@@ -218,7 +218,8 @@ def test_max_tokens_no_live_worker_can_hold_is_refused_by_the_gateway(
     finally:
         worker.stop()
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "stopping.max_tokens (320)" in (e.value.details() or "") and "holds 320 tokens" in (e.value.details() or "")
+    details = e.value.details() or ""
+    assert "stopping.max_tokens (320)" in details and "holds 320 tokens" in details
 
 
 def test_entry_state_follows_a_request_through_redis(redis_url: str, prefix: str) -> None:
