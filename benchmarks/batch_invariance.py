@@ -19,12 +19,14 @@ import statistics
 import torch
 
 from protos.params import SamplingParams
-from worker.engine.core import Engine
+from worker.engine.config import EngineConfig
+from worker.engine.core import EngineCore
+from worker.factory import native_kernels
 from worker.model.llama import LlamaModel
 from worker.model.loader import load_model
 
 
-def run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[int]]:
+def run(engine: EngineCore, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[int]]:
     for rid, (ids, params) in requests.items():
         engine.add_request(rid, ids, params)
     out: dict[str, list[int]] = {rid: [] for rid in requests}
@@ -48,8 +50,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     config, weights = load_model(None)
     # no prefix caching: the batched run must recompute the prompts, not reuse the solo run's K/V
-    engine = Engine(LlamaModel(config, weights), 2 * args.requests, 512 + args.tokens, 4096, frozenset(),
-                    enable_prefix_caching=False)
+    kernels = native_kernels(EngineConfig(), torch.device("cpu"), torch.float32)
+    model = LlamaModel(config, weights, kernels=kernels)
+    num_seqs, max_len = 2 * args.requests, 512 + args.tokens
+    engine = EngineCore(model, num_blocks=num_seqs * -(-max_len // 16), block_size=16, max_model_len=max_len,
+                        max_num_seqs=num_seqs, max_prefill_tokens=4096, eos_token_ids=frozenset(),
+                        enable_prefix_caching=False)
     rng = random.Random(0)
     results = {}
     for mode, temperature in (("sampled", 0.8), ("greedy", 0.0)):

@@ -44,24 +44,31 @@ def peak_rss_mb() -> float:
 
 # -- our engine ---------------------------------------------------------------
 def run_ours() -> dict[str, float]:
+    import torch
+
     from protos.params import SamplingParams
     from worker.engine.config import EngineConfig
-    from worker.engine.core import Engine
+    from worker.engine.core import EngineCore
+    from worker.factory import native_kernels
     from worker.model.llama import LlamaModel
     from worker.model.loader import load_model
     from worker.model.memory import weights_loading
 
     with weights_loading():
         config, weights = load_model(None)
-        model = LlamaModel(config, weights)
+        model = LlamaModel(config, weights, kernels=native_kernels(EngineConfig(), torch.device("cpu"),
+                                                                  torch.float32))
         del weights
     short, long, mixed = prompts(config.vocab_size)
     max_len = PREFILL_LEN + NEW_TOKENS
     # the worker's default prefill budget (prompts of the 16-request run take several
     # steps, next to the decodes); prefix caching off: transformers recomputes every
     # prompt, and so must we here
-    engine = Engine(model, NUM_CONCURRENT, max_len, EngineConfig().max_prefill_tokens, frozenset(),
-                    enable_prefix_caching=False)
+    block_size = EngineConfig().block_size
+    engine = EngineCore(model, num_blocks=NUM_CONCURRENT * -(-max_len // block_size), block_size=block_size,
+                        max_model_len=max_len, max_num_seqs=NUM_CONCURRENT,
+                        max_prefill_tokens=EngineConfig().max_prefill_tokens, eos_token_ids=frozenset(),
+                        enable_prefix_caching=False)
 
     def submit(batch: list[list[int]], max_tokens: int = NEW_TOKENS) -> float:
         t0 = time.perf_counter()
