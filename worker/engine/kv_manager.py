@@ -153,6 +153,7 @@ class KVCacheManager:
                 twin = self.pool.lookup(block_hash, tokens, table.last_content_id)
                 if twin is None:  # a hash collision with another prefix: stop caching this request
                     table.can_hash = False
+                    self._drop_pending(table)  # nobody should wait for blocks it will never cache
                     return
                 block_id = twin.block_id  # the same prefix computed twice: continue the chain through it
             table.num_hashed, table.last_hash = j + 1, block_hash
@@ -163,9 +164,7 @@ class KVCacheManager:
         table = self._tables.pop(request_id, None)
         if table is None:
             return
-        for block_hash in table.pending:
-            self._pending[block_hash] -= 1
-        self._pending = +self._pending  # drop zero counts
+        self._drop_pending(table)
         self.pool.release(reversed(table.block_ids))
 
     def check(self) -> None:
@@ -203,6 +202,12 @@ class KVCacheManager:
             parent_hash = chain_hash(parent_hash, token_ids[j * bs:(j + 1) * bs])
             hashes.append(parent_hash)
         return hashes
+
+    def _drop_pending(self, table: _Table) -> None:
+        for block_hash in table.pending:
+            self._pending[block_hash] -= 1
+        self._pending = +self._pending  # drop zero counts
+        table.pending = []
 
     def _unpend(self, table: _Table, block_hash: int) -> None:
         if table.pending and table.pending[0] == block_hash:
