@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= What is the capital of France? Answer in one sentence.
 
-.PHONY: demo serve test lint bench-engine bench-e2e protos clean
+.PHONY: demo serve test lint bench-engine bench-kv bench-e2e protos clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,9 @@ lint: $(STAMP)
 
 bench-engine: $(STAMP)
 	$(BIN)/python benchmarks/engine.py
+
+bench-kv: $(STAMP)  ## paged KV cache: 48 chats with one system prompt, prefix caching on vs off
+	$(BIN)/python benchmarks/kv.py
 
 bench-e2e: $(STAMP)
 	$(BIN)/python benchmarks/e2e.py
