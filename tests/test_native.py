@@ -313,3 +313,13 @@ def test_rms_norm_matches_torch(kernels: NativeKernels, shape: tuple[int, ...]) 
     strided = torch.randn(shape[0], shape[1] + 1, shape[2], generator=g)[:, 1:]  # a non-contiguous view
     assert torch.allclose(kernels.rms_norm(strided, w, 1e-5), torch.rms_norm(strided, w.shape, w, 1e-5),
                           rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("x", "weight"), [(torch.ones(2, 8), torch.ones(7)),
+                                           (torch.ones(2, 8).double(), torch.ones(8)),
+                                           (torch.ones(2, 8), torch.ones(16)[::2])],
+                         ids=["short weight", "fp64", "strided weight"])
+def test_rms_norm_rejects_what_it_cannot_read(kernels: NativeKernels, x: torch.Tensor,
+                                              weight: torch.Tensor) -> None:
+    with pytest.raises(ValueError, match="rms_norm: x"):
+        kernels.rms_norm(x, weight, 1e-5)
