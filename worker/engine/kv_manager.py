@@ -155,7 +155,12 @@ class KVCacheManager:
                     table.can_hash = False
                     self._drop_pending(table)  # nobody should wait for blocks it will never cache
                     return
-                block_id = twin.block_id  # the same prefix computed twice: continue the chain through it
+                # The same prefix computed twice: hold the cached copy instead of ours, so the
+                # chain never goes through a block this request does not hold (which could be
+                # evicted while its children stay cached, unreachable).
+                self.pool.acquire(twin.block_id)
+                self.pool.release([block_id])
+                table.block_ids[j] = block_id = twin.block_id
             table.num_hashed, table.last_hash = j + 1, block_hash
             table.last_content_id = self.pool.blocks[block_id].content_id
 
