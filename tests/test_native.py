@@ -36,8 +36,8 @@ def kernel(kernels: NativeKernels) -> PagedDecodeAttention:
 
 @dataclass(frozen=True)
 class PagedCache:
-    k_cache: torch.Tensor  # (num_blocks, K, block_size, D), NaN wherever no row's key is
-    v_cache: torch.Tensor  # (num_blocks, K, block_size, D)
+    k_cache: torch.Tensor  # (K, num_blocks, block_size, D), NaN wherever no row's key is
+    v_cache: torch.Tensor  # (K, num_blocks, block_size, D)
     block_tables: torch.Tensor  # (B, max_blocks) int32, -1 past each row's used blocks
     lens: torch.Tensor  # (B,) int32
     keys: list[torch.Tensor]  # per row (K, n, D) fp32: the cache's values upcast, for the reference
@@ -56,15 +56,15 @@ def make_paged_cache(lengths: list[int], block_size: int, K: int = 3, D: int = 6
     num_blocks = sum(num_used) + 2  # two blocks no row uses
     order = (torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed + 1)) if is_scattered
              else torch.arange(num_blocks)).tolist()
-    k_cache = torch.full((num_blocks, K, block_size, D), float("nan"), dtype=dtype)  # (num_blocks, K, bs, D)
+    k_cache = torch.full((K, num_blocks, block_size, D), float("nan"), dtype=dtype)  # (K, num_blocks, bs, D)
     v_cache = torch.full_like(k_cache, float("nan"))
     block_tables = torch.full((len(lengths), max(num_used) + 1), -1, dtype=torch.int32)  # (B, max_blocks)
     for b, n in enumerate(lengths):
         for j in range(num_used[b]):
             block, start, stop = order.pop(0), j * block_size, min(n, (j + 1) * block_size)
             block_tables[b, j] = block
-            k_cache[block, :, :stop - start] = keys[b][:, start:stop]
-            v_cache[block, :, :stop - start] = values[b][:, start:stop]
+            k_cache[:, block, :stop - start] = keys[b][:, start:stop]
+            v_cache[:, block, :stop - start] = values[b][:, start:stop]
     return PagedCache(k_cache, v_cache, block_tables, torch.tensor(lengths, dtype=torch.int32),
                       [k.float() for k in keys], [v.float() for v in values])
 
@@ -77,7 +77,7 @@ def make_queries(B: int, H: int, K: int = 3, D: int = 64, seed: int = 0) -> torc
 def reference(q: torch.Tensor, cache: PagedCache) -> torch.Tensor:
     """Row by row: softmax(q k^T / sqrt(D)) v over the row's own positions, fp32."""
     H, D = q.shape[1], q.shape[2]
-    G = H // cache.k_cache.shape[1]
+    G = H // cache.k_cache.shape[0]
     out = []
     for b, (k, v) in enumerate(zip(cache.keys, cache.values, strict=True)):
         keys, values = k.repeat_interleave(G, dim=0), v.repeat_interleave(G, dim=0)  # (H, n, D)
@@ -154,10 +154,10 @@ def every_16_bit_value(dtype: torch.dtype) -> PagedCache:
     """All 65536 fp16/bf16 bit patterns as values of one-token rows (block size 1) whose keys are 0:
     each row's softmax weight is exactly 1, so the output is the cache's values converted to fp32."""
     values = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16).view(dtype)  # (65536,)
-    v_cache = values.reshape(1024, 1, 1, 64)  # (num_blocks, K, block_size, D)
+    v_cache = values.reshape(1, 1024, 1, 64)  # (K, num_blocks, block_size, D)
     block_tables = torch.arange(1024, dtype=torch.int32)[:, None]  # (B, 1)
     return PagedCache(torch.zeros_like(v_cache), v_cache, block_tables, torch.ones(1024, dtype=torch.int32),
-                      [], [v.float() for v in v_cache])
+                      [], [v.float() for v in v_cache[0, :, None]])
 
 
 def assert_converts_every_value_exactly(kernel: PagedDecodeAttention, dtype: torch.dtype) -> None:
@@ -220,7 +220,7 @@ BAD_INPUTS: dict[str, tuple[Change, str]] = {
                    "k_cache must be one of"),
     "v dtype": (set_to("v_cache", lambda t: t.half()), "v_cache dtype torch.float16 != k_cache dtype"),
     "v shape": (set_to("v_cache", lambda t: t[:-1]), "v_cache shape"),
-    "k 3-D": (set_to("k_cache", lambda t: t[0]), "k_cache must be (num_blocks, K, block_size, D)"),
+    "k 3-D": (set_to("k_cache", lambda t: t[0]), "k_cache must be (K, num_blocks, block_size, D)"),
     "k strided": (set_to("k_cache", lambda t: t.transpose(1, 2).contiguous().transpose(1, 2)),
                   "k_cache and v_cache must be contiguous"),
     "block_tables int64": (set_to("block_tables", lambda t: t.long()), "block_tables must be int32"),

@@ -43,13 +43,13 @@ class PagedDecodeAttention:
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
         """q (B, H, D) fp32, rows may be strided, heads contiguous; k_cache/v_cache
-        (num_blocks, K, block_size, D) contiguous, fp32, fp16 or bf16; block_tables
+        (K, num_blocks, block_size, D) contiguous, fp32, fp16 or bf16; block_tables
         (B, max_blocks) int32 contiguous; lens (B,) int32 with 1 <= lens <= max_blocks * block_size.
         Position p of row b is at block block_tables[b, p // block_size], offset p % block_size.
         Returns (B, H, D) fp32. Raises ValueError on any input the C code could not read safely."""
         fn = _check_paged_inputs(self._fns, q, k_cache, v_cache, block_tables, lens)
         B, H, D = q.shape
-        num_blocks, K, block_size, _ = k_cache.shape
+        K, num_blocks, block_size, _ = k_cache.shape
         out = torch.empty(B, H, D, dtype=torch.float32)  # (B, H, D)
         # lens and the used block ids are checked in C, each row before it is read: free there,
         # while the same check in torch took ~65 us a call, ~6% of one at batch 16 (400 tokens)
@@ -97,13 +97,13 @@ def _paged_input_problem(fns: dict[torch.dtype, Callable[..., int]], q: torch.Te
     if v_cache.dtype != k_cache.dtype:
         return lambda: f"v_cache dtype {v_cache.dtype} != k_cache dtype {k_cache.dtype}"
     if k_cache.dim() != 4:
-        return lambda: f"k_cache must be (num_blocks, K, block_size, D), got shape {tuple(k_cache.shape)}"
+        return lambda: f"k_cache must be (K, num_blocks, block_size, D), got shape {tuple(k_cache.shape)}"
     if v_cache.shape != k_cache.shape:
         return lambda: f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}"
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         return lambda: "k_cache and v_cache must be contiguous"
     B, H, D = q.shape
-    K, cache_D = k_cache.shape[1], k_cache.shape[3]
+    K, cache_D = k_cache.shape[0], k_cache.shape[3]
     if cache_D != D:
         return lambda: f"head dim of q ({D}) != head dim of the cache ({cache_D})"
     if H == 0 or D == 0:

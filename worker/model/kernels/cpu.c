@@ -14,8 +14,10 @@
  *
  * Block table: position p of row b lives in physical block
  * block_tables[b * block_table_stride + p / block_size] at offset p % block_size,
- * and a cache is (num_blocks, KH, block_size, D) contiguous, so one block of one
- * kv head is block_size * D consecutive values. A (row, kv head) walks its
+ * and a cache is (KH, num_blocks, block_size, D) contiguous: one block of one kv
+ * head is block_size * D consecutive values, and blocks with consecutive ids are
+ * adjacent, so a sequence whose blocks were allocated together (a prompt) reads
+ * one contiguous stretch per kv head, as a slot-per-sequence cache did. A (row, kv head) walks its
  * positions in spans that stay inside one block (at most MAX_SPAN positions): an
  * fp32 span is read in place, an fp16/bf16 span is first converted into a small
  * fp32 scratch that stays in L1 and is then read once per query head. While a
@@ -233,7 +235,7 @@ static int check_row(const int32_t *blocks, int64_t n, int64_t max_blocks, int64
 
 /* q: row b, query head h at q + b * q_row_stride + h * D; heads kv * G .. kv * G + G - 1
  *    share kv head kv (G = H / KH).
- * k_cache, v_cache: (num_blocks, KH, block_size, D) contiguous.
+ * k_cache, v_cache: (KH, num_blocks, block_size, D) contiguous.
  * block_tables: row b's max_blocks block ids at block_tables + b * block_table_stride.
  * lens: row b reads positions [0, lens[b]); 1 <= lens[b] <= max_blocks * block_size.
  * out: (B, H, D) contiguous.
@@ -249,8 +251,8 @@ static int paged_decode_attention(
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : failed)
     for (int64_t task = 0; task < B * KH; ++task) {
         const int64_t b = task / KH, kv = task % KH, n = lens[b];
-        const row_pages pages = {block_tables + b * block_table_stride, block_size,
-                                 KH * block_size * D, kv * block_size * D};
+        const row_pages pages = {block_tables + b * block_table_stride, block_size, block_size * D,
+                                 kv * num_blocks * block_size * D};
         const int bad = check_row(pages.blocks, n, max_blocks, block_size, num_blocks);
         if (bad) {
             failed |= bad;
