@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
+from typing import Any
 
 import grpc
 import pytest
@@ -180,21 +182,34 @@ class IdleEngine:
         return self._stats
 
 
-def test_server_info_shows_every_heartbeat_field_of_a_worker(
-        make_gateway: Callable[..., GatewayThread], redis_url: str, prefix: str) -> None:
+def idle_stats(**overrides: object) -> dict[str, object]:
     # num_waiting=0: with nothing to step, a waiting request would make the claim loop spin.
-    stats = dict(model_name="tiny", num_running=3, num_waiting=0, max_num_seqs=8, max_model_len=512,
-                 block_size=16, num_blocks=640, num_free_blocks=600, kv_cache_usage=0.0625,
-                 num_prefix_cache_hit_tokens=96, num_prefix_cache_query_tokens=400, num_preemptions=1)
+    return dict(model_name="tiny", num_running=0, num_waiting=0, max_num_seqs=8, max_model_len=512,
+                block_size=16, num_blocks=640, num_free_blocks=640, kv_cache_usage=0.0,
+                num_prefix_cache_hit_tokens=0, num_prefix_cache_query_tokens=0, num_preemptions=0) | overrides
+
+
+@contextlib.contextmanager
+def gateway_with_idle_worker(make_gateway: Callable[..., GatewayThread], redis_url: str, prefix: str,
+                             stats: dict[str, object]) -> Iterator[Any]:
+    """A gateway's stub once a worker heart-beating these stats has joined (stopped afterwards)."""
     worker = WorkerThread(IdleEngine(**stats), WorkerConfig(redis_url=redis_url, key_prefix=prefix,
                                                              worker_id="w1", claim_block_ms=50)).start()
     try:
         channel, stub = stub_for(make_gateway().target)
         with channel:
             wait_until(workers_ready(stub, 1), timeout=10)
-            info = stub.GetServerInfo(generate_pb2.GetServerInfoRequest(), timeout=5).workers[0]
+            yield stub
     finally:
         worker.stop()
+
+
+def test_server_info_shows_every_heartbeat_field_of_a_worker(
+        make_gateway: Callable[..., GatewayThread], redis_url: str, prefix: str) -> None:
+    stats = idle_stats(num_running=3, num_free_blocks=600, kv_cache_usage=0.0625,
+                       num_prefix_cache_hit_tokens=96, num_prefix_cache_query_tokens=400, num_preemptions=1)
+    with gateway_with_idle_worker(make_gateway, redis_url, prefix, stats) as stub:
+        info = stub.GetServerInfo(generate_pb2.GetServerInfoRequest(), timeout=5).workers[0]
     expected = {k: v for k, v in stats.items() if k != "model_name"}
     assert {k: getattr(info, k) for k in expected} == expected
     assert (info.worker_id, info.model, info.num_finished) == ("w1", "tiny", 0)
@@ -204,19 +219,10 @@ def test_server_info_shows_every_heartbeat_field_of_a_worker(
 def test_max_tokens_no_live_worker_can_hold_is_refused_by_the_gateway(
         make_gateway: Callable[..., GatewayThread], redis_url: str, prefix: str) -> None:
     # the largest sequence this worker holds: min(max_model_len 512, 20 blocks x 16 = 320 tokens)
-    stats = dict(model_name="tiny", num_running=0, num_waiting=0, max_num_seqs=8, max_model_len=512,
-                 block_size=16, num_blocks=20, num_free_blocks=20, kv_cache_usage=0.0,
-                 num_prefix_cache_hit_tokens=0, num_prefix_cache_query_tokens=0, num_preemptions=0)
-    worker = WorkerThread(IdleEngine(**stats), WorkerConfig(redis_url=redis_url, key_prefix=prefix,
-                                                             worker_id="w1", claim_block_ms=50)).start()
-    try:
-        channel, stub = stub_for(make_gateway().target)
-        with channel:
-            wait_until(workers_ready(stub, 1), timeout=10)
-            with pytest.raises(grpc.RpcError) as e:
-                list(stub.Generate(build_request("hi", max_tokens=320), timeout=5))
-    finally:
-        worker.stop()
+    stats = idle_stats(num_blocks=20, num_free_blocks=20)
+    with gateway_with_idle_worker(make_gateway, redis_url, prefix, stats) as stub, \
+            pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(build_request("hi", max_tokens=320), timeout=5))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     details = e.value.details() or ""
     assert "stopping.max_tokens (320)" in details and "holds 320 tokens" in details

@@ -38,7 +38,7 @@ def tokens(n: int, seed: int = 0) -> list[int]:
 
 
 def prefill(kv: KVCacheManager, request_id: str, ids: list[int], num_reserved: int = 0) -> int:
-    """Admit and prefill in one step, as the scheduler and `EngineCore._commit` do."""
+    """Admit and prefill in one step, as the scheduler and `Scheduler.commit` do."""
     num_cached = kv.allocate(request_id, ids, num_reserved)
     assert num_cached is not None
     kv.commit(request_id, len(ids), ids)
@@ -483,7 +483,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.live)
     @rule(budget=st.integers(1, 24), token=st.sampled_from(ALPHABET))
     def engine_step(self, budget: int, token: int) -> None:
-        """One engine step as the scheduler and `EngineCore._commit` run it: every prefilled request
+        """One engine step as the scheduler and `Scheduler.commit` run it: every prefilled request
         decodes (the newest are preempted while a block is missing), prompts are prefilled
         oldest first under a token budget, then every request that ran commits."""
         num_operations[type(self).__name__] += 1

@@ -28,13 +28,8 @@ def make_scheduler(num_blocks: int = 1000, block_size: int = 4, max_num_seqs: in
 
 
 def run(s: Scheduler, out: SchedulerOutput, token: int = 1) -> None:
-    """What the engine does after the model ran: tokens computed, blocks hashed, new tokens appended."""
-    for c in out.prefills:
-        c.seq.num_computed_tokens = c.start + c.num_tokens
-    for q in out.decodes:
-        q.num_computed_tokens = q.num_tokens
-    for seq in [c.seq for c in out.prefills] + out.decodes:
-        s.kv.commit(seq.request_id, seq.num_computed_tokens, seq.prompt_ids, seq.output_ids)
+    """What the engine does after the model ran: commit the step, append each new token."""
+    s.commit(out)
     for seq in [c.seq for c in out.prefills if c.is_last] + out.decodes:
         seq.output_ids.append(token)
 

@@ -20,7 +20,7 @@ import torch
 from protos.params import FinishReason, SamplingParams
 from worker.engine.kv_manager import KVCacheManager
 from worker.engine.model_runner import ModelRunner, SampledToken
-from worker.engine.scheduler import Scheduler, SchedulerOutput
+from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence, sampled_sequences
 from worker.engine.stopping import StoppingCriteria
 from worker.model.llama import KVCache, LlamaModel
@@ -112,18 +112,9 @@ class EngineCore:
         if sched.is_empty:
             return outputs
         tokens = self.runner.run(sched.prefills, sched.decodes)
-        self._commit(sched)
+        self.scheduler.commit(sched)
         sampled = sampled_sequences(sched.prefills, sched.decodes)
         return outputs + self._postprocess(sampled, tokens)
-
-    def _commit(self, sched: SchedulerOutput) -> None:
-        """The step ran: its tokens' K/V are in the cache; blocks they filled become findable."""
-        for c in sched.prefills:
-            c.seq.num_computed_tokens = c.start + c.num_tokens
-        for s in sched.decodes:
-            s.num_computed_tokens = s.num_tokens
-        for seq in [c.seq for c in sched.prefills] + sched.decodes:
-            self.kv.commit(seq.request_id, seq.num_computed_tokens, seq.prompt_ids, seq.output_ids)
 
     def _apply_aborts(self) -> list[EngineOutput]:
         with self._lock:

@@ -126,6 +126,16 @@ class Scheduler:
         log.info("preempted %s (%d tokens) for lack of KV blocks; %d preemptions so far",
                  seq.request_id, seq.num_tokens, self.num_preemptions)
 
+    def commit(self, out: SchedulerOutput) -> None:
+        """The step `out` ran: its tokens' K/V are in the cache, and the blocks they filled
+        become findable (after the model ran, so a failed step caches nothing)."""
+        for c in out.prefills:
+            c.seq.num_computed_tokens = c.start + c.num_tokens
+        for s in out.decodes:
+            s.num_computed_tokens = s.num_tokens
+        for seq in [c.seq for c in out.prefills] + out.decodes:
+            self.kv.commit(seq.request_id, seq.num_computed_tokens, seq.prompt_ids, seq.output_ids)
+
     @staticmethod
     def _add_chunk(out: SchedulerOutput, seq: Sequence, budget: int) -> int:
         start = seq.num_computed_tokens
