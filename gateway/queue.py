@@ -87,7 +87,8 @@ class RequestQueue:
 
     async def abort(self, request_id: str, reason: str, entry_id: bytes | None = None) -> None:
         """Tell running workers; with entry_id also mark the entry for a worker that claims it later."""
-        message = queue_pb2.Abort(request_id=request_id, reason=reason).SerializeToString()
+        message = queue_pb2.Abort(request_id=request_id, reason=reason,
+                                  entry_id=entry_id or b"").SerializeToString()
         pipe = self.client.pipeline(transaction=False)
         if entry_id is not None:
             pipe.set(self.keys.aborted(request_id), entry_id, ex=ABORTED_TTL_S)

@@ -1,7 +1,9 @@
 """Turn one call's worker events into `GenerateResponse`s, in order, or an error.
 
-Events carry a per-request `seq`: a duplicate (a worker resent a pipeline after
-a Redis hiccup) is dropped, a gap fails the call. A call that hears nothing for
+Events carry the stream entry id of their attempt and a per-attempt `seq`: an
+event of another attempt under the same request id (a retry after a cancel) is
+dropped, so is a duplicate (a worker resent a pipeline after a Redis hiccup), and
+a gap fails the call. A call that hears nothing for
 `liveness_check_s` asks Redis whether its request is still in the stream, so a
 lost entry (Redis restarted empty) ends the call instead of hanging it. An entry
 whose worker crashed stays: another worker re-claims it and resumes the stream
@@ -40,6 +42,8 @@ async def relay(request_id: str, entry_id: bytes, calls: asyncio.Queue[CallItem]
             continue
         if isinstance(item, GatewayError):
             raise item
+        if item.entry_id != entry_id:
+            continue  # an earlier attempt under this request id (a retry after a cancel)
         if item.seq < next_seq:
             continue  # duplicate of an event already relayed
         if item.seq > next_seq:

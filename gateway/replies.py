@@ -34,14 +34,17 @@ MAX_ORPHANS = 4096  # remembered ids of ended calls whose events still arrive
 class ReplyRouter:
     def __init__(self, client: aioredis.Redis, channel: str, *, max_backoff_s: float = 2.0,
                  on_ready_change: Callable[[bool], Any] | None = None,
-                 on_orphan: Callable[[str], Any] | None = None) -> None:
-        """on_orphan(request_id): events keep coming for a call that has ended (say, its
-        abort was lost while Redis was down); called once per request id."""
+                 on_orphan: Callable[[str, bytes], Any] | None = None) -> None:
+        """on_orphan(request_id, entry_id): events keep coming for an attempt whose call has
+        ended (say, its abort was lost while Redis was down, or the call was retried under
+        the same request id); called once per attempt."""
         self._client, self.channel = client, channel
         self._max_backoff_s = max_backoff_s
         self._on_ready_change, self._on_orphan = on_ready_change, on_orphan
         self._calls: dict[str, asyncio.Queue[CallItem]] = {}
-        self._orphans: OrderedDict[str, None] = OrderedDict()  # ids already reported, oldest first
+        self._entries: dict[str, bytes] = {}  # request id -> its call's stream entry, once enqueued
+        # (request id, entry id) of attempts already reported, oldest first
+        self._orphans: OrderedDict[tuple[str, bytes], None] = OrderedDict()
         self._ready = asyncio.Event()
         self._tried = asyncio.Event()  # the first subscribe attempt ended, either way
         self._task: asyncio.Task[None] | None = None
@@ -77,15 +80,21 @@ class ReplyRouter:
         self._calls[request_id] = calls
         return calls
 
+    def attach(self, request_id: str, entry_id: bytes) -> None:
+        """The call's request is enqueued as `entry_id`: from now on the events of any other
+        attempt under this request id are reported as orphans (the relay drops them too)."""
+        self._entries[request_id] = entry_id
+
     def close_call(self, request_id: str, *, is_aborted: bool = False) -> None:
         """is_aborted: the caller sends an abort itself, so late events need no report."""
         self._calls.pop(request_id, None)
-        if is_aborted:
-            self._remember_orphan(request_id)
+        entry_id = self._entries.pop(request_id, None)
+        if is_aborted and entry_id is not None:
+            self._remember_orphan((request_id, entry_id))
 
-    def forget_orphan(self, request_id: str) -> None:
-        """Report this id again if more events come (its abort did not get through)."""
-        self._orphans.pop(request_id, None)
+    def forget_orphan(self, request_id: str, entry_id: bytes) -> None:
+        """Report this attempt again if more events come (its abort did not get through)."""
+        self._orphans.pop((request_id, entry_id), None)
 
     async def _run(self) -> None:
         backoff = Backoff(self._max_backoff_s)
@@ -126,19 +135,20 @@ class ReplyRouter:
             return
         for event in batch.events:
             calls = self._calls.get(event.request_id)
-            if calls is not None:
-                calls.put_nowait(event)
+            entry_id = self._entries.get(event.request_id)
+            if calls is not None and entry_id in (None, event.entry_id):
+                calls.put_nowait(event)  # before the entry id is known, the relay filters
             elif event.HasField("chunk"):  # the call ended (cancelled, failed) but generation goes on
-                self._report_orphan(event.request_id)
+                self._report_orphan(event.request_id, event.entry_id)
 
-    def _report_orphan(self, request_id: str) -> None:
-        if self._on_orphan is None or request_id in self._orphans:
+    def _report_orphan(self, request_id: str, entry_id: bytes) -> None:
+        if self._on_orphan is None or (request_id, entry_id) in self._orphans:
             return
-        self._remember_orphan(request_id)
-        self._on_orphan(request_id)
+        self._remember_orphan((request_id, entry_id))
+        self._on_orphan(request_id, entry_id)
 
-    def _remember_orphan(self, request_id: str) -> None:
-        self._orphans[request_id] = None
+    def _remember_orphan(self, key: tuple[str, bytes]) -> None:
+        self._orphans[key] = None
         if len(self._orphans) > MAX_ORPHANS:
             self._orphans.popitem(last=False)
 

@@ -78,6 +78,7 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
         is_done = False
         try:
             entry_id = await self._enqueue(request_id, request, context)
+            self.router.attach(request_id, entry_id)
             liveness_s = self.config.liveness_check_s
             async for response in relay(request_id, entry_id, calls, self.queue, liveness_s):
                 is_done = response.HasField("final")
@@ -159,7 +160,8 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
             await self.queue.abort(request_id, reason, entry_id)
         except RedisError as e:
             log.warning("abort of %s not delivered: %s", request_id, e)
-            self.router.forget_orphan(request_id)  # retried if its events show up later
+            if entry_id is not None:
+                self.router.forget_orphan(request_id, entry_id)  # retried if its events show up later
 
 
 class Gateway:
@@ -210,8 +212,8 @@ class Gateway:
     async def wait_for_termination(self) -> None:
         await self.server.wait_for_termination()
 
-    def _on_orphan(self, request_id: str) -> None:
-        self.servicer.abort_later(request_id, "nobody is waiting for this request any more")
+    def _on_orphan(self, request_id: str, entry_id: bytes) -> None:
+        self.servicer.abort_later(request_id, "nobody is waiting for this attempt any more", entry_id or None)
 
     def _on_ready_change(self, is_ready: bool) -> None:
         task = asyncio.ensure_future(self._set_health(is_ready))

@@ -53,14 +53,20 @@ Delivery guarantee: at least once per request, acknowledged late; streams resume
 Token events (pub/sub, fire and forget)
   After every engine step a worker publishes, per reply channel, one
   ``queue.TokenEventBatch`` holding that step's events, all channels in one
-  pipelined round trip. Each event has a per-request ``seq`` 0, 1, 2, ...; the
-  gateway drops duplicates (a resent pipeline) and fails the call on a gap.
+  pipelined round trip. Each event carries its attempt's stream entry id and a
+  per-attempt ``seq`` 0, 1, 2, ...; the gateway drops duplicates (a resent
+  pipeline) and fails the call on a gap. A request id may be reused (a client
+  retrying after a cancel) while the earlier attempt is still being aborted:
+  a call only accepts events of its own entry id and reports the others as
+  orphans (aborted by entry id), and a worker runs each attempt under its entry
+  id, so two attempts never mix.
   Pub/sub does not buffer: the gateway subscribes once at start-up, before it
   enqueues anything, and fails its in-flight calls if that subscription drops.
 
 Aborts
-  A cancelled call publishes ``queue.Abort`` on ``{p}:aborts`` (every worker
-  listens; the one running the request aborts it between two steps) and sets
+  A cancelled call publishes ``queue.Abort`` on ``{p}:aborts`` naming its
+  request and entry id (every worker listens; the one running that attempt
+  aborts it between two steps) and sets
   ``{p}:aborted:{request_id}`` to the request's stream entry id, so a request
   still waiting in the stream is dropped when a worker claims it. Matching the
   entry id, not only the request id, keeps a retry that reuses the request id

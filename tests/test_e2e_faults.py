@@ -45,6 +45,26 @@ def test_client_cancel_frees_the_worker_slot_within_a_second(
         assert not worker.consumer.engine.has_unfinished()
 
 
+def test_a_retry_under_the_id_of_a_cancelled_call_streams_only_its_own_tokens(
+        make_gateway: Callable[..., GatewayThread], make_worker: Callable[..., WorkerThread]) -> None:
+    """Cancel after 5 chunks and send the same request again at once: the cancelled attempt's
+    late events (its chunks 5, 6, ...) must not reach the retry, which answers like the first."""
+    gateway, _ = make_gateway(), make_worker()
+    channel, stub = stub_for(gateway.target)
+    request = long_request(max_tokens=40, request_id="retried-call")
+    with channel:
+        wait_until(workers_ready(stub, 1), timeout=10)
+        first = stub.Generate(request, timeout=120)
+        seen = [next(first) for _ in range(5)]
+        first.cancel()
+        retry = list(stub.Generate(request, timeout=120))
+    chunks = [r.chunk for r in retry if r.HasField("chunk")]
+    assert [c.index for c in chunks] == list(range(len(chunks)))  # no gap, nothing of the first attempt
+    assert [c.text for c in chunks[:5]] == [r.chunk.text for r in seen]  # greedy: the same beginning
+    final = retry[-1].final
+    assert final.usage.completion_tokens == 40 and final.text == "".join(c.text for c in chunks)
+
+
 def test_deadline_passed_mid_stream_aborts_the_request(
         make_gateway: Callable[..., GatewayThread], make_worker: Callable[..., WorkerThread]) -> None:
     gateway, _ = make_gateway(), make_worker()

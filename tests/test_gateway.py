@@ -70,12 +70,16 @@ class FakeQueue:
         return self.states.pop(0) if self.states else EntryState.RUNNING
 
 
-def chunk(seq: int) -> queue_pb2.TokenEvent:
-    return queue_pb2.TokenEvent(request_id="r", seq=seq, chunk=generate_pb2.Chunk(index=seq, text=f"<{seq}>"))
+ENTRY = b"1-0"  # the relayed call's stream entry
+
+
+def chunk(seq: int, entry_id: bytes = ENTRY) -> queue_pb2.TokenEvent:
+    return queue_pb2.TokenEvent(request_id="r", seq=seq, entry_id=entry_id,
+                                chunk=generate_pb2.Chunk(index=seq, text=f"<{seq}>"))
 
 
 def final(seq: int) -> queue_pb2.TokenEvent:
-    return queue_pb2.TokenEvent(request_id="r", seq=seq, final=generate_pb2.Final(text="done"))
+    return queue_pb2.TokenEvent(request_id="r", seq=seq, entry_id=ENTRY, final=generate_pb2.Final(text="done"))
 
 
 def run_relay(items: list, states: list[EntryState] | None = None, liveness_s: float = 1.0) -> list[str]:
@@ -83,7 +87,7 @@ def run_relay(items: list, states: list[EntryState] | None = None, liveness_s: f
         calls: asyncio.Queue = asyncio.Queue()
         for item in items:
             calls.put_nowait(item)
-        responses = relay("r", b"1-0", calls, FakeQueue(states or []), liveness_s)  # type: ignore[arg-type]
+        responses = relay("r", ENTRY, calls, FakeQueue(states or []), liveness_s)  # type: ignore[arg-type]
         return [r.chunk.text if r.HasField("chunk") else "final" async for r in responses]
     return asyncio.run(go())
 
@@ -93,13 +97,19 @@ def test_relay_drops_duplicate_events() -> None:
         ["<0>", "<1>", "<2>", "final"]
 
 
+def test_relay_drops_the_events_of_an_earlier_attempt_under_the_same_request_id() -> None:
+    # a cancelled attempt's late events (its seq 5, 6) reach the retry's call: not a gap
+    late = [chunk(5, entry_id=b"0-1"), chunk(6, entry_id=b"0-1")]
+    assert run_relay([*late, chunk(0), *late, chunk(1), final(2)]) == ["<0>", "<1>", "final"]
+
+
 def test_relay_fails_on_a_gap() -> None:
     with pytest.raises(Unavailable, match="lost token events 1..1"):
         run_relay([chunk(0), chunk(2)])
 
 
 def test_relay_raises_the_workers_error() -> None:
-    error = queue_pb2.TokenEvent(request_id="r", seq=0, error=queue_pb2.RequestError(
+    error = queue_pb2.TokenEvent(request_id="r", seq=0, entry_id=ENTRY, error=queue_pb2.RequestError(
         code=queue_pb2.ERROR_CODE_DEADLINE_EXCEEDED, message="late"))
     with pytest.raises(WorkerError) as e:
         run_relay([error])

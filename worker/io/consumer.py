@@ -57,8 +57,14 @@ class TextEngineProtocol(Protocol):
 
 @dataclass
 class Tracked:
-    """A request this worker claimed and is generating."""
+    """One attempt at a request that this worker claimed and is generating.
 
+    The engine knows it by `key`, its stream entry id, not by its request id: a
+    client may reuse a request id (a retry after a cancel) while the earlier
+    attempt is still being aborted, and the two must never mix (protos/keys.py).
+    """
+
+    request_id: str
     entry_id: bytes
     reply_channel: str
     deadline_unix: float  # 0 = none
@@ -72,9 +78,14 @@ class Tracked:
     # Aborted at shutdown for another worker to resume: no final event, no XACK.
     is_handed_off: bool = False
 
-    def event(self, request_id: str, **kind: Any) -> queue_pb2.TokenEvent:
+    @property
+    def key(self) -> str:
+        return self.entry_id.decode()
+
+    def event(self, **kind: Any) -> queue_pb2.TokenEvent:
         self.seq += 1
-        return queue_pb2.TokenEvent(request_id=request_id, seq=self.seq - 1, **kind)
+        return queue_pb2.TokenEvent(request_id=self.request_id, seq=self.seq - 1, entry_id=self.entry_id,
+                                    **kind)
 
     def progress(self) -> bytes:
         self.record.next_seq, self.record.num_chunks = self.seq, self.num_chunks
@@ -138,8 +149,8 @@ class Consumer:
         except Exception:
             # An engine bug: answer every caller and release the entries, then crash loudly.
             log.exception("worker failed; failing %d running requests", len(self._running))
-            for request_id, tracked in self._running.items():
-                self._reject(request_id, tracked, ErrorCode.ERROR_CODE_INTERNAL, "the worker failed")
+            for tracked in self._running.values():
+                self._reject(tracked, ErrorCode.ERROR_CODE_INTERNAL, "the worker failed")
             self._running.clear()
             self._publisher.submit(self._outbox)
             raise
@@ -167,12 +178,12 @@ class Consumer:
         if self._running:
             log.warning("drain timeout: %s %d running requests", "handing over" if handoff else "failing",
                         len(self._running))
-        for request_id, tracked in self._running.items():
+        for key, tracked in self._running.items():
             if handoff:
                 tracked.is_handed_off = True  # left pending in the group, with its progress
             else:
                 tracked.error = (ErrorCode.ERROR_CODE_UNAVAILABLE, "the worker shut down before it finished")
-            self.engine.abort(request_id)
+            self.engine.abort(key)
         for _ in range(3):  # aborted requests finish in the next step
             if not self.engine.has_unfinished():
                 break
@@ -220,9 +231,9 @@ class Consumer:
             elif entry_id in aborted:
                 self._outbox.ack(entry_id)  # cancelled while queued; the caller is gone
             elif claimed.num_deliveries > self.config.max_deliveries:
-                tracked = Tracked(entry_id, qr.reply_channel, qr.deadline_unix,
+                tracked = Tracked(qr.request_id, entry_id, qr.reply_channel, qr.deadline_unix,
                                   seq=claimed.progress.next_seq if claimed.progress else 0)
-                self._reject(qr.request_id, tracked, ErrorCode.ERROR_CODE_UNAVAILABLE,
+                self._reject(tracked, ErrorCode.ERROR_CODE_UNAVAILABLE,
                              f"{claimed.num_deliveries - 1} workers stopped while running this request; "
                              "not trying again")
             else:
@@ -273,49 +284,49 @@ class Consumer:
 
     def _admit(self, entry_id: bytes, qr: queue_pb2.QueuedRequest,
                progress: queue_pb2.Progress | None = None) -> None:
-        tracked = Tracked(entry_id, qr.reply_channel, qr.deadline_unix)
+        tracked = Tracked(qr.request_id, entry_id, qr.reply_channel, qr.deadline_unix)
         resume = None
         if progress is not None:  # continue a dead worker's stream where its events stopped
             tracked.seq, tracked.num_chunks, tracked.record = progress.next_seq, progress.num_chunks, progress
             resume = Resume(tuple(progress.token_ids), progress.seed, progress.first_token_unix)
-        request_id = qr.request_id
         if qr.deadline_unix and time.time() > qr.deadline_unix:
-            return self._reject(request_id, tracked, ErrorCode.ERROR_CODE_DEADLINE_EXCEEDED,
+            return self._reject(tracked, ErrorCode.ERROR_CODE_DEADLINE_EXCEEDED,
                                 "the deadline passed while the request was queued")
-        if request_id in self._running:
-            return self._reject(request_id, tracked, ErrorCode.ERROR_CODE_INVALID_ARGUMENT,
-                                f"request_id {request_id!r} is already running")
+        if tracked.key in self._running:  # this worker holds the entry already: nothing to do
+            log.error("entry %s of request %s claimed twice; ignoring the second claim", tracked.key,
+                      qr.request_id)
+            return None
         try:
             prompt, params = params_from_pb(qr.request)
-            admitted = self.engine.add_request(request_id, prompt, params,
+            admitted = self.engine.add_request(tracked.key, prompt, params,
                                                arrival_time=qr.enqueued_unix or None, resume=resume)
         except ValueError as e:  # bad field, or prompt + max_tokens longer than the context
-            return self._reject(request_id, tracked, ErrorCode.ERROR_CODE_INVALID_ARGUMENT, str(e))
+            return self._reject(tracked, ErrorCode.ERROR_CODE_INVALID_ARGUMENT, str(e))
         except Exception as e:
-            log.exception("add_request failed for %s", request_id)
-            return self._reject(request_id, tracked, ErrorCode.ERROR_CODE_INTERNAL, f"worker error: {e}")
+            log.exception("add_request failed for %s", qr.request_id)
+            return self._reject(tracked, ErrorCode.ERROR_CODE_INTERNAL, f"worker error: {e}")
         tracked.record.seed, tracked.record.worker_id = admitted.seed, self.config.worker_id
         if admitted.text:
             tracked.text_parts.append(admitted.text)
-        self._running[request_id] = tracked
+        self._running[tracked.key] = tracked
 
-    def _reject(self, request_id: str, tracked: Tracked, code: queue_pb2.ErrorCode,
-                message: str) -> None:
+    def _reject(self, tracked: Tracked, code: queue_pb2.ErrorCode, message: str) -> None:
         error = queue_pb2.RequestError(code=code, message=message)
-        self._outbox.add(tracked.reply_channel, tracked.event(request_id, error=error))
+        self._outbox.add(tracked.reply_channel, tracked.event(error=error))
         self._outbox.ack(tracked.entry_id)
 
     # -- aborts and events ------------------------------------------------------------------------
 
     def _apply_aborts(self) -> None:
-        for request_id in self._aborts.drain():
-            if request_id in self._running:
-                self.engine.abort(request_id)  # the next step returns its ABORT output
+        for request_id, entry_id in self._aborts.drain():
+            for key, tracked in self._running.items():  # the attempt named, or all of them
+                if tracked.request_id == request_id and entry_id in (b"", tracked.entry_id):
+                    self.engine.abort(key)  # the next step returns its ABORT output
         now = time.time()
-        for request_id, tracked in self._running.items():
+        for key, tracked in self._running.items():
             if tracked.deadline_unix and now > tracked.deadline_unix and tracked.error is None:
                 tracked.error = (ErrorCode.ERROR_CODE_DEADLINE_EXCEEDED, "deadline passed while generating")
-                self.engine.abort(request_id)
+                self.engine.abort(key)
 
     def _emit(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -328,7 +339,7 @@ class Consumer:
                 tracked.text_parts.append(out.text)
                 tracked.record.token_ids.extend(out.token_ids)
                 tracked.record.first_token_unix = tracked.record.first_token_unix or time.time()
-                self._outbox.add(tracked.reply_channel, tracked.event(out.request_id, chunk=chunk))
+                self._outbox.add(tracked.reply_channel, tracked.event(chunk=chunk))
                 self._outbox.progress[tracked.entry_id] = tracked.progress()
             if out.finished:
                 self._finish(out, tracked)
@@ -340,14 +351,14 @@ class Consumer:
         self.num_finished += 1
         if tracked.error is not None and out.finish_reason is FinishReason.ABORT:
             code, message = tracked.error
-            return self._reject(out.request_id, tracked, code, message)
+            return self._reject(tracked, code, message)
         assert out.finish_reason is not None
         final = generate_pb2.Final(finish_reason=finish_reason_to_pb(out.finish_reason),
                                    text="".join(tracked.text_parts), error_message=out.error or "",
                                    worker_id=self.config.worker_id)
         if out.usage is not None:
             final.usage.CopyFrom(usage_to_pb(out.usage))
-        self._outbox.add(tracked.reply_channel, tracked.event(out.request_id, final=final))
+        self._outbox.add(tracked.reply_channel, tracked.event(final=final))
         self._outbox.ack(tracked.entry_id)
 
     def _flush(self) -> None:

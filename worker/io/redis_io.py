@@ -164,11 +164,11 @@ class Publisher:
 
 
 class AbortListener:
-    """Background thread collecting request ids from the abort channel."""
+    """Background thread collecting (request id, entry id) pairs from the abort channel."""
 
     def __init__(self, client: redis.Redis, config: WorkerConfig) -> None:
         self._client, self._config = client, config
-        self._ids: deque[str] = deque()
+        self._ids: deque[tuple[str, bytes]] = deque()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="aborts", daemon=True)
 
@@ -179,8 +179,9 @@ class AbortListener:
         self._closed.set()
         self._thread.join()
 
-    def drain(self) -> list[str]:
-        """Request ids aborted since the last call."""
+    def drain(self) -> list[tuple[str, bytes]]:
+        """(request id, entry id) of the attempts aborted since the last call; an empty
+        entry id means every attempt of that request id."""
         ids = []
         while self._ids:
             ids.append(self._ids.popleft())
@@ -188,7 +189,8 @@ class AbortListener:
 
     def _on_message(self, data: bytes) -> None:
         try:
-            self._ids.append(queue_pb2.Abort.FromString(data).request_id)
+            abort = queue_pb2.Abort.FromString(data)
+            self._ids.append((abort.request_id, abort.entry_id))
         except Exception:  # a foreign publisher must not kill the listener
             log.error("ignoring unreadable message on the abort channel")
 
