@@ -79,7 +79,8 @@ def chunk(seq: int, entry_id: bytes = ENTRY) -> queue_pb2.TokenEvent:
 
 
 def final(seq: int) -> queue_pb2.TokenEvent:
-    return queue_pb2.TokenEvent(request_id="r", seq=seq, entry_id=ENTRY, final=generate_pb2.Final(text="done"))
+    return queue_pb2.TokenEvent(request_id="r", seq=seq, entry_id=ENTRY,
+                                final=generate_pb2.Final(text="done"))
 
 
 def run_relay(items: list, states: list[EntryState] | None = None, liveness_s: float = 1.0) -> list[str]:
