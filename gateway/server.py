@@ -11,9 +11,11 @@ import importlib.metadata
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
@@ -48,6 +50,36 @@ def _version() -> str:
         return "unknown"
 
 
+@dataclass(frozen=True)
+class MalformedRequest:
+    """Request bytes that do not parse as the method's message (grpc would answer UNKNOWN)."""
+
+    error: str
+
+
+def _parse_or_report(message: type[Message]) -> Callable[[bytes], Message | MalformedRequest]:
+    def parse(data: bytes) -> Message | MalformedRequest:
+        try:
+            return message.FromString(data)
+        except DecodeError as e:
+            return MalformedRequest(f"the request is not a valid {message.DESCRIPTOR.full_name}: {e}")
+    return parse
+
+
+def add_servicer(servicer: TokenRelayServicer, server: grpc.aio.Server) -> None:
+    """generate_pb2_grpc's registration, but undecodable bytes reach the handler as a
+    MalformedRequest, so the caller gets INVALID_ARGUMENT naming the message."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=_parse_or_report(generate_pb2.GenerateRequest),
+            response_serializer=generate_pb2.GenerateResponse.SerializeToString),
+        "GetServerInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.GetServerInfo, request_deserializer=_parse_or_report(generate_pb2.GetServerInfoRequest),
+            response_serializer=generate_pb2.ServerInfo.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
+
 class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
     def __init__(self, config: GatewayConfig, queue: RequestQueue, router: ReplyRouter) -> None:
         self.config, self.queue, self.router = config, queue, router
@@ -55,9 +87,11 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
         self._max_sequence_tokens: int | None = None  # None: no live worker known
         self._limits_read_at = float("-inf")
 
-    async def Generate(self, request: generate_pb2.GenerateRequest,  # noqa: N802 (gRPC's name)
+    async def Generate(self, request: generate_pb2.GenerateRequest | MalformedRequest,  # noqa: N802
                        context: grpc.aio.ServicerContext) -> AsyncIterator[generate_pb2.GenerateResponse]:
         try:
+            if isinstance(request, MalformedRequest):
+                raise InvalidArgument(request.error)
             async for response in self._generate(request, context):
                 yield response
         except GatewayError as e:
@@ -137,8 +171,10 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
         except RedisError as e:
             raise redis_unavailable(e) from e
 
-    async def GetServerInfo(self, request: generate_pb2.GetServerInfoRequest,  # noqa: N802
+    async def GetServerInfo(self, request: generate_pb2.GetServerInfoRequest | MalformedRequest,  # noqa: N802
                             context: grpc.aio.ServicerContext) -> generate_pb2.ServerInfo:
+        if isinstance(request, MalformedRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
         try:
             queued, in_flight = await self.queue.read_depth()
             workers = await self.queue.workers()
@@ -177,7 +213,7 @@ class Gateway:
         self.health = health_aio.HealthServicer()
         self.server = grpc.aio.server()
         self.servicer = TokenRelayServicer(config, self.queue, self.router)
-        generate_pb2_grpc.add_TokenRelayServicer_to_server(self.servicer, self.server)
+        add_servicer(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,

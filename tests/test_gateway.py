@@ -152,6 +152,21 @@ def test_invalid_request_is_rejected_by_the_gateway_alone(make_gateway: Callable
     assert "sampling.top_p" in (e.value.details() or "")
 
 
+@pytest.mark.parametrize("method", ["Generate", "GetServerInfo"])
+def test_bytes_that_are_no_request_are_invalid_argument(make_gateway: Callable[..., GatewayThread],
+                                                        method: str) -> None:
+    channel, _ = stub_for(make_gateway().target)
+    garbage = b"\xff\xff\xff\xff\x0f not a protobuf"
+    with channel:
+        call = (channel.unary_stream if method == "Generate" else channel.unary_unary)(
+            f"/tokenrelay.v1.TokenRelay/{method}")  # no serializer: the bytes go as they are
+        with pytest.raises(grpc.RpcError) as e:
+            result = call(garbage, timeout=5)
+            list(result) if method == "Generate" else result
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a valid tokenrelay.v1." in (e.value.details() or "")
+
+
 def test_redis_unreachable_from_the_start_is_unavailable_not_a_hang(prefix: str) -> None:
     config = GatewayConfig(listen="127.0.0.1:0", redis_url=f"redis://127.0.0.1:{free_port()}/0",
                            key_prefix=prefix, redis_timeout_s=0.5)
