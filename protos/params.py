@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_TOP_LOGPROBS = 20
-MAX_SEED = 2**63 - 1
+MAX_SEED = 2**64 - 1  # the whole uint64 range of the proto field
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 

@@ -69,6 +69,12 @@ def test_invalid_requests_name_the_field(request_kwargs: dict, field: str) -> No
     assert str(e.value).startswith(field), str(e.value)
 
 
+@pytest.mark.parametrize("seed", [0, 2**63 - 1, 2**63, 2**64 - 1])
+def test_every_uint64_seed_is_accepted(seed: int) -> None:
+    _, params = params_from_pb(build_request("hi", seed=seed))
+    assert params.seed == seed
+
+
 @pytest.mark.parametrize("request_id", ["", "a b", "x" * 129, "é", "a/b"])
 def test_bad_request_ids_are_rejected(request_id: str) -> None:
     with pytest.raises(ValueError, match="request_id"):

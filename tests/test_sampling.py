@@ -209,6 +209,18 @@ def test_tokens_vary_with_step_and_with_seed() -> None:
     assert len(set(Sampler()(logits, by_seed).token_ids.tolist())) > 50
 
 
+def test_seeds_above_2_63_are_their_own_streams() -> None:
+    """The proto's seed is uint64: seeds past int64 keep their high bit (not wrapped onto another seed)."""
+    logits = torch.zeros(64, 1000)  # (64, 1000)
+    high = [2**63 + i for i in range(32)] + [2**64 - 1 - i for i in range(32)]
+    low = [s - 2**63 for s in high]  # the same bits without the top one
+    tokens = Sampler()(logits, make_batch([SamplingParams()] * 64, 1000, seeds=high, steps=[3] * 64))
+    again = Sampler()(logits, make_batch([SamplingParams()] * 64, 1000, seeds=high, steps=[3] * 64))
+    other = Sampler()(logits, make_batch([SamplingParams()] * 64, 1000, seeds=low, steps=[3] * 64))
+    assert torch.equal(tokens.token_ids, again.token_ids)
+    assert (tokens.token_ids != other.token_ids).sum() > 50
+
+
 @pytest.mark.parametrize(("position", "batch_size"), [(0, 1), (0, 5), (3, 5), (6, 7)])
 def test_token_and_noise_do_not_depend_on_batch_layout(position: int, batch_size: int) -> None:
     vocab = 200

@@ -57,7 +57,7 @@ class SamplingBatch:
     repetition_penalty: Tensor  # (B,) float32, 1 = off
     presence_penalty: Tensor  # (B,) float32, 0 = off
     frequency_penalty: Tensor  # (B,) float32, 0 = off
-    seeds: Tensor  # (B,) int64, in [0, 2**63)
+    seeds: Tensor  # (B,) int64: the uint64 seed's bits (two's complement)
     steps: Tensor  # (B,) int64, index of the token being sampled (0 = first generated token)
     prompt_mask: Tensor | None  # (B, V) bool, token is in the prompt; None unless a repetition penalty is on
     output_counts: Tensor | None  # (B, V) float32, occurrences in the output; None unless a penalty is on
@@ -92,7 +92,8 @@ def build_sampling_batch(
         dtype=torch.float32,
     ).reshape(len(rows), 6)  # (B, 6); reshape keeps the shape when B == 0
     ints = torch.tensor(
-        [[p.top_k, row.seed, len(row.output_token_ids)] for p, row in zip(params, rows, strict=True)],
+        [[p.top_k, _as_int64(row.seed), len(row.output_token_ids)]
+         for p, row in zip(params, rows, strict=True)],
         dtype=torch.int64,
     ).reshape(len(rows), 3)  # (B, 3)
     float_cols, int_cols = floats.to(device).unbind(1), ints.to(device).unbind(1)  # (B,) each
@@ -162,13 +163,19 @@ def _mix32(x: Tensor) -> Tensor:
     return x ^ (x >> 16)
 
 
+def _as_int64(seed: int) -> int:
+    """A uint64 seed as the int64 with the same 64 bits (two's complement), which is what
+    counter_based_uniform reads: seeds of 2**63 and above keep every bit of entropy."""
+    return seed - 2**64 if seed >= 2**63 else seed
+
+
 def counter_based_uniform(seeds: Tensor, steps: Tensor, vocab_size: int) -> Tensor:
     """Uniform noise in (0, 1), shape (B, V); entry [b, v] is a pure function of (seeds[b], steps[b], v).
 
     Nothing depends on the batch position, the batch size or any other row, and no generator
     state is kept, so the same request gets the same noise in any batch, on any device.
     """
-    seed_lo, seed_hi = seeds & _MASK32, (seeds >> 32) & _MASK32  # (B,) each, seeds >= 0
+    seed_lo, seed_hi = seeds & _MASK32, (seeds >> 32) & _MASK32  # (B,) each: the low and high 32 bits
     step_keys = _mix32((steps & _MASK32) ^ _STEP_KEY)  # (B,)
     row_keys = _mix32(seed_lo ^ _mix32(seed_hi ^ _SEED_HI_KEY ^ step_keys))  # (B,)
     vocab_keys = _mix32(torch.arange(vocab_size, device=seeds.device) ^ _VOCAB_KEY)  # (V,)
