@@ -3,8 +3,8 @@
 `step()` = apply aborts → schedule → run the model → postprocess. Aborts are
 collected between steps (thread-safe) and applied at the start of the next, so
 an aborted request frees its KV blocks within one step. Only after the model
-has run does postprocess count the step's tokens as computed and hash the
-blocks they filled (a failed step caches nothing).
+has run does the scheduler count the step's tokens as computed and hash the
+blocks they filled (`Scheduler.commit`: a failed step caches nothing).
 """
 
 from __future__ import annotations

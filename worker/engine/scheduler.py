@@ -120,7 +120,6 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         seq.num_resumed = len(seq.output_ids)  # prefilled next time, then decoding goes on
-        seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
         log.info("preempted %s (%d tokens) for lack of KV blocks; %d preemptions so far",

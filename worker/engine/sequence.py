@@ -32,7 +32,6 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # leading prompt tokens found in the prefix cache at first admission
-    num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     error: str | None = None
     admitted_time: float | None = None
