@@ -52,28 +52,28 @@ class ModelRunner:
         bs = self.kv.block_size
         ids: list[int] = []
         positions: list[int] = []
+        slots: list[int] = []
         tables: list[list[int]] = []
         context_lens: list[int] = []
         query_start = [0]
         logits_indices: list[int] = []
-        for c in prefills:
-            ids += c.seq.prefill_ids[c.start:c.start + c.num_tokens]
-            positions += range(c.start, c.start + c.num_tokens)
-            tables.append(self.kv.block_table(c.seq.request_id))
-            context_lens.append(c.start + c.num_tokens)
-            query_start.append(query_start[-1] + c.num_tokens)
-            if c.is_last:
+
+        def add(request_id: str, token_ids: list[int], start: int, wants_logits: bool) -> None:
+            table = self.kv.block_table(request_id)
+            span = range(start, start + len(token_ids))
+            ids.extend(token_ids)
+            positions.extend(span)
+            slots.extend(table[p // bs] * bs + p % bs for p in span)
+            tables.append(table)
+            context_lens.append(span.stop)
+            query_start.append(query_start[-1] + len(token_ids))
+            if wants_logits:
                 logits_indices.append(query_start[-1] - 1)
+
+        for c in prefills:
+            add(c.seq.request_id, c.seq.prefill_ids[c.start:c.start + c.num_tokens], c.start, c.is_last)
         for s in decodes:
-            ids.append(s.output_ids[-1])
-            positions.append(s.num_tokens - 1)
-            tables.append(self.kv.block_table(s.request_id))
-            context_lens.append(s.num_tokens)
-            query_start.append(query_start[-1] + 1)
-            logits_indices.append(query_start[-1] - 1)
-        owner_of_token = [t for t, a, b in zip(tables, query_start, query_start[1:], strict=False)
-                          for _ in range(b - a)]
-        slots = [table[p // bs] * bs + p % bs for table, p in zip(owner_of_token, positions, strict=True)]
+            add(s.request_id, s.output_ids[-1:], s.num_tokens - 1, True)
         width = max(map(len, tables))
         padded = [t + [0] * (width - len(t)) for t in tables]
 
