@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefix of every Redis key; gateways and workers must agree "
                         "[env TOKENRELAY_KEY_PREFIX]")
     p.add_argument("--gateway-id", default=os.environ.get("TOKENRELAY_GATEWAY_ID"),
-                   help="unique name of this gateway (names its reply channel); default host-pid-random "
+                   help="unique name of this gateway (in logs and GetServerInfo); default host-pid-random "
                         "[env TOKENRELAY_GATEWAY_ID]")
     p.add_argument("--max-queue-depth", type=int, default=_env("TOKENRELAY_MAX_QUEUE_DEPTH", 256),
                    help="waiting requests beyond which calls get RESOURCE_EXHAUSTED "
@@ -46,6 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--retry-pushback-ms", type=int, default=_env("TOKENRELAY_RETRY_PUSHBACK_MS", 1000),
                    help="grpc-retry-pushback-ms trailer sent with RESOURCE_EXHAUSTED "
                         "[env TOKENRELAY_RETRY_PUSHBACK_MS]")
+    p.add_argument("--result-ttl", type=float, default=_env("TOKENRELAY_RESULT_TTL_S", 300),
+                   help="seconds a request's chunks and final stay retrievable after it ended: a resend with "
+                        "its request_id gets them without generating again [env TOKENRELAY_RESULT_TTL_S]")
+    p.add_argument("--max-redis-outage", type=float, default=_env("TOKENRELAY_MAX_REDIS_OUTAGE_S", 30),
+                   help="seconds an in-flight call waits for Redis to come back before UNAVAILABLE "
+                        "(new calls get UNAVAILABLE at once) [env TOKENRELAY_MAX_REDIS_OUTAGE_S]")
     p.add_argument("--shutdown-grace", type=float, default=_env("TOKENRELAY_SHUTDOWN_GRACE_S", 10),
                    help="seconds in-flight calls get to finish on SIGTERM [env TOKENRELAY_SHUTDOWN_GRACE_S]")
     p.add_argument("--log-level", default=_env("TOKENRELAY_LOG_LEVEL", "INFO"),
@@ -60,7 +66,8 @@ def config_from_args(argv: list[str] | None = None) -> tuple[GatewayConfig, str]
         config = GatewayConfig(
             listen=args.listen, redis_url=args.redis_url, key_prefix=args.key_prefix,
             gateway_id=args.gateway_id or default_instance_id(), max_queue_depth=args.max_queue_depth,
-            retry_pushback_ms=args.retry_pushback_ms, shutdown_grace_s=args.shutdown_grace)
+            retry_pushback_ms=args.retry_pushback_ms, result_ttl_s=args.result_ttl,
+            max_redis_outage_s=args.max_redis_outage, shutdown_grace_s=args.shutdown_grace)
     except ValueError as e:
         parser.error(str(e))
     return config, args.log_level

@@ -11,6 +11,10 @@ temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty,
 frequency_penalty, seed, stop, stop_token_ids, ignore_eos, logprobs,
 top_logprobs, truncate_prompt); unset ones take the server's defaults.
 Errors surface as `grpc.RpcError` with the status code and a message.
+
+`resumable_stream` keeps a stream going across broken connections, gateway
+crashes and Redis restarts: it resends the request with its request_id and
+`resume_from_index` = the chunks it has, on the next gateway of a list.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Iterable, Iterator
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +35,48 @@ from protos.params import FinishReason
 from protos.tokenrelay.v1 import generate_pb2, generate_pb2_grpc
 
 DEFAULT_TARGET = "127.0.0.1:50051"
+# Statuses after which resending the same request (with resume_from_index) can succeed:
+# the stream broke (connection, gateway, Redis), the queue was full, or this try timed out.
+RESUMABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
+                             grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED,
+                             grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED})
+
+
+def resumable_stream(targets: Sequence[str], request: generate_pb2.GenerateRequest, *, max_attempts: int = 10,
+                     retry_delay_s: float = 0.2, attempt_timeout_s: float | None = None,
+                     on_resume: Callable[[int, grpc.RpcError], Any] | None = None,
+                     ) -> Iterator[generate_pb2.GenerateResponse]:
+    """Every chunk of `request` exactly once, then the final, resuming after any resumable error.
+
+    The request gets a request_id if it has none (the resume needs one). Each try goes to
+    the next target; after `max_attempts` tries the last error is raised. on_resume(k,
+    error) is called before each resend at chunk k.
+    """
+    request = _copy(request)
+    request.request_id = request.request_id or uuid.uuid4().hex
+    num_chunks = request.resume_from_index
+    for attempt in range(max_attempts):
+        request.resume_from_index = num_chunks
+        with grpc.insecure_channel(targets[attempt % len(targets)]) as channel:
+            stub = generate_pb2_grpc.TokenRelayStub(channel)
+            try:
+                for response in stub.Generate(request, timeout=attempt_timeout_s):
+                    if response.HasField("chunk"):
+                        num_chunks += 1
+                    yield response
+                return
+            except grpc.RpcError as e:
+                if e.code() not in RESUMABLE_CODES or attempt + 1 == max_attempts:
+                    raise
+                if on_resume is not None:
+                    on_resume(num_chunks, e)
+        time.sleep(retry_delay_s)
+
+
+def _copy(request: generate_pb2.GenerateRequest) -> generate_pb2.GenerateRequest:
+    copy = generate_pb2.GenerateRequest()
+    copy.CopyFrom(request)
+    return copy
 
 
 @dataclass

@@ -16,7 +16,7 @@ class GatewayConfig:
     listen: str = DEFAULT_LISTEN
     redis_url: str = DEFAULT_REDIS_URL
     key_prefix: str = DEFAULT_PREFIX
-    # Names the gateway's reply channel: unique per process.
+    # Names the gateway in logs, GetServerInfo and its own channel: unique per process.
     gateway_id: str = field(default_factory=default_instance_id)
     # Requests waiting in the queue (not yet claimed by a worker) beyond which
     # new calls get RESOURCE_EXHAUSTED instead of joining the queue.
@@ -30,9 +30,16 @@ class GatewayConfig:
     # after at most this long.
     redis_timeout_s: float = 2.0
     # A call that got no event for this long checks its request is still queued
-    # or held by a live worker; a dead worker or a lost entry ends the call
-    # with UNAVAILABLE. Healthy long generations stream events and never wait.
+    # or held by a live worker (a dead worker's entry is re-claimed); an entry
+    # gone without a final ends the attempt and the call starts the next one.
+    # Healthy long generations stream events and never wait.
     liveness_check_s: float = 5.0
+    # A request's chunks and final stay in its record this long after it ended, so a
+    # resend with its request_id is answered without generating again.
+    result_ttl_s: float = 300.0
+    # An in-flight call waits this long for an unreachable Redis to come back (it then
+    # resubscribes and replays what it missed); new calls get UNAVAILABLE at once.
+    max_redis_outage_s: float = 30.0
     # On SIGTERM, in-flight calls get this long to finish.
     shutdown_grace_s: float = 10.0
     max_backoff_s: float = 2.0
@@ -49,7 +56,8 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.depth_cache_ms < 0:
             raise ValueError(f"depth_cache_ms must be >= 0, got {self.depth_cache_ms}")
-        for name in ("redis_timeout_s", "liveness_check_s", "max_backoff_s"):
+        for name in ("redis_timeout_s", "liveness_check_s", "max_backoff_s", "result_ttl_s",
+                     "max_redis_outage_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.shutdown_grace_s < 0:

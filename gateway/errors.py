@@ -33,8 +33,16 @@ class InvalidArgument(GatewayError):
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 
-class AlreadyExists(GatewayError):
-    code = grpc.StatusCode.ALREADY_EXISTS
+class FailedPrecondition(GatewayError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class NotFound(GatewayError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class OutOfRange(GatewayError):
+    code = grpc.StatusCode.OUT_OF_RANGE
 
 
 class Unavailable(GatewayError):

@@ -1,5 +1,6 @@
-"""The gateway's side of the Redis contract (see protos/keys.py): enqueue,
-queue depth, aborts, request liveness and worker heartbeats.
+"""The gateway's side of the Redis contract (see protos/keys.py): attach to or
+enqueue a request, read its log, queue depth, aborts, request liveness and
+worker heartbeats.
 
 Every method raises redis's exceptions unchanged; the servicer maps them to
 UNAVAILABLE. The client fails fast (no hidden retries; socket timeouts), so an
@@ -12,22 +13,22 @@ import asyncio
 import enum
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
 from redis.exceptions import ResponseError
 
 from gateway.config import GatewayConfig
-from protos.keys import ABORTED_TTL_S, STREAM_DATA_FIELD, Heartbeat
-from protos.redis_conn import client_options
+from protos.keys import RECORD_LEASE_S, STREAM_DATA_FIELD, Heartbeat, Record
+from protos.redis_conn import async_client
 from protos.tokenrelay.v1 import generate_pb2, queue_pb2
 
 log = logging.getLogger(__name__)
 
 
 def connect(config: GatewayConfig) -> aioredis.Redis:
-    return aioredis.Redis.from_url(config.redis_url, **client_options(Retry, config.redis_timeout_s))
+    return async_client(config.redis_url, config.redis_timeout_s)
 
 
 class EntryState(enum.Enum):
@@ -37,6 +38,39 @@ class EntryState(enum.Enum):
     GONE = "gone"  # not in the stream: finished, or lost with a Redis restart
 
 
+# Atomically: find the request's record, or (may_create) create it and XADD its first
+# attempt; with `expect` = the entry of an attempt that ended without a final, XADD the
+# next attempt (compare-and-set: two gateways never start two). Results: {"mismatch"} {"unknown"}
+# {"finished", entry} {"live", entry, seed} {"ended", entry, seed} {"created", entry, seed}.
+ATTACH_SCRIPT = f"""
+local rec, stream = KEYS[1], KEYS[2]
+local digest, data, seed, lease_ms, may_create, expect = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+local f = redis.call('HMGET', rec, '{Record.DIGEST}', '{Record.ENTRY}', '{Record.FINAL}', '{Record.SEED}')
+if f[1] then
+  if f[1] ~= digest then return {{'mismatch'}} end
+  if f[3] then return {{'finished', f[2]}} end
+  if f[2] and #redis.call('XRANGE', stream, f[2], f[2]) > 0 then return {{'live', f[2], f[4]}} end
+  if expect == '' or expect ~= (f[2] or '') then return {{'ended', f[2] or '', f[4]}} end
+  seed = f[4]
+elseif may_create ~= '1' then
+  return {{'unknown'}}
+end
+local id = redis.call('XADD', stream, '*', '{STREAM_DATA_FIELD.decode()}', data)
+redis.call('HSET', rec, '{Record.DIGEST}', digest, '{Record.ENTRY}', id, '{Record.SEED}', seed)
+redis.call('PEXPIRE', rec, lease_ms)
+return {{'created', id, seed}}
+"""
+
+
+@dataclass(frozen=True)
+class Attached:
+    """What ATTACH_SCRIPT found or did (see its comment)."""
+
+    state: str
+    entry_id: bytes = b""
+    seed: int | None = None
+
+
 class RequestQueue:
     def __init__(self, client: aioredis.Redis, config: GatewayConfig) -> None:
         self.client, self.config, self.keys = client, config, config.keys
@@ -44,13 +78,28 @@ class RequestQueue:
         self._depth_read_at = -float("inf")
         self._num_enqueued_since_read = 0
         self._depth_lock = asyncio.Lock()
+        self._attach = client.register_script(ATTACH_SCRIPT)
 
-    async def enqueue(self, request: queue_pb2.QueuedRequest) -> bytes:
-        """XADD the request; returns its stream entry id."""
-        data = request.SerializeToString()
-        entry_id = await self.client.xadd(self.keys.requests, {STREAM_DATA_FIELD: data})
-        self._num_enqueued_since_read += 1
-        return entry_id if isinstance(entry_id, bytes) else entry_id.encode()
+    async def attach(self, request: queue_pb2.QueuedRequest, digest: str, *, may_create: bool,
+                     expect: bytes = b"") -> Attached:
+        """Run ATTACH_SCRIPT for `request` (its seed is used only if the record is new)."""
+        keys = [self.keys.record(request.request_id), self.keys.requests]
+        seed, lease_ms = str(request.request.sampling.seed), int(RECORD_LEASE_S * 1000)
+        args: list[bytes | str | int] = [digest, request.SerializeToString(), seed, lease_ms,
+                                         "1" if may_create else "0", expect]
+        reply = await self._attach(keys=keys, args=args)
+        state = reply[0].decode()
+        if state == "created":
+            self._num_enqueued_since_read += 1
+        entry_id = reply[1] if len(reply) > 1 else b""
+        return Attached(state, entry_id, int(reply[2]) if len(reply) > 2 and reply[2] else None)
+
+    async def read_log(self, request_id: str) -> dict[int, queue_pb2.TokenEvent]:
+        """seq -> event of everything the request's record logged (chunks and the final)."""
+        fields: dict[bytes, bytes] = await self.client.hgetall(self.keys.record(request_id))  # type: ignore
+        prefix = Record.EVENT_PREFIX.encode()
+        return {int(name[len(prefix):]): queue_pb2.TokenEvent.FromString(value)
+                for name, value in fields.items() if name.startswith(prefix)}
 
     async def queue_depth(self) -> int:
         """Requests waiting to be claimed, re-read at most every depth_cache_ms.
@@ -85,15 +134,11 @@ class RequestQueue:
             pending = next((int(g["pending"]) for g in groups if g["name"] == name), 0)
         return max(0, int(length) - pending), pending
 
-    async def abort(self, request_id: str, reason: str, entry_id: bytes | None = None) -> None:
-        """Tell running workers; with entry_id also mark the entry for a worker that claims it later."""
-        message = queue_pb2.Abort(request_id=request_id, reason=reason,
-                                  entry_id=entry_id or b"").SerializeToString()
-        pipe = self.client.pipeline(transaction=False)
-        if entry_id is not None:
-            pipe.set(self.keys.aborted(request_id), entry_id, ex=ABORTED_TTL_S)
-        pipe.publish(self.keys.aborts, message)
-        await pipe.execute()
+    async def abort(self, request_id: str, reason: str, entry_id: bytes) -> None:
+        """Hint the worker holding the attempt that its caller left (it parks it if nobody else
+        follows the request; a queued one is parked when claimed)."""
+        message = queue_pb2.Abort(request_id=request_id, reason=reason, entry_id=entry_id)
+        await self.client.publish(self.keys.aborts, message.SerializeToString())
 
     async def entry_state(self, entry_id: bytes) -> EntryState:
         pipe = self.client.pipeline(transaction=False)

@@ -1,73 +1,185 @@
-"""Turn one call's worker events into `GenerateResponse`s, in order, or an error.
+"""Follow one request's events and turn them into `GenerateResponse`s, in order.
 
-Events carry the stream entry id of their attempt and a per-attempt `seq`: an
-event of another attempt under the same request id (a retry after a cancel) is
-dropped, so is a duplicate (a worker resent a pipeline after a Redis hiccup), and
-a gap fails the call. A call that hears nothing for
-`liveness_check_s` asks Redis whether its request is still in the stream, so a
-lost entry (Redis restarted empty) ends the call instead of hanging it. An entry
-whose worker crashed stays: another worker re-claims it and resumes the stream
-where it stopped (protos/keys.py), so the call waits for it like for a queued
-request, bounded by its deadline.
+Events come from two places (protos/keys.py): the request's log in its record,
+read once the call is subscribed (and again after a resubscription or a gap),
+and its channel. Both carry a per-request `seq`, which is also the chunk index
+(the final's seq is the number of chunks): duplicates are dropped, and a gap
+the log cannot fill fails the call (Redis lost what it had acknowledged). A
+call resuming at chunk K starts at seq K, so what the caller already has is
+neither sent nor needed.
+
+An error event ends only its attempt, so the call accepts errors of the attempt
+it follows alone. Two ways an attempt ends without an answer are not the
+caller's problem and start the next attempt (it resumes from the record's
+progress, with the same seed): its entry left the stream without a final (the
+worker abandoned a parked request, or Redis lost the entry), and a deadline
+that was the earlier caller's, not this one's.
+
+A call that hears nothing for `liveness_check_s` asks Redis whether its entry
+is still queued or held by a live worker. While Redis is unreachable it keeps
+waiting, up to `max_outage_s`; the router resubscribes when Redis is back.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 
 from redis.exceptions import RedisError
 
-from gateway.errors import GatewayError, Unavailable, WorkerError, redis_unavailable
+from gateway.errors import GatewayError, OutOfRange, Unavailable, WorkerError, redis_unavailable
 from gateway.queue import EntryState, RequestQueue
-from gateway.replies import CallItem
-from protos.tokenrelay.v1 import generate_pb2
+from gateway.replies import CallItem, Resync
+from protos.tokenrelay.v1 import generate_pb2, queue_pb2
 
-# Consecutive bad liveness checks before giving up: the first may race with a
-# final event that is already on its way (XDEL lands right after the PUBLISH).
+# Consecutive GONE answers before the attempt counts as ended: the first may race with
+# a final already on its way (XDEL lands right after it in the same pipeline).
 MAX_BAD_CHECKS = 2
+MAX_ATTEMPTS_PER_CALL = 3  # new attempts one call may start before it gives up
 
 
-async def relay(request_id: str, entry_id: bytes, calls: asyncio.Queue[CallItem], queue: RequestQueue,
-                liveness_check_s: float) -> AsyncIterator[generate_pb2.GenerateResponse]:
-    """Yield the chunks, then the final message; raise GatewayError on failure."""
-    next_seq = 0
-    num_bad_checks = 0
+@dataclass
+class Follow:
+    """What one call follows, and how far it got."""
+
+    request_id: str
+    entry_id: bytes  # the attempt whose errors count
+    resume_from: int = 0  # chunks the caller already has: the first seq to relay
+    # Start the next attempt after `entry_id` ended without an answer; returns the entry to
+    # follow, or None when the request turned out finished (its final is in the log).
+    next_attempt: Callable[[bytes], Awaitable[bytes | None]] | None = None
+    # Seconds left of this call's deadline (None = no deadline).
+    time_remaining: Callable[[], float | None] = lambda: None
+    next_seq: int = -1  # -1: resume_from
+    num_attempts: int = 0
+    pending: dict[int, queue_pb2.TokenEvent] = field(default_factory=dict)  # seq -> event, not yet relayed
+
+
+async def relay(follow: Follow, calls: asyncio.Queue[CallItem], queue: RequestQueue, *, read_log: bool,
+                liveness_check_s: float, max_outage_s: float) -> AsyncIterator[generate_pb2.GenerateResponse]:
+    """Yield the chunks from `resume_from` on, then the final message; raise GatewayError on failure."""
+    checks = _Liveness(queue, max_outage_s)
+    follow.next_seq = follow.resume_from if follow.next_seq < 0 else follow.next_seq
+    if read_log:
+        await _fill_from_log(follow, queue)
     while True:
+        while follow.next_seq in follow.pending:
+            event = follow.pending.pop(follow.next_seq)
+            follow.next_seq += 1
+            checks.reset()
+            if event.HasField("chunk"):
+                yield generate_pb2.GenerateResponse(request_id=follow.request_id, chunk=event.chunk)
+            else:
+                yield generate_pb2.GenerateResponse(request_id=follow.request_id, final=event.final)
+                return
         try:
             async with asyncio.timeout(liveness_check_s):
                 item = await calls.get()
         except TimeoutError:
-            num_bad_checks = await _check_alive(entry_id, queue, num_bad_checks)
+            if await checks.has_ended(follow.entry_id):
+                await _start_next_attempt(follow, queue)
             continue
         if isinstance(item, GatewayError):
             raise item
-        if item.entry_id != entry_id:
-            continue  # an earlier attempt under this request id (a retry after a cancel)
-        if item.seq < next_seq:
-            continue  # duplicate of an event already relayed
-        if item.seq > next_seq:
-            raise Unavailable(f"lost token events {next_seq}..{item.seq - 1} of request {request_id}")
-        next_seq += 1
-        num_bad_checks = 0
-        kind = item.WhichOneof("kind")
-        if kind == "chunk":
-            yield generate_pb2.GenerateResponse(request_id=request_id, chunk=item.chunk)
-        elif kind == "final":
-            yield generate_pb2.GenerateResponse(request_id=request_id, final=item.final)
-            return
+        if isinstance(item, Resync):
+            await _fill_from_log(follow, queue, checks)
+        elif item.HasField("error"):
+            if item.entry_id == follow.entry_id:
+                await _on_error(follow, queue, item.error)
         else:
-            raise WorkerError(item.error)
+            _add(follow, item)
+            if item.seq > follow.next_seq:
+                await _fill_gap(follow, queue, checks)
 
 
-async def _check_alive(entry_id: bytes, queue: RequestQueue, num_bad_checks: int) -> int:
-    """Returns the new count of consecutive bad checks; raises once it is too many."""
+def _add(follow: Follow, event: queue_pb2.TokenEvent) -> None:
+    if event.seq >= follow.next_seq:
+        follow.pending.setdefault(event.seq, event)
+    elif event.HasField("final"):  # only a caller resuming past the end is beyond the final
+        raise OutOfRange(f"resume_from_index ({follow.resume_from}) is past the end of the stream: "
+                         f"request {follow.request_id} finished after {event.seq} chunks")
+
+
+async def _fill_from_log(follow: Follow, queue: RequestQueue, checks: _Liveness | None = None) -> bool:
+    """Add what the log has from next_seq on; False if Redis did not answer (and `checks`
+    allows more waiting: the router resubscribes once it is back, and this runs again)."""
     try:
-        state = await queue.entry_state(entry_id)
+        log = await queue.read_log(follow.request_id)
+    except RedisError as e:
+        if checks is None:
+            raise redis_unavailable(e) from e
+        checks.failed(e)
+        return False
+    for event in log.values():
+        _add(follow, event)
+    return True
+
+
+async def _fill_gap(follow: Follow, queue: RequestQueue, checks: _Liveness) -> None:
+    """A live event came after a gap: the missing ones must be in the log (a worker logs an
+    event before it publishes it), or Redis lost them."""
+    if await _fill_from_log(follow, queue, checks) and follow.next_seq not in follow.pending:
+        first = min(follow.pending)
+        raise Unavailable(f"lost token events {follow.next_seq}..{first - 1} of request {follow.request_id} "
+                          "(Redis lost them, say in a failover); the stream cannot continue without a gap")
+
+
+async def _on_error(follow: Follow, queue: RequestQueue, error: queue_pb2.RequestError) -> None:
+    remaining = follow.time_remaining()
+    is_earlier_deadline = (error.code == queue_pb2.ErrorCode.ERROR_CODE_DEADLINE_EXCEEDED
+                           and (remaining is None or remaining > 0))
+    if not is_earlier_deadline:
+        raise WorkerError(error)
+    await _start_next_attempt(follow, queue)  # the deadline was an earlier caller's
+
+
+async def _start_next_attempt(follow: Follow, queue: RequestQueue) -> None:
+    follow.num_attempts += 1
+    if follow.next_attempt is None or follow.num_attempts > MAX_ATTEMPTS_PER_CALL:
+        raise Unavailable(f"request {follow.request_id} left the queue without an answer "
+                          f"{follow.num_attempts} times (was Redis restarted without its data?); retry")
+    try:
+        entry_id = await follow.next_attempt(follow.entry_id)
     except RedisError as e:
         raise redis_unavailable(e) from e
-    if state is not EntryState.GONE:  # ORPHANED: a live worker will re-claim and resume it
-        return 0
-    if num_bad_checks + 1 < MAX_BAD_CHECKS:
-        return num_bad_checks + 1
-    raise Unavailable("the request left the queue without an answer (was Redis restarted?); retry")
+    if entry_id is not None:
+        follow.entry_id = entry_id
+    await _fill_from_log(follow, queue)
+
+
+class _Liveness:
+    """Liveness checks of one call: consecutive GONE answers, and how long Redis has been down."""
+
+    def __init__(self, queue: RequestQueue, max_outage_s: float) -> None:
+        self._queue, self._max_outage_s = queue, max_outage_s
+        self._num_gone = 0
+        self._down_since: float | None = None
+
+    def reset(self) -> None:
+        self._num_gone = 0
+        self._down_since = None
+
+    def failed(self, e: RedisError) -> None:
+        now = time.monotonic()
+        self._down_since = self._down_since or now
+        if now - self._down_since > self._max_outage_s:
+            raise redis_unavailable(e) from e
+
+    async def has_ended(self, entry_id: bytes) -> bool:
+        """True once the entry has been GONE MAX_BAD_CHECKS times in a row."""
+        try:
+            state = await self._queue.entry_state(entry_id)
+        except RedisError as e:
+            self.failed(e)
+            return False
+        self._down_since = None
+        if state is not EntryState.GONE:  # ORPHANED: a live worker will re-claim and resume it
+            self._num_gone = 0
+            return False
+        self._num_gone += 1
+        if self._num_gone < MAX_BAD_CHECKS:
+            return False
+        self._num_gone = 0
+        return True

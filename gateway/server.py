@@ -7,8 +7,10 @@ NOT_SERVING otherwise and during shutdown) and server reflection.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import importlib.metadata
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -23,15 +25,17 @@ from redis.exceptions import RedisError
 
 from gateway.config import GatewayConfig
 from gateway.errors import (
+    FailedPrecondition,
     GatewayError,
     InvalidArgument,
+    NotFound,
     QueueFull,
     Unavailable,
     WorkerError,
     redis_unavailable,
 )
-from gateway.queue import RequestQueue, connect
-from gateway.relay import relay
+from gateway.queue import Attached, RequestQueue, connect
+from gateway.relay import Follow, relay
 from gateway.replies import ReplyRouter
 from protos.convert import check_request_id, params_from_pb
 from protos.tokenrelay.v1 import generate_pb2, generate_pb2_grpc, queue_pb2
@@ -39,6 +43,7 @@ from protos.tokenrelay.v1 import generate_pb2, generate_pb2_grpc, queue_pb2
 log = logging.getLogger(__name__)
 
 WORKER_LIMITS_TTL_S = 1.0  # how long the largest sequence the live workers can hold is remembered
+MAX_ATTACH_RACES = 3  # new attempts started by other gateways in a row before giving up
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["TokenRelay"].full_name
 
@@ -80,6 +85,16 @@ def add_servicer(servicer: TokenRelayServicer, server: grpc.aio.Server) -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
 
 
+def request_digest(request: generate_pb2.GenerateRequest) -> str:
+    """What names a request's body: the same digest = the same request (request_id and
+    resume_from_index left out), so a resend attaches to its generation."""
+    body = generate_pb2.GenerateRequest()
+    body.CopyFrom(request)
+    body.ClearField("request_id")
+    body.ClearField("resume_from_index")
+    return hashlib.sha256(body.SerializeToString(deterministic=True)).hexdigest()
+
+
 class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
     def __init__(self, config: GatewayConfig, queue: RequestQueue, router: ReplyRouter) -> None:
         self.config, self.queue, self.router = config, queue, router
@@ -100,43 +115,89 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
     async def _generate(self, request: generate_pb2.GenerateRequest,
                         context: grpc.aio.ServicerContext) -> AsyncIterator[generate_pb2.GenerateResponse]:
         request_id = request.request_id or uuid.uuid4().hex
+        resume_from = request.resume_from_index
         try:
             check_request_id(request_id)
             _, params = params_from_pb(request)
         except ValueError as e:
             raise InvalidArgument(str(e)) from None
-        await self._admit()
+        if resume_from and not request.request_id:
+            raise InvalidArgument("resume_from_index needs the request_id of the stream to resume")
+        depth = await self._queue_depth()
         await self._check_fits(params.max_tokens)
-        calls = self.router.open(request_id)  # before XADD: no event can come before we listen
-        entry_id: bytes | None = None
+        calls = await self.router.follow(request_id)  # before anything is read or enqueued: protos/keys.py
+        follow: Follow | None = None
         is_done = False
         try:
-            entry_id = await self._enqueue(request_id, request, context)
-            self.router.attach(request_id, entry_id)
-            liveness_s = self.config.liveness_check_s
-            async for response in relay(request_id, entry_id, calls, self.queue, liveness_s):
+            queued = self._queued(request_id, request, context)
+            follow, is_new = await self._attach(queued, request_digest(request), depth, resume_from)
+            follow.time_remaining = context.time_remaining
+            liveness_s, outage_s = self.config.liveness_check_s, self.config.max_redis_outage_s
+            async for response in relay(follow, calls, self.queue, read_log=not is_new,
+                                        liveness_check_s=liveness_s, max_outage_s=outage_s):
                 is_done = response.HasField("final")
                 yield response
         except WorkerError:
-            is_done = True  # the worker reported and dropped the request itself
+            is_done = True  # the worker reported and dropped the attempt itself
             raise
         finally:
-            is_aborted = entry_id is not None and not is_done
-            self.router.close_call(request_id, is_aborted=is_aborted)
-            if is_aborted:
-                # Cancelled by the client, deadline passed, or failed here: free the worker's KV blocks.
-                self.abort_later(request_id, "cancelled", entry_id)
+            self.router.unfollow(request_id, calls)
+            if follow is not None and not is_done:
+                # Cancelled, disconnected, deadline passed or failed here: the worker parks it.
+                self.abort_later(request_id, "the caller went away", follow.entry_id)
 
-    async def _admit(self) -> None:
-        """Refuse work that cannot be answered or served in time."""
+    async def _queue_depth(self) -> int:
+        """Requests waiting in the queue; UNAVAILABLE if the gateway cannot reach Redis."""
         if not self.router.is_ready:
             raise Unavailable("the gateway is not connected to the queue (Redis); retry later")
         try:
-            depth = await self.queue.queue_depth()
+            return await self.queue.queue_depth()
         except RedisError as e:
             raise redis_unavailable(e) from e
-        if depth >= self.config.max_queue_depth:
+
+    async def _attach(self, queued: queue_pb2.QueuedRequest, digest: str, depth: int,
+                      resume_from: int) -> tuple[Follow, bool]:
+        """The attempt to follow, and whether this call created the request (nothing logged yet)."""
+        has_room = depth < self.config.max_queue_depth
+        try:
+            found = await self.queue.attach(queued, digest, may_create=has_room and not resume_from)
+            is_new = found.state == "created"
+            if found.state == "ended":  # the last attempt ended without an answer: start the next
+                found = await self._next_attempt(queued, digest, found)
+        except RedisError as e:
+            raise redis_unavailable(e) from e
+        request_id = queued.request_id
+        if found.state == "mismatch":
+            raise FailedPrecondition(f"request_id {request_id!r} belongs to a request with another body; "
+                                     "resend that request unchanged to resume it, or use a new request_id")
+        if found.state == "unknown" and resume_from:
+            raise NotFound(f"request_id {request_id!r} is not known, so resume_from_index ({resume_from}) "
+                           "has nothing to resume: it was never sent, or it ended more than the "
+                           f"gateway's result TTL ({self.config.result_ttl_s:g} s) ago")
+        if found.state == "unknown":
             raise QueueFull(depth, self.config.max_queue_depth, self.config.retry_pushback_ms)
+        if found.seed is not None:  # every attempt samples with the record's seed
+            queued.request.sampling.seed = found.seed
+
+        async def next_attempt(ended: bytes) -> bytes | None:
+            again = await self._next_attempt(queued, digest, Attached("ended", ended), may_create=True)
+            if again.state == "mismatch":
+                raise FailedPrecondition(f"request_id {request_id!r} was taken by another request body")
+            return again.entry_id if again.state in ("created", "live") else None
+
+        return Follow(request_id, found.entry_id, resume_from, next_attempt=next_attempt), is_new
+
+    async def _next_attempt(self, queued: queue_pb2.QueuedRequest, digest: str, found: Attached, *,
+                            may_create: bool = False) -> Attached:
+        """XADD the next attempt after `found.entry_id` ended (another gateway may have already).
+        may_create: also when the record is gone (Redis lost it under a running call)."""
+        for _ in range(MAX_ATTACH_RACES):
+            if found.seed is not None:
+                queued.request.sampling.seed = found.seed
+            found = await self.queue.attach(queued, digest, may_create=may_create, expect=found.entry_id)
+            if found.state != "ended":
+                return found
+        raise Unavailable(f"request {queued.request_id}: attempts keep ending without an answer; retry")
 
     async def _check_fits(self, max_tokens: int) -> None:
         """Refuse what no live worker could ever hold: max_tokens plus a one-token prompt beyond
@@ -148,7 +209,7 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
             try:
                 workers = await self.queue.workers()
             except RedisError:
-                return  # _admit has just reached Redis; a blip here only skips the check
+                return  # _queue_depth has just reached Redis; a blip here only skips the check
             limits = [min(w.max_model_len, w.num_blocks * w.block_size) for w in workers
                       if w.max_model_len and w.num_blocks and w.block_size]
             self._max_sequence_tokens = max(limits) if limits else None
@@ -158,18 +219,19 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
                                   f"context of any live worker: the largest holds {limit} tokens "
                                   "(its max_model_len or its whole KV cache)")
 
-    async def _enqueue(self, request_id: str, request: generate_pb2.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> bytes:
+    def _queued(self, request_id: str, request: generate_pb2.GenerateRequest,
+                context: grpc.aio.ServicerContext) -> queue_pb2.QueuedRequest:
         now = time.time()
         remaining = context.time_remaining()
         queued = queue_pb2.QueuedRequest(
-            request_id=request_id, reply_channel=self.router.channel, request=request,
-            enqueued_unix=now, deadline_unix=now + remaining if remaining is not None else 0.0,
-            gateway_id=self.config.gateway_id)
-        try:
-            return await self.queue.enqueue(queued)
-        except RedisError as e:
-            raise redis_unavailable(e) from e
+            request_id=request_id, request=request, enqueued_unix=now,
+            deadline_unix=now + remaining if remaining is not None else 0.0,
+            gateway_id=self.config.gateway_id, result_ttl_s=self.config.result_ttl_s)
+        queued.request.request_id = request_id
+        queued.request.ClearField("resume_from_index")
+        if not queued.request.sampling.HasField("seed"):  # used only if this call creates the request
+            queued.request.sampling.seed = secrets.randbits(64)
+        return queued
 
     async def GetServerInfo(self, request: generate_pb2.GetServerInfoRequest | MalformedRequest,  # noqa: N802
                             context: grpc.aio.ServicerContext) -> generate_pb2.ServerInfo:
@@ -185,19 +247,17 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
             version=_version(), gateway_id=self.config.gateway_id, queue_depth=queued,
             max_queue_depth=self.config.max_queue_depth, num_in_flight=in_flight, workers=workers)
 
-    def abort_later(self, request_id: str, reason: str, entry_id: bytes | None = None) -> None:
+    def abort_later(self, request_id: str, reason: str, entry_id: bytes) -> None:
         """Publish an abort without blocking (the caller may be a cancelled task)."""
         task = asyncio.ensure_future(self._abort(request_id, reason, entry_id))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _abort(self, request_id: str, reason: str, entry_id: bytes | None) -> None:
+    async def _abort(self, request_id: str, reason: str, entry_id: bytes) -> None:
         try:
             await self.queue.abort(request_id, reason, entry_id)
-        except RedisError as e:
-            log.warning("abort of %s not delivered: %s", request_id, e)
-            if entry_id is not None:
-                self.router.forget_orphan(request_id, entry_id)  # retried if its events show up later
+        except RedisError as e:  # only a hint: the worker's next PUBLISH reaches nobody either
+            log.info("abort hint for %s not delivered: %s", request_id, e)
 
 
 class Gateway:
@@ -207,9 +267,8 @@ class Gateway:
         self.config = config
         self.client = connect(config)
         self.queue = RequestQueue(self.client, config)
-        self.router = ReplyRouter(self.client, config.keys.replies(config.gateway_id),
-                                  max_backoff_s=config.max_backoff_s, on_ready_change=self._on_ready_change,
-                                  on_orphan=self._on_orphan)
+        self.router = ReplyRouter(self.client, config.keys.gateway(config.gateway_id), config.keys.events,
+                                  max_backoff_s=config.max_backoff_s, on_ready_change=self._on_ready_change)
         self.health = health_aio.HealthServicer()
         self.server = grpc.aio.server()
         self.servicer = TokenRelayServicer(config, self.queue, self.router)
@@ -247,9 +306,6 @@ class Gateway:
 
     async def wait_for_termination(self) -> None:
         await self.server.wait_for_termination()
-
-    def _on_orphan(self, request_id: str, entry_id: bytes) -> None:
-        self.servicer.abort_later(request_id, "nobody is waiting for this attempt any more", entry_id or None)
 
     def _on_ready_change(self, is_ready: bool) -> None:
         task = asyncio.ensure_future(self._set_health(is_ready))

@@ -7,70 +7,98 @@ or test runs can share one Redis. ``{p}`` below is that prefix.
 |--------------------------|---------|--------------|---------------------------|--------------------------|
 | {p}:requests             | stream  | none         | gateway XADD (``data``)   | workers XREADGROUP       |
 | {p}:workers              | group   | (on stream)  | worker XGROUP CREATE/XACK | gateway XINFO/XPENDING   |
-| {p}:replies:{gateway_id} | channel | -            | worker PUBLISH            | that gateway (SUBSCRIBE) |
+| {p}:request:{request_id} | hash    | lease (*)    | gateway script, worker    | gateways, workers        |
+| {p}:events:{request_id}  | channel | -            | worker PUBLISH            | gateways following it    |
 | {p}:aborts               | channel | -            | gateway PUBLISH           | every worker (SUBSCRIBE) |
-| {p}:aborted:{request_id} | string  | ABORTED_TTL  | gateway SET EX (entry id) | worker MGET on claim     |
+| {p}:gateway:{gateway_id} | channel | -            | (nobody yet)              | that gateway (SUBSCRIBE) |
 | {p}:worker:{worker_id}   | hash    | worker's TTL | worker HSET+PEXPIRE       | gateway (GetServerInfo)  |
-| {p}:progress             | hash    | none (*)     | worker HSET, HDEL on XACK | worker resuming an entry |
-(*) fields are deleted with their entry's XACK; the hash itself has no TTL.
+(*) RECORD_LEASE_S from creation, then the request's result TTL once an attempt ended.
 
 Requests (stream + consumer group)
-  The gateway XADDs one entry per request: ``data`` = ``queue.QueuedRequest``
-  bytes. Workers XREADGROUP ``>`` only as many entries as they can run now
-  (room in their batch, and none while their engine has requests waiting for
-  KV-cache blocks), so what stays in the stream is real queue depth and other
-  workers can take it. The group is created at id 0 with MKSTREAM by whoever
-  needs it first (and again after a Redis restart lost it), so nothing added
-  before the group existed is skipped.
+  A gateway XADDs one entry per attempt at a request: ``data`` =
+  ``queue.QueuedRequest`` bytes. Workers XREADGROUP ``>`` only as many entries
+  as they can run now (room in their batch, and none while their engine has
+  requests waiting for KV-cache blocks), so what stays in the stream is real
+  queue depth and other workers can take it. The group is created at id 0 with
+  MKSTREAM by whoever needs it first (and again after a Redis restart lost it),
+  so nothing added before the group existed is skipped.
 
-Delivery guarantee: at least once per request, acknowledged late; streams resume.
-  An entry is XACKed and XDELed in the same pipeline that publishes the
-  request's final (or error) event, so it leaves the stream only once the
-  answer is out. Queue depth = XLEN - group pending (entries claimed, not yet
-  finished). After every step a worker also writes each running request's
-  ``queue.Progress`` (tokens streamed so far, seed, next seq) into
-  ``{p}:progress`` under its entry id, after that step's events in the same
-  pipeline; the field is deleted with the XACK.
+The request record: one generation per request id
+  ``{p}:request:{request_id}`` (fields: `Record` below) names the request's
+  body (a digest), its seed, its current attempt (stream entry id), the
+  workers' `queue.Progress`, and the log of its events: ``e:{seq}`` holds each
+  chunk and the final, so any gateway can replay the stream. The gateway's
+  ATTACH script (gateway/queue.py) creates the record and XADDs the first
+  attempt atomically, or finds the record: the same body attaches to it,
+  another body is refused (FAILED_PRECONDITION). A new attempt is XADDed only
+  when the current entry has left the stream without a final (its worker
+  abandoned or failed it), compare-and-set on ``entry``, so two gateways never
+  start two attempts. The record lives RECORD_LEASE_S from its creation; once
+  an attempt ends (final, error, abandoned) the worker sets its TTL to the
+  request's result TTL (``QueuedRequest.result_ttl_s``, the gateway's
+  --result-ttl), so a finished answer is replayed, not generated again, for
+  that long. The log is bounded: one field per chunk (a chunk holds >= 1
+  token), so at most max_tokens + 1 fields, ~30 bytes per token without
+  logprobs.
+
+Delivery guarantee: every chunk exactly once to a caller that keeps resending.
+  Per step a worker sends, for each running request, in ONE pipeline: HSET of
+  the step's events and the new progress into the record (one command, so log
+  and progress never disagree), then PUBLISH of a ``queue.TokenEventBatch`` on
+  the request's channel. A gateway SUBSCRIBEs to the channel (and waits for
+  Redis to confirm) before it reads the log or enqueues anything, so an event
+  is either in the log it reads or arrives on the channel after (or both:
+  duplicates are dropped by ``seq``). Events carry a per-request ``seq`` 0, 1,
+  2, ... that every attempt continues: a chunk's seq is its index and the
+  final's is the number of chunks (errors take none), so a caller resuming at
+  chunk K needs seq K on. A gap that the log cannot fill fails the call with
+  UNAVAILABLE (Redis lost acknowledged writes), never silently.
+  An entry is XACKed and XDELed in the pipeline after its final, so it leaves
+  the stream only once the answer is in the record. Queue depth = XLEN - group
+  pending (entries claimed, not yet finished).
+
+  Nobody listening: PUBLISH returns how many subscribers got the message. A
+  worker whose PUBLISH for a request reached nobody (its caller cancelled or
+  disconnected, or the caller's gateway died), or that receives an Abort hint,
+  checks PUBSUB NUMSUB and, if nobody listens, parks the request: it leaves the
+  batch between two steps, its full KV blocks stay in the prefix cache, and the
+  worker keeps its progress. The entry stays pending under this worker. When a
+  listener appears (a resume on any gateway; the worker polls NUMSUB) it is
+  re-admitted with the same tokens and seed, so the continuation is the one it
+  would have had. After the worker's --reattach-grace nobody came: the entry
+  is acknowledged without a final (abandoned) and the record keeps its
+  progress; a later resume starts a new attempt from there.
 
   If a worker crashes, its claimed entries stay in the group's pending list
   (PEL) under its consumer name. Every worker sweeps the group about once a
   second (XINFO CONSUMERS): a consumer whose heartbeat key expired is dead,
   and its entries that have been idle longer than the heartbeat TTL are
   XCLAIMed (the idle-time guard makes two sweepers racing for one entry
-  safe) and resumed from their progress: the prompt plus the streamed tokens
-  are prefilled, sampling continues with the same seed at the next step, and
-  events continue at the next seq, so the caller's stream has no gap and no
-  duplicate (a resent event is dropped by seq). An entry delivered
+  safe) and resumed from the record's progress: the prompt plus the streamed
+  tokens are prefilled, sampling continues with the same seed at the next
+  step, and events continue at the next seq. An entry delivered
   ``max_deliveries`` times (it keeps killing workers) is failed with
   UNAVAILABLE instead. Dead consumers with nothing pending are deleted from
   the group. A worker that drains on SIGTERM hands over what it could not
-  finish in time the same way: it leaves those entries pending (with their
-  progress), deletes its heartbeat and exits; with no other live worker it
-  fails them with UNAVAILABLE instead. While an entry waits to be re-claimed
-  the gateway keeps the call open (as for a queued request, bounded by the
-  call's deadline).
+  finish in time the same way: it leaves those entries pending, deletes its
+  heartbeat and exits; with no other live worker it fails them with
+  UNAVAILABLE instead. While an entry waits to be re-claimed the gateway keeps
+  the call open (as for a queued request, bounded by the call's deadline).
 
-Token events (pub/sub, fire and forget)
-  After every engine step a worker publishes, per reply channel, one
-  ``queue.TokenEventBatch`` holding that step's events, all channels in one
-  pipelined round trip. Each event carries its attempt's stream entry id and a
-  per-attempt ``seq`` 0, 1, 2, ...; the gateway drops duplicates (a resent
-  pipeline) and fails the call on a gap. A request id may be reused (a client
-  retrying after a cancel) while the earlier attempt is still being aborted:
-  a call only accepts events of its own entry id and reports the others as
-  orphans (aborted by entry id), and a worker runs each attempt under its entry
-  id, so two attempts never mix.
-  Pub/sub does not buffer: the gateway subscribes once at start-up, before it
-  enqueues anything, and fails its in-flight calls if that subscription drops.
+  Redis restarts: with AOF (appendfsync everysec, as every Redis tokenrelay
+  starts or deploys) the stream, group, records and progress survive; a
+  worker resends a failed pipeline until Redis answers, and a gateway
+  resubscribes its calls' channels and re-reads their logs, so a call resumes
+  where it was. What the last second before a crash wrote may be lost: an
+  entry that vanished is enqueued again by the gateway following it (same
+  seed: the same tokens), and a chunk that vanished from a log is a gap the
+  gateway reports (UNAVAILABLE) to a resuming caller.
 
 Aborts
-  A cancelled call publishes ``queue.Abort`` on ``{p}:aborts`` naming its
-  request and entry id (every worker listens; the one running that attempt
-  aborts it between two steps) and sets
-  ``{p}:aborted:{request_id}`` to the request's stream entry id, so a request
-  still waiting in the stream is dropped when a worker claims it. Matching the
-  entry id, not only the request id, keeps a retry that reuses the request id
-  from being dropped too.
+  A call that ends without its final (cancelled, disconnected, deadline)
+  publishes ``queue.Abort`` on ``{p}:aborts`` naming its request and entry id:
+  a hint, so the worker holding it parks it between two steps instead of one
+  step later, after it checked that no other call follows the request.
 
 Worker heartbeat
   Each worker refreshes its hash (fields: `Heartbeat` below) about every half
@@ -88,7 +116,9 @@ from dataclasses import dataclass
 
 DEFAULT_PREFIX = "tokenrelay"
 STREAM_DATA_FIELD = b"data"  # the field of a request stream entry holding QueuedRequest bytes
-ABORTED_TTL_S = 600  # long enough to outlive any realistic wait in the queue
+# A record is created with this TTL (longer than any realistic wait in the queue plus a
+# generation); the worker shortens it to the result TTL once an attempt ends.
+RECORD_LEASE_S = 24 * 3600
 WORKER_KEY_MARK = ":worker:"
 
 
@@ -128,15 +158,32 @@ class Heartbeat:
     NUM_PREFIX_CACHE_HIT_TOKENS = "num_prefix_cache_hit_tokens"
     NUM_PREFIX_CACHE_QUERY_TOKENS = "num_prefix_cache_query_tokens"
     NUM_PREEMPTIONS = "num_preemptions"
+    NUM_PARKED = "num_parked"  # the consumer's, not the engine's
 
     # A change of these is published with the next round; the others (block counts,
     # usage, prefix tokens: they change almost every step) ride along, and are at most
     # one heartbeat interval old, so a busy worker writes its hash ~2x a second, not per step.
-    EVENTS = (NUM_RUNNING, NUM_WAITING, NUM_FINISHED, NUM_PREEMPTIONS)
+    EVENTS = (NUM_RUNNING, NUM_WAITING, NUM_FINISHED, NUM_PREEMPTIONS, NUM_PARKED)
     TEXT = (WORKER_ID, MODEL)
     FLOAT = (HEARTBEAT_UNIX, KV_CACHE_USAGE)
     INT = (NUM_FINISHED, NUM_RUNNING, NUM_WAITING, MAX_NUM_SEQS, MAX_MODEL_LEN, BLOCK_SIZE, NUM_BLOCKS,
-           NUM_FREE_BLOCKS, NUM_PREFIX_CACHE_HIT_TOKENS, NUM_PREFIX_CACHE_QUERY_TOKENS, NUM_PREEMPTIONS)
+           NUM_FREE_BLOCKS, NUM_PREFIX_CACHE_HIT_TOKENS, NUM_PREFIX_CACHE_QUERY_TOKENS, NUM_PREEMPTIONS,
+           NUM_PARKED)
+
+
+class Record:
+    """Field names of a request record ``{p}:request:{request_id}`` (see above)."""
+
+    DIGEST = "digest"  # sha256 hex of the caller's GenerateRequest (request_id, resume_from_index cleared)
+    SEED = "seed"  # the sampling seed every attempt uses (decimal)
+    ENTRY = "entry"  # stream entry id of the current attempt
+    PROGRESS = "progress"  # queue.Progress of the workers
+    FINAL = "final"  # seq of the final event, written with it: the request has finished
+    EVENT_PREFIX = "e:"  # e:{seq} -> queue.TokenEvent (chunks and the final; errors are not logged)
+
+    @staticmethod
+    def event(seq: int) -> str:
+        return f"{Record.EVENT_PREFIX}{seq}"
 
 
 @dataclass(frozen=True)
@@ -163,18 +210,18 @@ class Keys:
         """Channel every worker subscribes to for cancellations."""
         return f"{self.prefix}:aborts"
 
-    def replies(self, gateway_id: str) -> str:
-        """Channel a gateway subscribes to for its requests' token events."""
-        return f"{self.prefix}:replies:{gateway_id}"
+    def record(self, request_id: str) -> str:
+        """Hash: one request's body digest, seed, attempt, progress and event log."""
+        return f"{self.prefix}:request:{request_id}"
 
-    def aborted(self, request_id: str) -> str:
-        """Marker of a request cancelled before (or while) it was claimed."""
-        return f"{self.prefix}:aborted:{request_id}"
+    def events(self, request_id: str) -> str:
+        """Channel of one request's token events."""
+        return f"{self.prefix}:events:{request_id}"
 
-    @property
-    def progress(self) -> str:
-        """Hash: stream entry id -> queue.Progress of a request being generated."""
-        return f"{self.prefix}:progress"
+    def gateway(self, gateway_id: str) -> str:
+        """A gateway's own channel: its pub/sub connection stays subscribed with no call open,
+        so a dropped connection is noticed at once."""
+        return f"{self.prefix}:gateway:{gateway_id}"
 
     def worker(self, worker_id: str) -> str:
         """Heartbeat hash of one worker."""

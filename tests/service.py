@@ -96,6 +96,37 @@ class WorkerProcess:
             raise
 
 
+class GatewayProcess:
+    """`python -m gateway` as a child process, so a test can SIGKILL it."""
+
+    def __init__(self, redis_url: str, key_prefix: str, *extra: str) -> None:
+        from gateway.redis_server import free_port
+
+        self.target = f"127.0.0.1:{free_port()}"
+        args = [sys.executable, "-m", "gateway", "--listen", self.target, "--redis-url", redis_url,
+                "--key-prefix", key_prefix, "--log-level", "WARNING", *extra]
+        self.proc = subprocess.Popen(args, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def wait_serving(self, timeout: float = 30) -> GatewayProcess:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        def serving() -> bool:
+            assert self.proc.poll() is None, f"the gateway exited with {self.proc.returncode}"
+            with grpc.insecure_channel(self.target) as channel:
+                health = health_pb2_grpc.HealthStub(channel)
+                try:
+                    status = health.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                except grpc.RpcError:
+                    return False
+            return status.status == health_pb2.HealthCheckResponse.SERVING
+        wait_until(serving, timeout=timeout, interval=0.1)
+        return self
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
 def stub_for(target: str) -> tuple[grpc.Channel, generate_pb2_grpc.TokenRelayStub]:
     channel = grpc.insecure_channel(target)
     return channel, generate_pb2_grpc.TokenRelayStub(channel)

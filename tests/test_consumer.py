@@ -1,5 +1,5 @@
 """The worker's consumer against real Redis and the real engine, driven through Redis
-directly (no gateway): claiming, batching, queued aborts and deadlines, draining."""
+directly (no gateway): claiming, batching, parking, deadlines, draining, re-claiming."""
 
 from __future__ import annotations
 
@@ -14,14 +14,12 @@ import redis
 
 from gateway.redis_server import EmbeddedRedis
 from protos.convert import build_request
-from protos.keys import STREAM_DATA_FIELD, Heartbeat, Keys
+from protos.keys import STREAM_DATA_FIELD, Heartbeat, Keys, Record
 from protos.tokenrelay.v1 import queue_pb2
 from tests.service import WorkerThread, wait_until
 from worker.config import WorkerConfig
 from worker.engine.outputs import Admitted
 from worker.io.consumer import Consumer, claim_capacity
-
-REPLIES = "test-replies"
 
 
 def make_stats(running: int = 0, waiting: int = 0, max_num_seqs: int = 8,
@@ -65,33 +63,50 @@ def client(redis_url: str) -> Iterator[redis.Redis]:
     c.close()
 
 
-@pytest.fixture
-def replies(client: redis.Redis) -> Iterator[Callable[..., dict[str, list[queue_pb2.TokenEvent]]]]:
-    """collect(n, timeout): events per request id until n requests ended (final or error)."""
-    pubsub = client.pubsub(ignore_subscribe_messages=True)
-    pubsub.subscribe(REPLIES)
+class Replies:
+    """A caller's side without a gateway: follow requests' channels, collect their events."""
 
-    def collect(num_requests: int, timeout: float = 60) -> dict[str, list[queue_pb2.TokenEvent]]:
+    def __init__(self, client: redis.Redis) -> None:
+        self._pubsub = client.pubsub()
+
+    def follow(self, keys: Keys, *request_ids: str) -> None:
+        """Subscribe (and wait for Redis to confirm) before the requests are enqueued."""
+        self._pubsub.subscribe(*(keys.events(r) for r in request_ids))
+        confirmed = 0
+        while confirmed < len(request_ids):  # nothing is enqueued yet: only confirmations come
+            message = self._pubsub.get_message(timeout=5)
+            assert message is not None, "subscription not confirmed"
+            confirmed += message["type"] == "subscribe"
+
+    def __call__(self, num_requests: int, timeout: float = 60) -> dict[str, list[queue_pb2.TokenEvent]]:
+        """Events per request id until `num_requests` requests ended (final or error)."""
         events: dict[str, list[queue_pb2.TokenEvent]] = {}
         num_ended, deadline = 0, time.monotonic() + timeout
         while num_ended < num_requests:
             assert time.monotonic() < deadline, f"only {num_ended} of {num_requests} requests ended"
-            message = pubsub.get_message(timeout=0.5)
-            if message is None:
+            message = self._pubsub.get_message(timeout=0.5)
+            if message is None or message["type"] != "message":
                 continue
             for event in queue_pb2.TokenEventBatch.FromString(message["data"]).events:
                 events.setdefault(event.request_id, []).append(event)
                 num_ended += event.WhichOneof("kind") != "chunk"
         return events
 
-    yield collect
-    pubsub.close()
+    def close(self) -> None:
+        self._pubsub.close()
+
+
+@pytest.fixture
+def replies(client: redis.Redis) -> Iterator[Replies]:
+    r = Replies(client)
+    yield r
+    r.close()
 
 
 def enqueue(client: redis.Redis, keys: Keys, request_id: str, deadline_unix: float = 0.0,
             **params: object) -> bytes:
     request = build_request("Once upon a time", temperature=0.0, **params)
-    queued = queue_pb2.QueuedRequest(request_id=request_id, reply_channel=REPLIES, request=request,
+    queued = queue_pb2.QueuedRequest(request_id=request_id, request=request, result_ttl_s=60,
                                      enqueued_unix=time.time(), deadline_unix=deadline_unix)
     return client.xadd(keys.requests, {STREAM_DATA_FIELD: queued.SerializeToString()})
 
@@ -101,25 +116,27 @@ def kinds(events: list[queue_pb2.TokenEvent]) -> list[str]:
 
 
 @pytest.mark.slow
-def test_queued_requests_past_their_deadline_or_aborted_are_dropped(
-        client: redis.Redis, prefix: str, replies: Callable,
+def test_queued_requests_past_their_deadline_fail_and_unfollowed_ones_are_parked_then_abandoned(
+        client: redis.Redis, prefix: str, replies: Replies,
         make_worker: Callable[..., WorkerThread]) -> None:
     keys = Keys(prefix)
+    replies.follow(keys, "late", "fine")
     enqueue(client, keys, "late", deadline_unix=time.time() - 1, max_tokens=4)
-    client.set(keys.aborted("cancelled"), enqueue(client, keys, "cancelled", max_tokens=4))
-    client.set(keys.aborted("retried"), b"1-1")  # an earlier, cancelled request with this id
-    enqueue(client, keys, "retried", max_tokens=4)
+    enqueue(client, keys, "gone", max_tokens=4)  # its caller left while it was queued
     enqueue(client, keys, "fine", max_tokens=4)
-    make_worker()
-    events = replies(3)
+    worker = make_worker(reattach_grace_s=1.0)
+    events = replies(2)
     assert kinds(events["late"]) == ["error"]
     assert events["late"][0].error.code == queue_pb2.ERROR_CODE_DEADLINE_EXCEEDED
-    assert "cancelled" not in events
-    assert kinds(events["retried"])[-1] == "final"
     assert kinds(events["fine"])[-1] == "final"
     assert [e.seq for e in events["fine"]] == list(range(len(events["fine"])))
-    time.sleep(0.2)  # the XACK/XDEL pipeline follows the final event
-    assert client.xlen(keys.requests) == 0  # every entry acknowledged and deleted
+    heartbeat = keys.worker(worker.config.worker_id)
+    assert client.hget(heartbeat, Heartbeat.NUM_PARKED) == b"1"  # computed nothing for nobody
+    assert not client.hexists(keys.record("gone"), Record.PROGRESS)
+    wait_until(lambda: client.xlen(keys.requests) == 0, timeout=5)  # abandoned after the grace
+    assert client.hget(heartbeat, Heartbeat.NUM_PARKED) == b"0"
+    assert 0 < client.ttl(keys.record("fine")) <= 60  # kept for the request's result TTL
+    assert client.hexists(keys.record("fine"), Record.FINAL)
 
 
 @pytest.fixture
@@ -129,36 +146,37 @@ def private_redis() -> Iterator[EmbeddedRedis]:
 
 
 @pytest.mark.slow
-def test_one_publish_per_step_not_per_token(
+def test_each_step_logs_and_publishes_once_per_request(
         private_redis: EmbeddedRedis, prefix: str, make_worker: Callable[..., WorkerThread]) -> None:
     client = redis.Redis.from_url(private_redis.url)
-    pubsub = client.pubsub(ignore_subscribe_messages=True)
-    pubsub.subscribe(REPLIES)
     keys, num_requests, max_tokens = Keys(prefix), 4, 12
+    replies = Replies(client)
+    replies.follow(keys, *(f"r{i}" for i in range(num_requests)))
     for i in range(num_requests):
         enqueue(client, keys, f"r{i}", max_tokens=max_tokens, ignore_eos=True)
     client.config_resetstat()
     make_worker(redis_url=private_redis.url)
-    num_finals, num_tokens = 0, 0
-    deadline = time.monotonic() + 60
-    while num_finals < num_requests and time.monotonic() < deadline:
-        message = pubsub.get_message(timeout=0.5)
-        for event in queue_pb2.TokenEventBatch.FromString(message["data"]).events if message else ():
-            num_tokens += len(event.chunk.token_ids)
-            num_finals += event.HasField("final")
-    assert (num_finals, num_tokens) == (num_requests, num_requests * max_tokens)
-    publishes = int(client.info("commandstats").get("cmdstat_publish", {}).get("calls", 0))
-    # All four were claimed together and share a reply channel: one PUBLISH per engine step.
-    assert publishes <= max_tokens + 2, f"{publishes} PUBLISH for {num_tokens} tokens"
-    pubsub.close()
+    events = replies(num_requests)
+    assert sum(len(e.chunk.token_ids) for evs in events.values() for e in evs) == num_requests * max_tokens
+    stats = client.info("commandstats")
+    calls = {name: int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in ("publish", "hset")}
+    # Per request per step (a token each; the final rides with the last chunk) one HSET of
+    # its events and progress, and one PUBLISH of them: nothing per token beyond that.
+    num_steps = num_requests * max_tokens
+    assert calls["publish"] == num_steps, calls
+    assert num_steps <= calls["hset"] <= num_steps + 10, calls  # + heartbeats
+    log = {int(k[2:]) for k in client.hkeys(keys.record("r0")) if k.startswith(b"e:")}
+    assert log == set(range(max_tokens + 1))  # every chunk and the final, replayable
+    replies.close()
     client.close()
 
 
 @pytest.mark.slow
 def test_stop_drains_running_requests_then_aborts_what_is_left(
-        client: redis.Redis, prefix: str, replies: Callable,
+        client: redis.Redis, prefix: str, replies: Replies,
         make_worker: Callable[..., WorkerThread]) -> None:
     keys = Keys(prefix)
+    replies.follow(keys, "short", "endless")
     enqueue(client, keys, "short", max_tokens=6, ignore_eos=True)
     enqueue(client, keys, "endless", max_tokens=480, ignore_eos=True)  # > 5 s of decoding on a CPU
     worker = make_worker(drain_timeout_s=5.0)
@@ -199,8 +217,9 @@ class BrokenEngine:
 
 
 def test_an_engine_failure_answers_every_caller_before_the_worker_dies(
-        client: redis.Redis, redis_url: str, prefix: str, replies: Callable) -> None:
+        client: redis.Redis, redis_url: str, prefix: str, replies: Replies) -> None:
     keys = Keys(prefix)
+    replies.follow(keys, "doomed")
     enqueue(client, keys, "doomed", max_tokens=4)
     consumer = Consumer(BrokenEngine(), WorkerConfig(redis_url=redis_url, key_prefix=prefix, worker_id="w"))
     with pytest.raises(RuntimeError, match="boom"):
@@ -238,16 +257,17 @@ def greedy_ids(engine: Any, prompt: str, max_tokens: int) -> tuple[list[int], st
 
 @pytest.mark.slow
 def test_a_dead_workers_request_is_reclaimed_and_resumed_without_a_gap(
-        client: redis.Redis, prefix: str, replies: Callable, smollm_engine: Any,
+        client: redis.Redis, prefix: str, replies: Replies, smollm_engine: Any,
         make_worker: Callable[..., WorkerThread]) -> None:
     keys = Keys(prefix)
     ref_ids, ref_text = greedy_ids(smollm_engine, "Once upon a time", 12)
+    replies.follow(keys, "r")
     entry_id = enqueue(client, keys, "r", max_tokens=12, ignore_eos=True)
     assert claim_as(client, keys, "ghost") == entry_id
     # The ghost streamed 5 tokens (events 0..4) before it died.
-    client.hset(keys.progress, entry_id, queue_pb2.Progress(
-        token_ids=ref_ids[:5], seed=3, next_seq=5, num_chunks=5, first_token_unix=time.time()
-    ).SerializeToString())
+    client.hset(keys.record("r"), Record.PROGRESS, queue_pb2.Progress(
+        token_ids=ref_ids[:5], seed=3, next_seq=5, num_chunks=5, first_token_unix=time.time(),
+        worker_id="ghost").SerializeToString())
     worker = make_worker(**FAST_SWEEP)
     events = replies(1)["r"]
     assert [e.seq for e in events] == list(range(5, 5 + len(events)))  # continues at the next seq
@@ -257,16 +277,18 @@ def test_a_dead_workers_request_is_reclaimed_and_resumed_without_a_gap(
     final = events[-1].final
     assert (final.text, final.usage.completion_tokens, final.worker_id) == (
         ref_text, 12, worker.config.worker_id)
-    wait_until(lambda: client.xlen(keys.requests) == 0 and not client.hlen(keys.progress), timeout=5)
+    wait_until(lambda: client.xlen(keys.requests) == 0 and client.hexists(keys.record("r"), Record.FINAL),
+               timeout=5)
     names = lambda: {c["name"] for c in client.xinfo_consumers(keys.requests, keys.group)}  # noqa: E731
     wait_until(lambda: b"ghost" not in names() and "ghost" not in names(), timeout=5)  # tidied up
 
 
 @pytest.mark.slow
 def test_requests_of_live_workers_are_left_alone_and_serial_killers_are_failed(
-        client: redis.Redis, prefix: str, replies: Callable,
+        client: redis.Redis, prefix: str, replies: Replies,
         make_worker: Callable[..., WorkerThread]) -> None:
     keys = Keys(prefix)
+    replies.follow(keys, "busy", "poison")
     busy = enqueue(client, keys, "busy", max_tokens=2)
     assert claim_as(client, keys, "alive") == busy
     client.hset(keys.worker("alive"), "worker_id", "alive")
@@ -287,13 +309,14 @@ def test_requests_of_live_workers_are_left_alone_and_serial_killers_are_failed(
 
 @pytest.mark.slow
 def test_on_shutdown_unfinished_requests_are_handed_to_another_live_worker(
-        client: redis.Redis, redis_url: str, prefix: str, replies: Callable, smollm_engine: Any,
+        client: redis.Redis, redis_url: str, prefix: str, replies: Replies, smollm_engine: Any,
         make_worker: Callable[..., WorkerThread]) -> None:
     keys = Keys(prefix)
+    replies.follow(keys, "long")
     enqueue(client, keys, "long", max_tokens=100, ignore_eos=True)
     client.set(keys.worker("other"), "1", ex=60)  # another worker is alive: hand over, do not fail
     leaving = make_worker(drain_timeout_s=0.3, **FAST_SWEEP)
-    wait_until(lambda: client.hlen(keys.progress) == 1, timeout=30)  # it is generating
+    wait_until(lambda: client.hexists(keys.record("long"), Record.PROGRESS), timeout=30)  # it is generating
     leaving.stop()
     pending = client.xpending_range(keys.requests, keys.group, min="-", max="+", count=10)
     assert [p["consumer"] for p in pending] == [leaving.config.worker_id.encode()]  # not acked

@@ -39,7 +39,8 @@ def test_client_cancel_frees_the_worker_slot_within_a_second(
         stream.cancel()
         cancelled_at = time.monotonic()
         info = wait_until(lambda: (i := server_info(stub).workers[0]).num_running == 0 and i, timeout=1.0)
-        # Its blocks are free again (any prefix it left cached counts as free).
+        # Parked for a resume; its blocks are free again (its cached prefix counts as free).
+        assert info.num_parked == 1
         assert info.kv_cache_usage == 0 and info.num_free_blocks == info.num_blocks > 0
         assert time.monotonic() - cancelled_at < 1.0
         assert not worker.consumer.engine.has_unfinished()
@@ -47,8 +48,8 @@ def test_client_cancel_frees_the_worker_slot_within_a_second(
 
 def test_a_retry_under_the_id_of_a_cancelled_call_streams_only_its_own_tokens(
         make_gateway: Callable[..., GatewayThread], make_worker: Callable[..., WorkerThread]) -> None:
-    """Cancel after 5 chunks and send the same request again at once: the cancelled attempt's
-    late events (its chunks 5, 6, ...) must not reach the retry, which answers like the first."""
+    """Cancel after 5 chunks and send the same request again at once: the retry attaches to the
+    same generation and streams it from chunk 0, without a gap or a duplicate."""
     gateway, _ = make_gateway(), make_worker()
     channel, stub = stub_for(gateway.target)
     request = long_request(max_tokens=40, request_id="retried-call")
@@ -105,23 +106,24 @@ def private_redis() -> Iterator[EmbeddedRedis]:
         yield server
 
 
-def test_redis_restart_gives_unavailable_then_recovers_without_restarts(
+def test_a_redis_outage_fails_new_calls_fast_while_in_flight_ones_wait_and_finish(
         private_redis: EmbeddedRedis, make_gateway: Callable[..., GatewayThread],
         make_worker: Callable[..., WorkerThread]) -> None:
-    gateway = make_gateway(redis_url=private_redis.url, redis_timeout_s=1.0)
-    make_worker(redis_url=private_redis.url, max_backoff_s=0.5)
+    """Redis comes back EMPTY (no AOF data): the in-flight call's request is enqueued again
+    with the same seed, so the call still gets every token once; new calls during the outage
+    get UNAVAILABLE at once; nothing needs a restart."""
+    gateway = make_gateway(redis_url=private_redis.url, redis_timeout_s=1.0, liveness_check_s=0.5)
+    make_worker(redis_url=private_redis.url, max_backoff_s=0.2)
     channel, stub = stub_for(gateway.target)
     health = health_pb2_grpc.HealthStub(channel)
     with channel:
         wait_until(workers_ready(stub, 1), timeout=10)
-        in_flight = stub.Generate(long_request(), timeout=120)
-        next(in_flight)
+        reference = list(stub.Generate(long_request(max_tokens=60), timeout=120))
+        in_flight = stub.Generate(long_request(max_tokens=60), timeout=120)
+        first = [next(in_flight) for _ in range(3)]
 
         private_redis.stop()
         start = time.monotonic()
-        with pytest.raises(grpc.RpcError) as e:
-            list(in_flight)  # must not hang: its events can no longer arrive
-        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
         with pytest.raises(grpc.RpcError) as e:
             list(stub.Generate(build_request("Hi", max_tokens=4), timeout=10))
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -129,20 +131,29 @@ def test_redis_restart_gives_unavailable_then_recovers_without_restarts(
         status = health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
         assert status == health_pb2.HealthCheckResponse.NOT_SERVING
 
-        private_redis.start()  # same port, empty: the stream and group are gone
-
-        def answered() -> bool:
-            try:
-                request = build_request("Hi", max_tokens=4, temperature=0.0)
-                responses = list(stub.Generate(request, timeout=30))
-            except grpc.RpcError as e:
-                assert e.code() == grpc.StatusCode.UNAVAILABLE, e.details()
-                return False
-            return responses[-1].HasField("final")
-
-        wait_until(answered, timeout=30, interval=0.2)
+        private_redis.start()  # same port, empty: the stream, group and records are gone
+        rest = list(in_flight)
+        assert [r.chunk.token_ids for r in first + rest[:-1]] == [r.chunk.token_ids for r in reference[:-1]]
+        assert rest[-1].final.text == reference[-1].final.text
         status = health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
         assert status == health_pb2.HealthCheckResponse.SERVING
-        # The stream that failed could not send its abort while Redis was down; its
-        # tokens reaching the gateway now make the gateway abort it (300 tokens take longer).
-        wait_until(lambda: server_info(stub).workers[0].num_running == 0, timeout=5)
+        assert list(stub.Generate(build_request("Hi", max_tokens=4), timeout=30))[-1].HasField("final")
+
+
+def test_an_in_flight_call_gives_up_when_redis_stays_away(
+        private_redis: EmbeddedRedis, make_gateway: Callable[..., GatewayThread],
+        make_worker: Callable[..., WorkerThread]) -> None:
+    gateway = make_gateway(redis_url=private_redis.url, redis_timeout_s=0.5, liveness_check_s=0.3,
+                           max_redis_outage_s=1.0)
+    make_worker(redis_url=private_redis.url, max_backoff_s=0.2)
+    channel, stub = stub_for(gateway.target)
+    with channel:
+        wait_until(workers_ready(stub, 1), timeout=10)
+        in_flight = stub.Generate(long_request(), timeout=120)
+        next(in_flight)
+        private_redis.stop()
+        start = time.monotonic()
+        with pytest.raises(grpc.RpcError) as e:
+            list(in_flight)  # must not hang: it waits max_redis_outage_s, not forever
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert time.monotonic() - start < 5.0

@@ -18,11 +18,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from gateway.config import GatewayConfig
-from gateway.errors import PUSHBACK_TRAILER, QueueFull, Unavailable, WorkerError
-from gateway.queue import EntryState, RequestQueue, connect
+from gateway.errors import PUSHBACK_TRAILER, OutOfRange, QueueFull, Unavailable, WorkerError
+from gateway.queue import Attached, EntryState, RequestQueue, connect
 from gateway.redis_server import free_port
-from gateway.relay import relay
+from gateway.relay import Follow, relay
+from gateway.replies import RESYNC
 from protos.convert import build_request
+from protos.keys import RECORD_LEASE_S, Record
 from protos.tokenrelay.v1 import generate_pb2, queue_pb2
 from tests.service import GatewayThread, WorkerThread, stub_for, wait_until, workers_ready
 from worker.config import WorkerConfig
@@ -63,14 +65,20 @@ def test_worker_error_codes_map_to_statuses() -> None:
 # -- relay rules, with a scripted call queue ---------------------------------------------------------
 
 class FakeQueue:
-    def __init__(self, states: list[EntryState]) -> None:
-        self.states = states
+    """Liveness answers in order (then RUNNING) and a request log, as RequestQueue gives them."""
+
+    def __init__(self, states: list[EntryState] | None = None,
+                 log: dict[int, queue_pb2.TokenEvent] | None = None) -> None:
+        self.states, self.log = states or [], log or {}
 
     async def entry_state(self, entry_id: bytes) -> EntryState:
         return self.states.pop(0) if self.states else EntryState.RUNNING
 
+    async def read_log(self, request_id: str) -> dict[int, queue_pb2.TokenEvent]:
+        return dict(self.log)
 
-ENTRY = b"1-0"  # the relayed call's stream entry
+
+ENTRY = b"1-0"  # the attempt the relayed call follows
 
 
 def chunk(seq: int, entry_id: bytes = ENTRY) -> queue_pb2.TokenEvent:
@@ -83,12 +91,20 @@ def final(seq: int) -> queue_pb2.TokenEvent:
                                 final=generate_pb2.Final(text="done"))
 
 
-def run_relay(items: list, states: list[EntryState] | None = None, liveness_s: float = 1.0) -> list[str]:
+def error(code: int, entry_id: bytes = ENTRY) -> queue_pb2.TokenEvent:
+    return queue_pb2.TokenEvent(request_id="r", entry_id=entry_id,
+                                error=queue_pb2.RequestError(code=code, message="worker said no"))
+
+
+def run_relay(items: list, queue: FakeQueue | None = None, *, liveness_s: float = 1.0, resume_from: int = 0,
+              read_log: bool = False, next_attempt: Any = None) -> list[str]:
     async def go() -> list[str]:
         calls: asyncio.Queue = asyncio.Queue()
         for item in items:
             calls.put_nowait(item)
-        responses = relay("r", ENTRY, calls, FakeQueue(states or []), liveness_s)  # type: ignore[arg-type]
+        follow = Follow("r", ENTRY, resume_from, next_attempt=next_attempt)
+        responses = relay(follow, calls, queue or FakeQueue(), read_log=read_log,  # type: ignore[arg-type]
+                          liveness_check_s=liveness_s, max_outage_s=1.0)
         return [r.chunk.text if r.HasField("chunk") else "final" async for r in responses]
     return asyncio.run(go())
 
@@ -98,38 +114,79 @@ def test_relay_drops_duplicate_events() -> None:
         ["<0>", "<1>", "<2>", "final"]
 
 
-def test_relay_drops_the_events_of_an_earlier_attempt_under_the_same_request_id() -> None:
-    # a cancelled attempt's late events (its seq 5, 6) reach the retry's call: not a gap
-    late = [chunk(5, entry_id=b"0-1"), chunk(6, entry_id=b"0-1")]
-    assert run_relay([*late, chunk(0), *late, chunk(1), final(2)]) == ["<0>", "<1>", "final"]
+def test_relay_replays_the_log_then_follows_live_events_without_a_duplicate() -> None:
+    log = {0: chunk(0), 1: chunk(1), 2: chunk(2)}
+    assert run_relay([chunk(2), chunk(3), final(4)], FakeQueue(log=log), read_log=True) == \
+        ["<0>", "<1>", "<2>", "<3>", "final"]
 
 
-def test_relay_fails_on_a_gap() -> None:
+def test_relay_skips_the_chunks_a_resuming_caller_has() -> None:
+    log = {0: chunk(0), 1: chunk(1), 2: chunk(2), 3: final(3)}
+    assert run_relay([], FakeQueue(log=log), read_log=True, resume_from=2) == ["<2>", "final"]
+    with pytest.raises(OutOfRange, match="past the end"):
+        run_relay([], FakeQueue(log=log), read_log=True, resume_from=4)
+
+
+def test_relay_fills_a_gap_from_the_log_or_fails_on_it() -> None:
+    assert run_relay([chunk(0), chunk(2), final(3)], FakeQueue(log={1: chunk(1)})) == \
+        ["<0>", "<1>", "<2>", "final"]
     with pytest.raises(Unavailable, match="lost token events 1..1"):
         run_relay([chunk(0), chunk(2)])
 
 
-def test_relay_raises_the_workers_error() -> None:
-    error = queue_pb2.TokenEvent(request_id="r", seq=0, entry_id=ENTRY, error=queue_pb2.RequestError(
-        code=queue_pb2.ERROR_CODE_DEADLINE_EXCEEDED, message="late"))
+def test_relay_rereads_the_log_after_a_resubscription() -> None:
+    log = {0: chunk(0), 1: chunk(1)}  # published while the gateway was not subscribed
+    assert run_relay([RESYNC, chunk(2), final(3)], FakeQueue(log=log)) == ["<0>", "<1>", "<2>", "final"]
+
+
+def test_relay_raises_its_attempts_error_and_ignores_other_attempts() -> None:
+    other = error(queue_pb2.ERROR_CODE_INTERNAL, entry_id=b"0-1")
     with pytest.raises(WorkerError) as e:
-        run_relay([error])
-    assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        run_relay([chunk(0), other, chunk(1), error(queue_pb2.ERROR_CODE_INVALID_ARGUMENT)])
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def test_relay_gives_up_when_the_entry_is_gone() -> None:
+def test_an_earlier_callers_deadline_or_a_vanished_entry_starts_the_next_attempt() -> None:
+    started: list[bytes] = []
+
+    async def next_attempt(ended: bytes) -> bytes:
+        started.append(ended)
+        return b"2-0"
+
+    deadline = error(queue_pb2.ERROR_CODE_DEADLINE_EXCEEDED)
+    later = queue_pb2.TokenEvent(request_id="r", seq=1, entry_id=b"2-0", chunk=generate_pb2.Chunk(index=1))
+    assert run_relay([chunk(0), deadline, later, final(2)], next_attempt=next_attempt) == ["<0>", "", "final"]
+    assert started == [ENTRY]
+    # The entry left the stream without a final (abandoned while parked): the next attempt
+    # resumes, and what it logs reaches the call.
+    gone = FakeQueue([EntryState.GONE, EntryState.GONE])
+
+    async def resume_attempt(ended: bytes) -> bytes:
+        started.append(ended)
+        gone.log = {1: chunk(1, entry_id=b"3-0"), 2: final(2)}
+        return b"3-0"
+
+    relayed = run_relay([chunk(0)], gone, liveness_s=0.02, next_attempt=resume_attempt)
+    assert relayed == ["<0>", "<1>", "final"]
+    assert started == [ENTRY, ENTRY]
+
+
+def test_relay_gives_up_after_too_many_attempts() -> None:
+    async def next_attempt(ended: bytes) -> bytes:
+        return ended
+
     start = time.monotonic()
-    with pytest.raises(Unavailable, match="left the queue"):
-        run_relay([chunk(0)], [EntryState.GONE, EntryState.GONE], liveness_s=0.05)
+    with pytest.raises(Unavailable, match="left the queue without an answer"):
+        run_relay([chunk(0)], FakeQueue([EntryState.GONE] * 20), liveness_s=0.02, next_attempt=next_attempt)
     assert time.monotonic() - start < 1
 
 
 def test_relay_keeps_waiting_while_queued_running_or_waiting_to_be_resumed() -> None:
     # ORPHANED: its worker died; another worker re-claims and resumes it (protos/keys.py)
     states = [EntryState.QUEUED, EntryState.RUNNING, EntryState.ORPHANED, EntryState.ORPHANED,
-              EntryState.QUEUED]
+              EntryState.QUEUED, EntryState.GONE, EntryState.GONE]
     with pytest.raises(Unavailable, match="left the queue"):
-        run_relay([], [*states, EntryState.GONE, EntryState.GONE], liveness_s=0.02)
+        run_relay([], FakeQueue(states), liveness_s=0.02)
 
 
 # -- a real gateway, no workers ---------------------------------------------------------------------
@@ -264,7 +321,8 @@ def test_entry_state_follows_a_request_through_redis(redis_url: str, prefix: str
         client = connect(config)
         queue = RequestQueue(client, config)
         states = []
-        entry_id = await queue.enqueue(queue_pb2.QueuedRequest(request_id="r"))
+        found = await queue.attach(queue_pb2.QueuedRequest(request_id="r"), "d", may_create=True)
+        entry_id = found.entry_id
         sync.xgroup_create(keys.requests, keys.group, id="0")
         states.append(await queue.entry_state(entry_id))
         sync.xreadgroup(keys.group, "w1", {keys.requests: ">"}, count=1)
@@ -282,5 +340,42 @@ def test_entry_state_follows_a_request_through_redis(redis_url: str, prefix: str
     try:
         assert asyncio.run(go()) == [EntryState.QUEUED, EntryState.RUNNING, EntryState.ORPHANED,
                                      EntryState.GONE]
+    finally:
+        sync.close()
+
+
+def test_attach_creates_finds_or_refuses_a_request_record(redis_url: str, prefix: str) -> None:
+    """The ATTACH script: one generation per request id, new attempts only after one ended."""
+    config = GatewayConfig(listen="127.0.0.1:0", redis_url=redis_url, key_prefix=prefix)
+    keys, sync = config.keys, redis.Redis.from_url(redis_url)
+    queued = queue_pb2.QueuedRequest(request_id="r", request=build_request("Hi", seed=7))
+
+    async def go() -> list[tuple[str, int | None]]:
+        client = connect(config)
+        queue = RequestQueue(client, config)
+        seen = []
+        async def attach(digest: str = "d1", **kw: Any) -> Attached:
+            found = await queue.attach(queued, digest, **kw)
+            seen.append((found.state, found.seed))
+            return found
+        assert (await attach(may_create=False)).state == "unknown"  # nothing created
+        first = await attach(may_create=True)
+        assert (await attach(may_create=True)).entry_id == first.entry_id  # live: the same attempt
+        await attach("d2", may_create=True)  # another body under the same id
+        sync.xdel(keys.requests, first.entry_id)  # the attempt ended without a final
+        await attach(may_create=True)  # ended: nothing started without `expect`
+        second = await attach(may_create=False, expect=first.entry_id)
+        assert second.entry_id != first.entry_id and sync.xlen(keys.requests) == 1
+        sync.xdel(keys.requests, second.entry_id)
+        assert (await attach(may_create=False, expect=first.entry_id)).state == "ended"  # lost the race
+        sync.hset(keys.record("r"), Record.FINAL, "3")
+        await attach(may_create=True)
+        await client.aclose()
+        return seen
+
+    try:
+        assert asyncio.run(go()) == [("unknown", None), ("created", 7), ("live", 7), ("mismatch", None),
+                                     ("ended", 7), ("created", 7), ("ended", 7), ("finished", None)]
+        assert 0 < sync.ttl(keys.record("r")) <= RECORD_LEASE_S
     finally:
         sync.close()

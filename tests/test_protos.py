@@ -109,7 +109,8 @@ def test_chunk_carries_logprobs() -> None:
 
 def test_keys_share_one_prefix() -> None:
     keys = Keys("p")
-    names = [keys.requests, keys.group, keys.aborts, keys.replies("g"), keys.aborted("r"), keys.worker("w")]
+    names = [keys.requests, keys.group, keys.aborts, keys.events("r"), keys.record("r"), keys.gateway("g"),
+             keys.worker("w")]
     assert all(n.startswith("p:") for n in names)
     assert len(set(names)) == len(names)
     with pytest.raises(ValueError):

@@ -88,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-deliveries", type=int, default=_env("TOKENRELAY_MAX_DELIVERIES", 3),
                    help="a request whose workers died this many times fails with UNAVAILABLE instead of "
                         "being resumed again [env TOKENRELAY_MAX_DELIVERIES]")
+    p.add_argument("--reattach-grace", type=float, default=_env("TOKENRELAY_REATTACH_GRACE_S", 10),
+                   help="seconds a request nobody follows any more (caller gone, gateway died) stays parked, "
+                        "its KV cached, for a resume through any gateway; then it is abandoned "
+                        "[env TOKENRELAY_REATTACH_GRACE_S]")
     p.add_argument("--log-level", default=_env("TOKENRELAY_LOG_LEVEL", "INFO"),
                    help="DEBUG, INFO, WARNING or ERROR [env TOKENRELAY_LOG_LEVEL]")
     return p
@@ -108,7 +112,7 @@ def config_from_args(argv: list[str] | None = None) -> tuple[WorkerConfig, str]:
                               worker_id=args.worker_id or default_instance_id(),
                               drain_timeout_s=args.drain_timeout, heartbeat_ttl_s=args.heartbeat_ttl,
                               heartbeat_interval_s=min(0.5, args.heartbeat_ttl / 5),
-                              max_deliveries=args.max_deliveries)
+                              max_deliveries=args.max_deliveries, reattach_grace_s=args.reattach_grace)
     except ValueError as e:
         parser.error(str(e))
     return config, args.log_level

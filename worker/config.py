@@ -29,6 +29,10 @@ class WorkerConfig:
     claim_coalesce_ms: float = 5.0
     # How often the worker looks for requests of dead workers to re-claim and resume.
     sweep_interval_s: float = 1.0
+    # A request nobody follows any more (its caller cancelled or disconnected, its
+    # gateway died) is parked this long, its KV cached, for a resume on any gateway;
+    # then it is abandoned (a later resume starts a new attempt from its progress).
+    reattach_grace_s: float = 10.0
     # A request handed out this often (its workers keep dying) fails with UNAVAILABLE.
     max_deliveries: int = 3
     # Socket timeout of every Redis command (must exceed claim_block_ms).
@@ -54,6 +58,8 @@ class WorkerConfig:
                              f"({self.claim_block_ms} ms)")
         if self.sweep_interval_s <= 0:
             raise ValueError(f"sweep_interval_s must be > 0, got {self.sweep_interval_s}")
+        if self.reattach_grace_s < 0:
+            raise ValueError(f"reattach_grace_s must be >= 0, got {self.reattach_grace_s}")
         if self.max_deliveries < 1:
             raise ValueError(f"max_deliveries must be >= 1, got {self.max_deliveries}")
         if self.max_backoff_s <= 0:

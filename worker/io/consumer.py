@@ -3,15 +3,15 @@
 One loop on one thread owns the engine (torch lives behind the
 `TextEngineProtocol`; this module imports none):
 
-    apply aborts -> claim what the engine can run now (re-claim crashed
-    workers' entries first, then XREADGROUP) -> engine.step() -> hand that
-    step's events and progress to the publisher thread
+    park what nobody follows, re-admit parked requests followed again ->
+    claim what the engine can run now (re-claim crashed workers' entries
+    first, then XREADGROUP) -> engine.step() -> hand that step's events and
+    progress to the publisher thread
 
-The publisher thread sends each step's events as ONE pipelined round trip (one
-PUBLISH of a `TokenEventBatch` per reply channel, then XACK+XDEL of finished
-entries, then the heartbeat when due) while the next step computes. It is a
-single FIFO thread, so events of one request leave in order. Delivery
-guarantees and key names are in `protos/keys.py`.
+The publisher thread sends each step's writes as ONE pipelined round trip
+(worker/io/redis_io.py) while the next step computes. It is a single FIFO
+thread, so events of one request leave in order. Delivery guarantees and key
+names are in `protos/keys.py`.
 
 Redis failures never crash the loop: claiming backs off while the engine keeps
 generating, and the publisher resends a failed pipeline until Redis is back
@@ -24,20 +24,21 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
 import redis
 
 from protos.convert import chunk_to_pb, finish_reason_to_pb, params_from_pb, usage_to_pb
-from protos.keys import Heartbeat
+from protos.keys import Heartbeat, Record
 from protos.params import FinishReason, PromptInput, SamplingParams
 from protos.redis_conn import Backoff
 from protos.tokenrelay.v1 import generate_pb2, queue_pb2
 from worker.config import WorkerConfig
 from worker.engine.outputs import Admitted, RequestOutput, Resume
-from worker.io.reclaim import Claimed, parse_entry, reclaim_dead_workers
+from worker.io.parking import POLL_INTERVAL_S, ParkingLot, listeners
+from worker.io.reclaim import Claimed, parse_entry, parse_progress, reclaim_dead_workers
 from worker.io.redis_io import AbortListener, Outbox, Publisher, connect
+from worker.io.tracked import Tracked
 
 log = logging.getLogger(__name__)
 
@@ -53,43 +54,6 @@ class TextEngineProtocol(Protocol):
     def step(self) -> list[RequestOutput]: ...
     def has_unfinished(self) -> bool: ...
     def stats(self) -> Any: ...
-
-
-@dataclass
-class Tracked:
-    """One attempt at a request that this worker claimed and is generating.
-
-    The engine knows it by `key`, its stream entry id, not by its request id: a
-    client may reuse a request id (a retry after a cancel) while the earlier
-    attempt is still being aborted, and the two must never mix (protos/keys.py).
-    """
-
-    request_id: str
-    entry_id: bytes
-    reply_channel: str
-    deadline_unix: float  # 0 = none
-    seq: int = 0
-    num_chunks: int = 0
-    text_parts: list[str] = field(default_factory=list)
-    # What another worker needs to resume it (protos/keys.py); token_ids grow in place.
-    record: queue_pb2.Progress = field(default_factory=queue_pb2.Progress)
-    # Set when the worker aborted it (deadline, shutdown): replaces the final event.
-    error: tuple[queue_pb2.ErrorCode, str] | None = None
-    # Aborted at shutdown for another worker to resume: no final event, no XACK.
-    is_handed_off: bool = False
-
-    @property
-    def key(self) -> str:
-        return self.entry_id.decode()
-
-    def event(self, **kind: Any) -> queue_pb2.TokenEvent:
-        self.seq += 1
-        return queue_pb2.TokenEvent(request_id=self.request_id, seq=self.seq - 1, entry_id=self.entry_id,
-                                    **kind)
-
-    def progress(self) -> bytes:
-        self.record.next_seq, self.record.num_chunks = self.seq, self.num_chunks
-        return self.record.SerializeToString()
 
 
 def claim_capacity(stats: Any) -> int:
@@ -118,6 +82,7 @@ class Consumer:
         self._publisher = Publisher(self._client, config)
         self._aborts = AbortListener(self._client, config)
         self._running: dict[str, Tracked] = {}
+        self._parked = ParkingLot(config.reattach_grace_s)
         self._outbox = Outbox()
         self._stopping = threading.Event()
         self._backoff = Backoff(config.max_backoff_s)
@@ -161,6 +126,7 @@ class Consumer:
 
     def _run_once(self, *, can_claim: bool) -> None:
         self._apply_aborts()
+        self._poll_parked()
         if can_claim:
             self._claim()
         if self.engine.has_unfinished():
@@ -174,7 +140,7 @@ class Consumer:
         deadline = time.monotonic() + self.config.drain_timeout_s
         while self.engine.has_unfinished() and time.monotonic() < deadline:
             self._run_once(can_claim=False)
-        handoff = bool(self._running) and self._other_workers_alive()
+        handoff = bool(self._running or len(self._parked)) and self._other_workers_alive()
         if self._running:
             log.warning("drain timeout: %s %d running requests", "handing over" if handoff else "failing",
                         len(self._running))
@@ -188,6 +154,9 @@ class Consumer:
             if not self.engine.has_unfinished():
                 break
             self._emit(self.engine.step())
+        for tracked in self._parked.take_all():
+            if not handoff:  # else left pending for another worker, which parks it in turn
+                self._outbox.end(tracked.entry_id, tracked.record_key, tracked.result_ttl_ms)
         self._flush()
 
     def _other_workers_alive(self) -> bool:
@@ -214,10 +183,12 @@ class Consumer:
                 self._next_sweep_at = time.monotonic() + self.config.sweep_interval_s
                 entries = reclaim_dead_workers(self._client, self.config, count)
             block_ms = self.config.claim_block_ms if is_idle and not entries else None
+            if block_ms is not None and len(self._parked):  # wake up in time to notice a resume
+                block_ms = min(block_ms, int(POLL_INTERVAL_S * 1000))
             entries += self._read(count - len(entries), block_ms) if count > len(entries) else []
             if is_idle and entries:
                 entries += self._read_burst(count - len(entries))
-            aborted = self._aborted_entries(entries)
+            progress, followed = self._inspect(entries)
             self._backoff.reset()
         except redis.RedisError as e:
             delay = self._backoff.failed()
@@ -227,17 +198,34 @@ class Consumer:
         for claimed in entries:
             entry_id, qr = claimed.entry_id, claimed.request
             if qr is None:
-                self._outbox.ack(entry_id)  # unreadable: nobody to answer, drop it
-            elif entry_id in aborted:
-                self._outbox.ack(entry_id)  # cancelled while queued; the caller is gone
-            elif claimed.num_deliveries > self.config.max_deliveries:
-                tracked = Tracked(qr.request_id, entry_id, qr.reply_channel, qr.deadline_unix,
-                                  seq=claimed.progress.next_seq if claimed.progress else 0)
+                self._outbox.acks.append(entry_id)  # unreadable: nobody to answer, drop it
+                continue
+            tracked = Tracked.of(self.keys, entry_id, qr, progress.get(entry_id))
+            if claimed.num_deliveries > self.config.max_deliveries:
                 self._reject(tracked, ErrorCode.ERROR_CODE_UNAVAILABLE,
                              f"{claimed.num_deliveries - 1} workers stopped while running this request; "
                              "not trying again")
+            elif not followed.get(tracked.channel):
+                self._parked.park(tracked)  # its caller left while it was queued: compute nothing
             else:
-                self._admit(entry_id, qr, claimed.progress)
+                self._admit(tracked)
+
+    def _inspect(self, entries: list[Claimed]) -> tuple[dict[bytes, queue_pb2.Progress], dict[str, int]]:
+        """Per claimed request, in one round trip: the progress in its record (a new attempt, or
+        a dead worker's entry, resumes from it) and how many callers follow it."""
+        readable = [(c.entry_id, c.request) for c in entries if c.request is not None]
+        if not readable:
+            return {}, {}
+        pipe = self._client.pipeline(transaction=False)
+        for _, qr in readable:
+            pipe.hget(self.keys.record(qr.request_id), Record.PROGRESS)
+        channels = [self.keys.events(qr.request_id) for _, qr in readable]
+        pipe.pubsub_numsub(*channels)
+        *records, counts = pipe.execute()
+        progress = {entry_id: p for (entry_id, _), data in zip(readable, records, strict=True)
+                    if (p := parse_progress(data)) is not None}
+        followed = {(c.decode() if isinstance(c, bytes) else c): int(n) for c, n in counts}
+        return progress, followed
 
     def _read(self, count: int, block_ms: int | None) -> list[Claimed]:
         if not self._has_group:
@@ -274,28 +262,18 @@ class Consumer:
                 raise
         self._has_group = True
 
-    def _aborted_entries(self, entries: list[Claimed]) -> set[bytes]:
-        """Entry ids of the claimed requests that were cancelled while queued."""
-        readable = [(c.entry_id, c.request) for c in entries if c.request is not None]
-        if not readable:
-            return set()
-        marks = self._client.mget([self.keys.aborted(qr.request_id) for _, qr in readable])
-        return {entry_id for (entry_id, _), mark in zip(readable, marks, strict=True) if mark == entry_id}
-
-    def _admit(self, entry_id: bytes, qr: queue_pb2.QueuedRequest,
-               progress: queue_pb2.Progress | None = None) -> None:
-        tracked = Tracked(qr.request_id, entry_id, qr.reply_channel, qr.deadline_unix)
-        resume = None
-        if progress is not None:  # continue a dead worker's stream where its events stopped
-            tracked.seq, tracked.num_chunks, tracked.record = progress.next_seq, progress.num_chunks, progress
-            resume = Resume(tuple(progress.token_ids), progress.seed, progress.first_token_unix)
+    def _admit(self, tracked: Tracked) -> None:
+        qr = tracked.request
         if qr.deadline_unix and time.time() > qr.deadline_unix:
             return self._reject(tracked, ErrorCode.ERROR_CODE_DEADLINE_EXCEEDED,
                                 "the deadline passed while the request was queued")
-        if tracked.key in self._running:  # this worker holds the entry already: nothing to do
+        if tracked.key in self._running or tracked.key in self._parked:  # this worker holds it already
             log.error("entry %s of request %s claimed twice; ignoring the second claim", tracked.key,
                       qr.request_id)
             return None
+        progress = tracked.record if tracked.record.worker_id else None
+        resume = None if progress is None else Resume(tuple(progress.token_ids), progress.seed,
+                                                      progress.first_token_unix)
         try:
             prompt, params = params_from_pb(qr.request)
             admitted = self.engine.add_request(tracked.key, prompt, params,
@@ -311,22 +289,49 @@ class Consumer:
         self._running[tracked.key] = tracked
 
     def _reject(self, tracked: Tracked, code: queue_pb2.ErrorCode, message: str) -> None:
-        error = queue_pb2.RequestError(code=code, message=message)
-        self._outbox.add(tracked.reply_channel, tracked.event(error=error))
-        self._outbox.ack(tracked.entry_id)
+        self._outbox.add(tracked.channel, tracked.error_event(code, message))
+        self._outbox.end(tracked.entry_id, tracked.record_key, tracked.result_ttl_ms)
 
     # -- aborts and events ------------------------------------------------------------------------
 
     def _apply_aborts(self) -> None:
+        """Park what nobody follows (a PUBLISH that reached nobody, or an abort hint); abort
+        what passed its deadline."""
+        unheard = self._publisher.unheard()
+        suspects = {key for key, t in self._running.items() if t.channel in unheard}
         for request_id, entry_id in self._aborts.drain():
-            for key, tracked in self._running.items():  # the attempt named, or all of them
-                if tracked.request_id == request_id and entry_id in (b"", tracked.entry_id):
+            suspects |= {key for key, t in self._running.items()
+                         if t.request_id == request_id and entry_id in (b"", t.entry_id)}
+        if suspects:
+            try:
+                counts = listeners(self._client, (self._running[key].channel for key in suspects))
+            except redis.RedisError as e:  # asked again after the next PUBLISH reaches nobody
+                log.warning("could not count the listeners of %d requests: %s", len(suspects), e)
+                counts = {}
+            for key in suspects:
+                if counts.get(self._running[key].channel) == 0:
+                    self._running[key].is_parking = True
                     self.engine.abort(key)  # the next step returns its ABORT output
         now = time.time()
         for key, tracked in self._running.items():
-            if tracked.deadline_unix and now > tracked.deadline_unix and tracked.error is None:
+            deadline = tracked.request.deadline_unix
+            if deadline and now > deadline and tracked.error is None:
                 tracked.error = (ErrorCode.ERROR_CODE_DEADLINE_EXCEEDED, "deadline passed while generating")
                 self.engine.abort(key)
+
+    def _poll_parked(self) -> None:
+        try:
+            resumed, expired = self._parked.poll(self._client)
+        except redis.RedisError as e:
+            log.warning("could not poll the parked requests: %s", e)
+            return
+        for tracked in resumed:
+            log.info("request %s is followed again: resuming it", tracked.request_id)
+            self._admit(Tracked.of(self.keys, tracked.entry_id, tracked.request, tracked.record))
+        for tracked in expired:
+            log.info("request %s: nobody resumed it within %.1fs; abandoned", tracked.request_id,
+                     self._parked.grace_s)
+            self._outbox.end(tracked.entry_id, tracked.record_key, tracked.result_ttl_ms)
 
     def _emit(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -339,15 +344,19 @@ class Consumer:
                 tracked.text_parts.append(out.text)
                 tracked.record.token_ids.extend(out.token_ids)
                 tracked.record.first_token_unix = tracked.record.first_token_unix or time.time()
-                self._outbox.add(tracked.reply_channel, tracked.event(chunk=chunk))
-                self._outbox.progress[tracked.entry_id] = tracked.progress()
+                event = tracked.event(chunk=chunk)
+                self._outbox.log(tracked.record_key, event, tracked.progress())
+                self._outbox.add(tracked.channel, event)
             if out.finished:
                 self._finish(out, tracked)
 
     def _finish(self, out: RequestOutput, tracked: Tracked) -> None:
         del self._running[out.request_id]
-        if tracked.is_handed_off and out.finish_reason is FinishReason.ABORT:
-            return
+        if out.finish_reason is FinishReason.ABORT:
+            if tracked.is_handed_off:
+                return
+            if tracked.is_parking:
+                return self._parked.park(tracked)
         self.num_finished += 1
         if tracked.error is not None and out.finish_reason is FinishReason.ABORT:
             code, message = tracked.error
@@ -358,8 +367,10 @@ class Consumer:
                                    worker_id=self.config.worker_id)
         if out.usage is not None:
             final.usage.CopyFrom(usage_to_pb(out.usage))
-        self._outbox.add(tracked.reply_channel, tracked.event(final=final))
-        self._outbox.ack(tracked.entry_id)
+        event = tracked.event(final=final)
+        self._outbox.log(tracked.record_key, event, None)
+        self._outbox.add(tracked.channel, event)
+        self._outbox.end(tracked.entry_id, tracked.record_key, tracked.result_ttl_ms)
 
     def _flush(self) -> None:
         self._publisher.set_load(self._load())
@@ -377,6 +388,6 @@ class Consumer:
             H.NUM_FREE_BLOCKS: s.num_free_blocks, H.KV_CACHE_USAGE: s.kv_cache_usage,
             H.NUM_PREFIX_CACHE_HIT_TOKENS: s.num_prefix_cache_hit_tokens,
             H.NUM_PREFIX_CACHE_QUERY_TOKENS: s.num_prefix_cache_query_tokens,
-            H.NUM_PREEMPTIONS: s.num_preemptions,
+            H.NUM_PREEMPTIONS: s.num_preemptions, H.NUM_PARKED: len(self._parked),
         }
         return {k: str(v) for k, v in fields.items()}

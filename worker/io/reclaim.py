@@ -28,12 +28,11 @@ class Claimed:
 
     entry_id: bytes
     request: queue_pb2.QueuedRequest | None  # None: unreadable
-    progress: queue_pb2.Progress | None = None  # where the dead worker got to
     num_deliveries: int = 1
 
 
 def reclaim_dead_workers(client: redis.Redis, config: WorkerConfig, count: int) -> list[Claimed]:
-    """Re-claim up to `count` entries of dead workers (heartbeat expired), with their progress.
+    """Re-claim up to `count` entries of dead workers (heartbeat expired).
 
     XCLAIM's min-idle-time makes it safe against other workers sweeping at the
     same moment: once one of them claims an entry its idle time restarts, and
@@ -72,10 +71,8 @@ def reclaim_dead_workers(client: redis.Redis, config: WorkerConfig, count: int) 
         if gone:
             client.xack(keys.requests, keys.group, *gone)
         live = [(entry_id, fields) for entry_id, fields in taken if fields]
-        progress = client.hmget(keys.progress, [entry_id for entry_id, _ in live]) if live else []
-        for (entry_id, fields), data in zip(live, progress, strict=True):
-            claimed.append(Claimed(entry_id, parse_entry(entry_id, fields), parse_progress(data),
-                                   deliveries.get(entry_id, 1) + 1))
+        for entry_id, fields in live:
+            claimed.append(Claimed(entry_id, parse_entry(entry_id, fields), deliveries.get(entry_id, 1) + 1))
         if live:
             log.warning("re-claimed %d requests of stopped worker %s", len(live), name)
     return claimed
@@ -87,7 +84,7 @@ def _text(value: str | bytes) -> str:
 
 def parse_progress(data: bytes | str | None) -> queue_pb2.Progress | None:
     if data is None:
-        return None  # claimed but never stepped: start from scratch
+        return None  # never stepped: start from scratch
     try:
         return queue_pb2.Progress.FromString(data if isinstance(data, bytes) else data.encode())
     except Exception:

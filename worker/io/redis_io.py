@@ -1,9 +1,10 @@
 """The worker's Redis plumbing: connection, publisher thread, abort listener.
 
 `Publisher` is the only writer of token events: one FIFO thread, so the events
-of one request leave in order, and each round is ONE pipelined round trip (one
-PUBLISH of a `TokenEventBatch` per reply channel, XACK+XDEL of finished
-entries, the heartbeat when due). A failed round is resent until Redis answers
+of one request leave in order, and each round is ONE pipelined round trip (per
+request one HSET of its logged events and progress into its record, XACK+XDEL
+of finished entries, per request one PUBLISH of a `TokenEventBatch` on its
+channel, the heartbeat when due). A failed round is resent until Redis answers
 (the gateway drops duplicates by `seq`). Key names and delivery guarantees are
 in `protos/keys.py`.
 """
@@ -19,10 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
-from redis.retry import Retry
 
-from protos.keys import Heartbeat
-from protos.redis_conn import Backoff, client_options
+from protos.keys import Heartbeat, Record
+from protos.redis_conn import Backoff, sync_client
 from protos.tokenrelay.v1 import queue_pb2
 from worker.config import WorkerConfig
 
@@ -33,37 +33,54 @@ CLOSE_FLUSH_TIMEOUT_S = 5.0  # how long a stopping worker keeps trying to publis
 
 def connect(config: WorkerConfig) -> redis.Redis:
     """A client that fails fast (no hidden retries): the loops below own the retrying."""
-    return redis.Redis.from_url(config.redis_url, **client_options(Retry, config.redis_timeout_s))
+    return sync_client(config.redis_url, config.redis_timeout_s)
 
 
 @dataclass
 class Outbox:
-    """Events per reply channel, progress per running entry, entries to acknowledge."""
+    """One round's writes: per request its record's new fields (logged events, progress) and
+    its events to publish, entries to acknowledge, records whose TTL to shorten."""
 
-    events: dict[str, list[queue_pb2.TokenEvent]] = field(default_factory=dict)
-    progress: dict[bytes, bytes] = field(default_factory=dict)  # entry id -> queue.Progress bytes
+    events: dict[str, list[queue_pb2.TokenEvent]] = field(default_factory=dict)  # channel -> events
+    records: dict[str, dict[str, bytes]] = field(default_factory=dict)  # record key -> fields to set
     acks: list[bytes] = field(default_factory=list)
+    expires: dict[str, int] = field(default_factory=dict)  # record key -> TTL in ms
 
     def add(self, channel: str, event: queue_pb2.TokenEvent) -> None:
         self.events.setdefault(channel, []).append(event)
 
-    def ack(self, entry_id: bytes) -> None:
+    def log(self, record: str, event: queue_pb2.TokenEvent, progress: bytes | None) -> None:
+        """Log the event in the request's record (with the progress after it)."""
+        fields = self.records.setdefault(record, {})
+        fields[Record.event(event.seq)] = event.SerializeToString()
+        if progress is not None:
+            fields[Record.PROGRESS] = progress
+        if event.HasField("final"):
+            fields[Record.FINAL] = str(event.seq).encode()
+
+    def end(self, entry_id: bytes, record: str, ttl_ms: int) -> None:
+        """The attempt ended: acknowledge its entry, keep its record for ttl_ms."""
         self.acks.append(entry_id)
-        self.progress.pop(entry_id, None)  # acknowledged: its progress is deleted, not written
+        self.expires[record] = ttl_ms
 
     def merge(self, other: Outbox) -> None:
         for channel, events in other.events.items():
             self.events.setdefault(channel, []).extend(events)
-        self.progress.update(other.progress)  # the later step knows more
-        for entry_id in other.acks:
-            self.ack(entry_id)
+        for record, fields in other.records.items():
+            self.records.setdefault(record, {}).update(fields)  # the later progress knows more
+        self.acks.extend(other.acks)
+        self.expires.update(other.expires)
 
     def __bool__(self) -> bool:
-        return bool(self.events or self.progress or self.acks)
+        return bool(self.events or self.records or self.acks or self.expires)
 
 
 class Publisher:
-    """Background thread sending outboxes and heartbeats, one pipeline per round."""
+    """Background thread sending outboxes and heartbeats, one pipeline per round.
+
+    `unheard()` returns the channels whose PUBLISH reached no subscriber since the last
+    call: nobody follows those requests any more (the consumer parks them).
+    """
 
     def __init__(self, client: redis.Redis, config: WorkerConfig) -> None:
         self._client, self._config, self._keys = client, config, config.keys
@@ -71,6 +88,7 @@ class Publisher:
         self._load: dict[str, str] = {}
         self._sent_load: dict[str, str] = {}
         self._give_up_at = float("inf")
+        self._unheard: deque[str] = deque()
         self._thread = threading.Thread(target=self._run, name="publisher", daemon=True)
 
     def start(self) -> None:
@@ -82,6 +100,12 @@ class Publisher:
     def set_load(self, load: dict[str, str]) -> None:
         """The latest heartbeat fields; a change of an event field is published with the next round."""
         self._load = load
+
+    def unheard(self) -> set[str]:
+        channels = set()
+        while self._unheard:
+            channels.add(self._unheard.popleft())
+        return channels
 
     def close(self) -> None:
         """Send what is queued (trying for at most CLOSE_FLUSH_TIMEOUT_S), drop the heartbeat."""
@@ -126,9 +150,12 @@ class Publisher:
         load = self._load
         while True:
             try:
-                self._pipeline(outbox, load if heartbeat else None, delete_heartbeat).execute()
+                pipe, first_publish = self._pipeline(outbox, load if heartbeat else None, delete_heartbeat)
+                # A command Redis refuses (XACK after a restart lost the group) must not hold
+                # back the rest: only connection errors raise here and are retried.
+                replies = pipe.execute(raise_on_error=False)
                 self._sent_load = load if heartbeat else self._sent_load
-                return
+                break
             except redis.RedisError as e:
                 if time.monotonic() > self._give_up_at:
                     log.error("dropping %d channels of events: Redis unreachable at shutdown (%s)",
@@ -137,30 +164,39 @@ class Publisher:
                 delay = backoff.failed()
                 log.warning("publish failed (%s); retrying in %.2fs", e, delay)
                 time.sleep(delay)  # nothing else for this thread to do until Redis answers
+        for reply in replies:
+            if isinstance(reply, redis.ResponseError):
+                log.warning("Redis refused a command of the publish pipeline: %s", reply)
+        receivers = replies[first_publish:first_publish + len(outbox.events)]  # one PUBLISH per channel
+        self._unheard.extend(ch for ch, n in zip(outbox.events, receivers, strict=True) if n == 0)
 
-    def _pipeline(self, outbox: Outbox, load: dict[str, str] | None, delete_heartbeat: bool) -> Any:
+    def _pipeline(self, outbox: Outbox, load: dict[str, str] | None,
+                  delete_heartbeat: bool) -> tuple[Any, int]:
+        """Records (log + progress), then acknowledgements, then PUBLISHes, then the heartbeat:
+        an event is in the record before anyone hears of it, and an entry leaves the stream
+        only after its final is logged (protos/keys.py). Returns the pipeline and the index
+        of its first PUBLISH."""
         pipe = self._client.pipeline(transaction=False)
+        for record, logged in outbox.records.items():
+            pipe.hset(record, mapping=logged)  # type: ignore[arg-type]  # (narrow stub)
+        if outbox.acks:
+            pipe.xack(self._keys.requests, self._keys.group, *outbox.acks)
+            pipe.xdel(self._keys.requests, *outbox.acks)
+        for record, ttl_ms in outbox.expires.items():
+            pipe.pexpire(record, ttl_ms)
         worker_id = self._config.worker_id
+        first_publish = len(pipe.command_stack)
         for channel, events in outbox.events.items():
             pipe.publish(channel, queue_pb2.TokenEventBatch(worker_id=worker_id, events=events)
                          .SerializeToString())
-        if outbox.progress:
-            # After the events it describes: a resume may repeat an event (dropped by
-            # seq at the gateway), never skip one.
-            pipe.hset(self._keys.progress, mapping=outbox.progress)  # type: ignore[arg-type]
-        if outbox.acks:
-            # Acked only here, after the final event is out: see protos/keys.py.
-            pipe.xack(self._keys.requests, self._keys.group, *outbox.acks)
-            pipe.xdel(self._keys.requests, *outbox.acks)
-            pipe.hdel(self._keys.progress, *outbox.acks)
         key = self._keys.worker(worker_id)
         if load is not None:
-            fields: dict[Any, Any] = {**load, Heartbeat.HEARTBEAT_UNIX: repr(time.time())}  # (narrow stub)
-            pipe.hset(key, mapping=fields)
+            beat: dict[Any, Any] = {**load, Heartbeat.HEARTBEAT_UNIX: repr(time.time())}  # (narrow stub)
+            pipe.hset(key, mapping=beat)
             pipe.pexpire(key, int(self._config.heartbeat_ttl_s * 1000))
         if delete_heartbeat:
             pipe.delete(key)
-        return pipe
+        return pipe, first_publish
 
 
 class AbortListener:

@@ -1,0 +1,71 @@
+"""Requests nobody follows any more: parked, not computed, for a resume (protos/keys.py).
+
+A request's caller went away when a PUBLISH on its channel reached nobody, or a
+gateway sent an Abort hint; either way the consumer asks Redis (PUBSUB NUMSUB)
+before it parks, so a second caller following the same request keeps it
+running. Parking aborts the request in the engine: it leaves the batch at the
+next step, and its full KV blocks stay in the prefix cache until evicted. The
+lot polls NUMSUB of what it holds: a request with a listener again is handed
+back to be re-admitted from its progress (the same tokens and seed, mostly
+prefix-cache hits); one parked longer than the reattach grace is abandoned.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import redis
+
+from worker.io.tracked import Tracked
+
+POLL_INTERVAL_S = 0.1  # how soon a resume is noticed (one NUMSUB of every parked channel)
+
+
+def listeners(client: redis.Redis, channels: Iterable[str]) -> dict[str, int]:
+    """Subscribers of each channel (PUBSUB NUMSUB); raises RedisError."""
+    names = list(dict.fromkeys(channels))
+    if not names:
+        return {}
+    reply: list[tuple[bytes | str, int]] = client.pubsub_numsub(*names)  # type: ignore[assignment]
+    return {(c.decode() if isinstance(c, bytes) else c): int(n) for c, n in reply}
+
+
+@dataclass
+class _Parked:
+    tracked: Tracked
+    since: float  # monotonic
+
+
+class ParkingLot:
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s = grace_s
+        self._parked: dict[str, _Parked] = {}  # entry key -> parked attempt
+        self._next_poll = 0.0
+
+    def __len__(self) -> int:
+        return len(self._parked)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._parked
+
+    def park(self, tracked: Tracked) -> None:
+        tracked.is_parking = False
+        self._parked[tracked.key] = _Parked(tracked, time.monotonic())
+
+    def take_all(self) -> list[Tracked]:
+        parked, self._parked = self._parked, {}
+        return [p.tracked for p in parked.values()]
+
+    def poll(self, client: redis.Redis) -> tuple[list[Tracked], list[Tracked]]:
+        """(followed again: re-admit them, past the grace: abandon them); at most every
+        POLL_INTERVAL_S. Raises RedisError."""
+        now = time.monotonic()
+        if not self._parked or now < self._next_poll:
+            return [], []
+        self._next_poll = now + POLL_INTERVAL_S
+        counts = listeners(client, (p.tracked.channel for p in self._parked.values()))
+        resumed = [k for k, p in self._parked.items() if counts.get(p.tracked.channel, 0) > 0]
+        expired = [k for k, p in self._parked.items() if k not in resumed and now - p.since > self.grace_s]
+        return [self._parked.pop(k).tracked for k in resumed], [self._parked.pop(k).tracked for k in expired]

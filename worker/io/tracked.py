@@ -1,0 +1,68 @@
+"""One attempt at a request that this worker claimed: what it streamed and where to."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from protos.keys import Keys
+from protos.tokenrelay.v1 import queue_pb2
+
+DEFAULT_RESULT_TTL_S = 300.0  # for entries of gateways that did not say (QueuedRequest.result_ttl_s)
+
+
+@dataclass
+class Tracked:
+    """The engine knows it by `key`, its stream entry id: one attempt per entry."""
+
+    request: queue_pb2.QueuedRequest
+    entry_id: bytes
+    channel: str  # the request's event channel
+    record_key: str  # the request's record
+    seq: int = 0
+    num_chunks: int = 0
+    text_parts: list[str] = field(default_factory=list)
+    # What another worker or attempt needs to resume it (protos/keys.py); token_ids grow in place.
+    record: queue_pb2.Progress = field(default_factory=queue_pb2.Progress)
+    # Set when the worker aborted it (deadline, shutdown): replaces the final event.
+    error: tuple[queue_pb2.ErrorCode, str] | None = None
+    # Aborted at shutdown for another worker to resume: no final event, no XACK.
+    is_handed_off: bool = False
+    # Aborted because nobody follows it: parked, not finished (worker/io/parking.py).
+    is_parking: bool = False
+
+    @classmethod
+    def of(cls, keys: Keys, entry_id: bytes, request: queue_pb2.QueuedRequest,
+           progress: queue_pb2.Progress | None = None) -> Tracked:
+        tracked = cls(request, entry_id, keys.events(request.request_id), keys.record(request.request_id))
+        if progress is not None:  # continue where the last worker's events stopped
+            tracked.seq, tracked.num_chunks, tracked.record = progress.next_seq, progress.num_chunks, progress
+        return tracked
+
+    @property
+    def key(self) -> str:
+        return self.entry_id.decode()
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def result_ttl_ms(self) -> int:
+        return int((self.request.result_ttl_s or DEFAULT_RESULT_TTL_S) * 1000)
+
+    def event(self, **kind: Any) -> queue_pb2.TokenEvent:
+        """The next event (a chunk or the final) of the request's stream."""
+        self.seq += 1
+        return queue_pb2.TokenEvent(request_id=self.request_id, seq=self.seq - 1, entry_id=self.entry_id,
+                                    **kind)
+
+    def error_event(self, code: queue_pb2.ErrorCode, message: str) -> queue_pb2.TokenEvent:
+        """An error ends this attempt only, so it takes no seq: a later attempt continues at it."""
+        error = queue_pb2.RequestError(code=code, message=message)
+        return queue_pb2.TokenEvent(request_id=self.request_id, seq=self.seq, entry_id=self.entry_id,
+                                    error=error)
+
+    def progress(self) -> bytes:
+        self.record.next_seq, self.record.num_chunks = self.seq, self.num_chunks
+        return self.record.SerializeToString()
