@@ -209,3 +209,24 @@ def test_in_flight_calls_resume_across_a_redis_restart_with_aof(
         assert client.xlen(Keys(prefix).requests) == 0
     finally:
         client.close()
+
+
+def test_a_resend_while_the_request_is_still_queued_attaches_to_it(
+        redis_url: str, prefix: str, make_gateway: Callable[..., GatewayThread],
+        make_worker: Callable[..., WorkerThread]) -> None:
+    first_gateway, second_gateway = make_gateway(), make_gateway()
+    request = story("queued", max_tokens=8)
+    with grpc.insecure_channel(first_gateway.target) as channel:
+        call = generate_pb2_grpc.TokenRelayStub(channel).Generate(request, timeout=120)
+        client = redis.Redis.from_url(redis_url)
+        try:
+            wait_until(lambda: client.xlen(Keys(prefix).requests) == 1, timeout=5)  # no worker yet
+            call.cancel()
+            with grpc.insecure_channel(second_gateway.target) as other:
+                resend = generate_pb2_grpc.TokenRelayStub(other).Generate(request, timeout=120)
+                make_worker()
+                answer = list(resend)
+            assert client.xlen(Keys(prefix).requests) == 0
+        finally:
+            client.close()
+    assert [c.index for c in chunks(answer)] == list(range(8)) and answer[-1].HasField("final")
