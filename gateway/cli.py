@@ -2,6 +2,7 @@
 
     tokenrelay up                 Redis + gateway + workers until Ctrl-C
     tokenrelay demo               the same, stream one chat answer, shut down
+    tokenrelay bench              load-test a running gateway (like `vllm bench serve`)
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import sys
 
 import grpc
 
+from gateway import bench
 from gateway.client import TokenRelayClient, add_generation_args, generation_params, print_stream
 from gateway.launcher import Stack, StackConfig
 from gateway.redis_server import free_port
@@ -54,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_stack_args(demo, listen=None)
     demo.add_argument("--prompt", default=DEFAULT_DEMO_PROMPT, help="the question to ask")
     add_generation_args(demo)  # the demo defaults to --max-tokens 128 --temperature 0
+    load = sub.add_parser("bench", help="load-test a running gateway; print vllm-bench-style metrics",
+                          description=bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.add_arguments(load)
     return p
 
 
@@ -104,7 +109,7 @@ def demo(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return up(args) if args.command == "up" else demo(args)
+        return {"up": up, "demo": demo, "bench": bench.bench}[args.command](args)
     except (RuntimeError, TimeoutError, ValueError, FileNotFoundError) as e:
         print(f"tokenrelay {args.command}: {e}", file=sys.stderr)
         return 1
