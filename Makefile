@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= What is the capital of France? Answer in one sentence.
 
-.PHONY: demo serve test lint bench-engine bench-kv bench-e2e protos clean
+.PHONY: demo serve test lint bench-engine bench-kv bench-e2e chaos protos clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,10 @@ bench-kv: $(STAMP)  ## paged KV cache: 48 chats with one system prompt, prefix c
 
 bench-e2e: $(STAMP)
 	$(BIN)/python benchmarks/e2e.py
+
+MINUTES ?= 5
+chaos: $(STAMP)  ## kill workers/gateways and restart Redis under streaming load for $(MINUTES) min; prints JSON
+	$(BIN)/python -m tests.chaos --minutes $(MINUTES)
 
 clean:
 	rm -rf $(VENV) build *.egg-info protos/tokenrelay/v1/*_pb2*.py*

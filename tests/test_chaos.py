@@ -1,0 +1,32 @@
+"""The chaos harness for one minute (`make chaos` runs it longer): workers and gateways
+SIGKILLed and SIGTERMed, Redis killed and restarted, while seeded streams resume on any
+error; nothing may be lost, duplicated, skipped or different from a fault-free run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.chaos import FAMILIES
+from tests.service import ROOT
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.timeout(420)
+def test_a_minute_of_chaos_loses_duplicates_skips_and_changes_nothing() -> None:
+    run = subprocess.run([sys.executable, "-m", "tests.chaos", "--minutes", "1", "--seed", "1"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=400)
+    print(run.stdout, run.stderr, sep="\n")
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    print(json.dumps(report))
+    assert "error" not in report, report
+    bad = {k: report[k] for k in ("lost", "duplicated_tokens", "gaps", "mismatches")}
+    assert bad == dict.fromkeys(bad, 0), report
+    assert report["requests"] > 0 and report["completed"] == report["requests"], report
+    for family, kinds in FAMILIES.items():
+        assert sum(report["faults"][k] for k in kinds) >= 1, f"no {family} fault: {report}"
+    assert run.returncode == 0, run.returncode
