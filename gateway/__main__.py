@@ -15,6 +15,7 @@ import sys
 from gateway.config import DEFAULT_LISTEN, GatewayConfig
 from gateway.server import Gateway
 from protos.keys import DEFAULT_PREFIX, default_instance_id
+from protos.metrics import DEFAULT_GATEWAY_PORT, METRICS_COMPAT
 from protos.redis_conn import DEFAULT_REDIS_URL
 
 
@@ -52,6 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-redis-outage", type=float, default=_env("TOKENRELAY_MAX_REDIS_OUTAGE_S", 30),
                    help="seconds an in-flight call waits for Redis to come back before UNAVAILABLE "
                         "(new calls get UNAVAILABLE at once) [env TOKENRELAY_MAX_REDIS_OUTAGE_S]")
+    p.add_argument("--metrics-port", type=int,
+                   default=_env("TOKENRELAY_METRICS_PORT", DEFAULT_GATEWAY_PORT),
+                   help="port of the Prometheus /metrics endpoint; 0 turns it off "
+                        "[env TOKENRELAY_METRICS_PORT]")
+    p.add_argument("--metrics-compat", choices=METRICS_COMPAT,
+                   default=_env("TOKENRELAY_METRICS_COMPAT", "none"),
+                   help="vllm: also export every series under vLLM's vllm: names (model label as model_name) "
+                        "[env TOKENRELAY_METRICS_COMPAT]")
     p.add_argument("--shutdown-grace", type=float, default=_env("TOKENRELAY_SHUTDOWN_GRACE_S", 10),
                    help="seconds in-flight calls get to finish on SIGTERM [env TOKENRELAY_SHUTDOWN_GRACE_S]")
     p.add_argument("--log-level", default=_env("TOKENRELAY_LOG_LEVEL", "INFO"),
@@ -67,7 +76,8 @@ def config_from_args(argv: list[str] | None = None) -> tuple[GatewayConfig, str]
             listen=args.listen, redis_url=args.redis_url, key_prefix=args.key_prefix,
             gateway_id=args.gateway_id or default_instance_id(), max_queue_depth=args.max_queue_depth,
             retry_pushback_ms=args.retry_pushback_ms, result_ttl_s=args.result_ttl,
-            max_redis_outage_s=args.max_redis_outage, shutdown_grace_s=args.shutdown_grace)
+            max_redis_outage_s=args.max_redis_outage, metrics_port=args.metrics_port,
+            metrics_compat=args.metrics_compat, shutdown_grace_s=args.shutdown_grace)
     except ValueError as e:
         parser.error(str(e))
     return config, args.log_level

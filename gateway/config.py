@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from protos.keys import DEFAULT_PREFIX, Keys, check_name, default_instance_id
+from protos.metrics import check_metrics_options
 from protos.redis_conn import DEFAULT_REDIS_URL, check_redis_url
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
@@ -43,6 +44,10 @@ class GatewayConfig:
     # On SIGTERM, in-flight calls get this long to finish.
     shutdown_grace_s: float = 10.0
     max_backoff_s: float = 2.0
+    # Port of the Prometheus /metrics endpoint; 0 = off (the CLI's default is 9400).
+    metrics_port: int = 0
+    # "vllm": also export every series under vLLM's `vllm:` names.
+    metrics_compat: str = "none"
 
     def __post_init__(self) -> None:
         Keys(self.key_prefix)  # validates the prefix
@@ -60,6 +65,7 @@ class GatewayConfig:
                      "max_redis_outage_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        check_metrics_options(self.metrics_port, self.metrics_compat)
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
 

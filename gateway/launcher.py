@@ -29,6 +29,8 @@ class StackConfig:
     worker_args: list[str] = field(default_factory=list)  # passed to every `python -m worker`
     gateway_args: list[str] = field(default_factory=list)
     log_level: str = "INFO"
+    # Prometheus ports: the gateway on this one, worker i on this + 1 + i; 0 = metrics off.
+    metrics_port: int = 0
     stop_timeout_s: float = 40.0  # > the worker's default drain timeout
 
     def __post_init__(self) -> None:
@@ -53,9 +55,15 @@ class Stack:
             self.redis_url = self.redis.start()
         cfg = self.config
         common = ["--redis-url", self.redis_url, "--log-level", cfg.log_level]
-        self._spawn("gateway", ["gateway", "--listen", cfg.listen, *common, *cfg.gateway_args])
+        self._spawn("gateway", ["gateway", "--listen", cfg.listen, *common, *self._metrics_args(-1),
+                                *cfg.gateway_args])
         for i in range(cfg.num_workers):
-            self._spawn(f"worker-{i}", ["worker", *common, *cfg.worker_args])
+            self._spawn(f"worker-{i}", ["worker", *common, *self._metrics_args(i), *cfg.worker_args])
+
+    def _metrics_args(self, worker: int) -> list[str]:
+        """--metrics-port of the gateway (worker -1) or of worker i: one port each, or all off."""
+        base = self.config.metrics_port
+        return ["--metrics-port", str(base + 1 + worker if base else 0)]
 
     def _spawn(self, name: str, args: list[str]) -> None:
         self.procs[name] = subprocess.Popen([sys.executable, "-m", *args], start_new_session=True)

@@ -134,6 +134,26 @@ class RequestQueue:
             pending = next((int(g["pending"]) for g in groups if g["name"] == name), 0)
         return max(0, int(length) - pending), pending
 
+    async def queue_gauges(self) -> tuple[int, int, float, str | None]:
+        """(queued, in flight, age in seconds of the oldest request not claimed yet, the model of
+        a live worker) for the metrics; the oldest waiting entry is the first after the group's
+        last-delivered id."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.xlen(self.keys.requests)
+        pipe.xinfo_groups(self.keys.requests)
+        length, groups = await pipe.execute(raise_on_error=False)
+        if isinstance(length, Exception):
+            raise length
+        group = next((g for g in groups if g["name"] == self.keys.group.encode()), None) \
+            if not isinstance(groups, Exception) else None
+        pending = int(group["pending"]) if group else 0
+        after = b"(" + group["last-delivered-id"] if group else b"-"
+        oldest: Any = await self.client.xrange(self.keys.requests, min=after, max="+", count=1)
+        # An entry id is "<unix ms>-<seq>".
+        age = max(0.0, time.time() - int(oldest[0][0].split(b"-")[0]) / 1000) if oldest else 0.0
+        workers = await self.workers()
+        return max(0, int(length) - pending), pending, age, workers[0].model if workers else None
+
     async def abort(self, request_id: str, reason: str, entry_id: bytes) -> None:
         """Hint the worker holding the attempt that its caller left (it parks it if nobody else
         follows the request; a queued one is parked when claimed)."""

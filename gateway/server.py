@@ -34,10 +34,12 @@ from gateway.errors import (
     WorkerError,
     redis_unavailable,
 )
+from gateway.metrics import GatewayMetrics, GrpcMetricsInterceptor
 from gateway.queue import Attached, RequestQueue, connect
 from gateway.relay import Follow, relay
 from gateway.replies import ReplyRouter
 from protos.convert import check_request_id, params_from_pb
+from protos.metrics import MetricsServer
 from protos.tokenrelay.v1 import generate_pb2, generate_pb2_grpc, queue_pb2
 
 log = logging.getLogger(__name__)
@@ -96,24 +98,28 @@ def request_digest(request: generate_pb2.GenerateRequest) -> str:
 
 
 class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
-    def __init__(self, config: GatewayConfig, queue: RequestQueue, router: ReplyRouter) -> None:
-        self.config, self.queue, self.router = config, queue, router
+    def __init__(self, config: GatewayConfig, queue: RequestQueue, router: ReplyRouter,
+                 metrics: GatewayMetrics | None = None) -> None:
+        self.config, self.queue, self.router, self.metrics = config, queue, router, metrics
         self._background: set[asyncio.Task[None]] = set()
         self._max_sequence_tokens: int | None = None  # None: no live worker known
         self._limits_read_at = float("-inf")
 
     async def Generate(self, request: generate_pb2.GenerateRequest | MalformedRequest,  # noqa: N802
                        context: grpc.aio.ServicerContext) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        responses = self._generate(request, context)
+        if self.metrics is not None:
+            responses = self.metrics.observe(responses, context.time_remaining)
         try:
-            if isinstance(request, MalformedRequest):
-                raise InvalidArgument(request.error)
-            async for response in self._generate(request, context):
+            async for response in responses:
                 yield response
         except GatewayError as e:
             await context.abort(e.code, str(e), trailing_metadata=e.trailers)
 
-    async def _generate(self, request: generate_pb2.GenerateRequest,
+    async def _generate(self, request: generate_pb2.GenerateRequest | MalformedRequest,
                         context: grpc.aio.ServicerContext) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        if isinstance(request, MalformedRequest):
+            raise InvalidArgument(request.error)
         request_id = request.request_id or uuid.uuid4().hex
         resume_from = request.resume_from_index
         try:
@@ -212,6 +218,8 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
                 return  # _queue_depth has just reached Redis; a blip here only skips the check
             limits = [min(w.max_model_len, w.num_blocks * w.block_size) for w in workers
                       if w.max_model_len and w.num_blocks and w.block_size]
+            if workers and self.metrics is not None:
+                self.metrics.model = workers[0].model
             self._max_sequence_tokens = max(limits) if limits else None
         limit = self._max_sequence_tokens
         if limit is not None and max_tokens + 1 > limit:
@@ -270,8 +278,13 @@ class Gateway:
         self.router = ReplyRouter(self.client, config.keys.gateway(config.gateway_id), config.keys.events,
                                   max_backoff_s=config.max_backoff_s, on_ready_change=self._on_ready_change)
         self.health = health_aio.HealthServicer()
-        self.server = grpc.aio.server()
-        self.servicer = TokenRelayServicer(config, self.queue, self.router)
+        self.metrics_server = MetricsServer(config.metrics_port, compat_vllm=config.metrics_compat == "vllm")
+        metrics, interceptors = None, []
+        if self.metrics_server.is_enabled:
+            metrics = GatewayMetrics(self.metrics_server.registry)
+            interceptors.append(GrpcMetricsInterceptor(self.metrics_server.registry))
+        self.server = grpc.aio.server(interceptors=interceptors)
+        self.servicer = TokenRelayServicer(config, self.queue, self.router, metrics)
         add_servicer(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -279,6 +292,7 @@ class Gateway:
              reflection.SERVICE_NAME), self.server)
         self.port = 0
         self._health_tasks: set[asyncio.Task[None]] = set()
+        self._queue_gauges: asyncio.Task[None] | None = None
 
     async def start(self, subscribe_timeout_s: float = 5.0) -> int:
         """Subscribe to the reply channel, then serve; returns the bound port.
@@ -294,6 +308,9 @@ class Gateway:
             log.warning("Redis at %s is not reachable yet; serving UNAVAILABLE until it is",
                         self.config.redis_url)
         await self.server.start()
+        self.metrics_server.start()
+        if (metrics := self.servicer.metrics) is not None:
+            self._queue_gauges = asyncio.create_task(metrics.read_queue(self.queue.queue_gauges))
         log.info("gateway %s listening on port %d", self.config.gateway_id, self.port)
         return self.port
 
@@ -301,6 +318,9 @@ class Gateway:
         """Stop admitting (health NOT_SERVING), let calls finish for grace_s, close Redis."""
         await self.health.enter_graceful_shutdown()
         await self.server.stop(self.config.shutdown_grace_s if grace_s is None else grace_s)
+        if self._queue_gauges is not None:
+            self._queue_gauges.cancel()
+        self.metrics_server.stop()
         await self.router.close()
         await self.client.aclose()
 

@@ -81,7 +81,7 @@ class WorkerProcess:
 
     def __init__(self, redis_url: str, key_prefix: str, worker_id: str, *extra: str) -> None:
         args = [sys.executable, "-m", "worker", "--redis-url", redis_url, "--key-prefix", key_prefix,
-                "--worker-id", worker_id, "--log-level", "WARNING", *extra]
+                "--worker-id", worker_id, "--log-level", "WARNING", "--metrics-port", "0", *extra]
         self.worker_id = worker_id
         self.proc = subprocess.Popen(args, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
@@ -104,7 +104,7 @@ class GatewayProcess:
 
         self.target = f"127.0.0.1:{free_port()}"
         args = [sys.executable, "-m", "gateway", "--listen", self.target, "--redis-url", redis_url,
-                "--key-prefix", key_prefix, "--log-level", "WARNING", *extra]
+                "--key-prefix", key_prefix, "--log-level", "WARNING", "--metrics-port", "0", *extra]
         self.proc = subprocess.Popen(args, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
     def wait_serving(self, timeout: float = 30) -> GatewayProcess:

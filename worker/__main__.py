@@ -15,6 +15,7 @@ import sys
 from types import FrameType
 
 from protos.keys import DEFAULT_PREFIX, default_instance_id
+from protos.metrics import DEFAULT_WORKER_PORT, METRICS_COMPAT
 from protos.redis_conn import DEFAULT_REDIS_URL
 from worker.config import WorkerConfig
 from worker.engine.config import DTYPES, EngineConfig
@@ -92,6 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a request nobody follows any more (caller gone, gateway died) stays parked, "
                         "its KV cached, for a resume through any gateway; then it is abandoned "
                         "[env TOKENRELAY_REATTACH_GRACE_S]")
+    p.add_argument("--metrics-port", type=int,
+                   default=_env("TOKENRELAY_METRICS_PORT", DEFAULT_WORKER_PORT),
+                   help="port of the Prometheus /metrics endpoint; 0 turns it off (several workers on one "
+                        "host need one port each) [env TOKENRELAY_METRICS_PORT]")
+    p.add_argument("--metrics-compat", choices=METRICS_COMPAT,
+                   default=_env("TOKENRELAY_METRICS_COMPAT", "none"),
+                   help="vllm: also export every series under vLLM's vllm: names (model label as model_name) "
+                        "[env TOKENRELAY_METRICS_COMPAT]")
     p.add_argument("--log-level", default=_env("TOKENRELAY_LOG_LEVEL", "INFO"),
                    help="DEBUG, INFO, WARNING or ERROR [env TOKENRELAY_LOG_LEVEL]")
     return p
@@ -112,7 +121,8 @@ def config_from_args(argv: list[str] | None = None) -> tuple[WorkerConfig, str]:
                               worker_id=args.worker_id or default_instance_id(),
                               drain_timeout_s=args.drain_timeout, heartbeat_ttl_s=args.heartbeat_ttl,
                               heartbeat_interval_s=min(0.5, args.heartbeat_ttl / 5),
-                              max_deliveries=args.max_deliveries, reattach_grace_s=args.reattach_grace)
+                              max_deliveries=args.max_deliveries, reattach_grace_s=args.reattach_grace,
+                              metrics_port=args.metrics_port, metrics_compat=args.metrics_compat)
     except ValueError as e:
         parser.error(str(e))
     return config, args.log_level

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from protos.keys import DEFAULT_PREFIX, Keys, check_name, default_instance_id
+from protos.metrics import check_metrics_options
 from protos.redis_conn import DEFAULT_REDIS_URL, check_redis_url
 from worker.engine.config import EngineConfig
 
@@ -39,6 +40,10 @@ class WorkerConfig:
     redis_timeout_s: float = 5.0
     # Reconnect backoff after a Redis error grows up to this.
     max_backoff_s: float = 2.0
+    # Port of the Prometheus /metrics endpoint; 0 = off (the CLI's default is 9401).
+    metrics_port: int = 0
+    # "vllm": also export every series under vLLM's `vllm:` names.
+    metrics_compat: str = "none"
 
     def __post_init__(self) -> None:
         Keys(self.key_prefix)  # validates the prefix
@@ -62,6 +67,7 @@ class WorkerConfig:
             raise ValueError(f"reattach_grace_s must be >= 0, got {self.reattach_grace_s}")
         if self.max_deliveries < 1:
             raise ValueError(f"max_deliveries must be >= 1, got {self.max_deliveries}")
+        check_metrics_options(self.metrics_port, self.metrics_compat)
         if self.max_backoff_s <= 0:
             raise ValueError(f"max_backoff_s must be > 0, got {self.max_backoff_s}")
 

@@ -51,6 +51,7 @@ class EngineCore:
         self.kv = KVCacheManager(num_blocks, block_size, max_model_len, enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_prefill_tokens)
         self.runner = ModelRunner(model, cache, self.kv)
+        self.num_step_prefill_tokens = self.num_step_decode_tokens = 0  # what the last step computed
         self._aborts: set[str] = set()
         self._lock = threading.Lock()
 
@@ -109,6 +110,8 @@ class EngineCore:
     def step(self) -> list[EngineOutput]:
         outputs = self._apply_aborts()
         sched = self.scheduler.schedule()
+        self.num_step_prefill_tokens = sum(c.num_tokens for c in sched.prefills)
+        self.num_step_decode_tokens = len(sched.decodes)
         if sched.is_empty:
             return outputs
         tokens = self.runner.run(sched.prefills, sched.decodes)

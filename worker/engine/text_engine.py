@@ -43,6 +43,8 @@ class EngineStats:
     num_prefix_cache_hit_tokens: int  # since start
     num_prefix_cache_query_tokens: int
     num_preemptions: int
+    num_step_prefill_tokens: int  # prompt tokens the last step computed
+    num_step_decode_tokens: int  # decode tokens the last step computed
 
 
 @dataclass
@@ -115,7 +117,9 @@ class TextEngine:
             max_num_seqs=sched.max_num_seqs, max_model_len=self.max_model_len, block_size=kv.block_size,
             num_blocks=kv.num_blocks, num_free_blocks=kv.num_free_blocks, kv_cache_usage=kv.usage,
             num_prefix_cache_hit_tokens=kv.num_prefix_hit_tokens,
-            num_prefix_cache_query_tokens=kv.num_prefix_query_tokens, num_preemptions=sched.num_preemptions)
+            num_prefix_cache_query_tokens=kv.num_prefix_query_tokens, num_preemptions=sched.num_preemptions,
+            num_step_prefill_tokens=self.engine.num_step_prefill_tokens,
+            num_step_decode_tokens=self.engine.num_step_decode_tokens)
 
     def step(self) -> list[RequestOutput]:
         ready, self._ready = self._ready, []

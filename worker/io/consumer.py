@@ -30,11 +30,13 @@ import redis
 
 from protos.convert import chunk_to_pb, finish_reason_to_pb, params_from_pb, usage_to_pb
 from protos.keys import Heartbeat, Record
+from protos.metrics import MetricsServer
 from protos.params import FinishReason, PromptInput, SamplingParams
 from protos.redis_conn import Backoff
 from protos.tokenrelay.v1 import generate_pb2, queue_pb2
 from worker.config import WorkerConfig
 from worker.engine.outputs import Admitted, RequestOutput, Resume
+from worker.io.metrics import WorkerMetrics
 from worker.io.parking import POLL_INTERVAL_S, ParkingLot, listeners
 from worker.io.reclaim import Claimed, parse_entry, parse_progress, reclaim_dead_workers
 from worker.io.redis_io import AbortListener, Outbox, Publisher, connect
@@ -79,7 +81,12 @@ class Consumer:
                  client: redis.Redis | None = None) -> None:
         self.engine, self.config, self.keys = engine, config, config.keys
         self._client = client or connect(config)
-        self._publisher = Publisher(self._client, config)
+        self._metrics_server = MetricsServer(config.metrics_port, compat_vllm=config.metrics_compat == "vllm")
+        self._metrics: WorkerMetrics | None = None
+        if self._metrics_server.is_enabled:
+            self._metrics = WorkerMetrics(self._metrics_server.registry, engine.stats().model_name,
+                                          config.worker_id)
+        self._publisher = Publisher(self._client, config, on_error=self._redis_error)
         self._aborts = AbortListener(self._client, config)
         self._running: dict[str, Tracked] = {}
         self._parked = ParkingLot(config.reattach_grace_s)
@@ -103,7 +110,8 @@ class Consumer:
         return self._stopping.is_set()
 
     def run(self) -> None:
-        self._publisher.set_load(self._load())  # the first heartbeat already describes the worker
+        self._publisher.set_load(self._load(self.engine.stats()))  # the first heartbeat describes the worker
+        self._metrics_server.start()
         self._publisher.start()
         self._aborts.start()
         log.info("worker %s consuming %s", self.config.worker_id, self.keys.requests)
@@ -122,6 +130,7 @@ class Consumer:
         finally:
             self._aborts.close()
             self._publisher.close()
+            self._metrics_server.stop()
         log.info("worker %s stopped after %d requests", self.config.worker_id, self.num_finished)
 
     def _run_once(self, *, can_claim: bool) -> None:
@@ -130,8 +139,21 @@ class Consumer:
         if can_claim:
             self._claim()
         if self.engine.has_unfinished():
-            self._emit(self.engine.step())
+            self._step()
         self._flush()
+
+    def _step(self) -> None:
+        started = time.perf_counter()
+        outputs = self.engine.step()
+        if self._metrics is not None:
+            stats = self.engine.stats()
+            self._metrics.observe_step(time.perf_counter() - started, stats.num_step_prefill_tokens,
+                                       stats.num_step_decode_tokens)
+        self._emit(outputs)
+
+    def _redis_error(self) -> None:
+        if self._metrics is not None:
+            self._metrics.redis_errors.inc()
 
     def _drain(self) -> None:
         """Finish running requests within drain_timeout_s; then hand the rest to another
@@ -153,7 +175,7 @@ class Consumer:
         for _ in range(3):  # aborted requests finish in the next step
             if not self.engine.has_unfinished():
                 break
-            self._emit(self.engine.step())
+            self._step()
         for tracked in self._parked.take_all():
             if not handoff:  # else left pending for another worker, which parks it in turn
                 self._outbox.end(tracked.entry_id, tracked.record_key, tracked.result_ttl_ms)
@@ -194,7 +216,10 @@ class Consumer:
             delay = self._backoff.failed()
             log.warning("claiming failed (%s); retrying in %.2fs", e, delay)
             self._retry_claim_at = time.monotonic() + delay
+            self._redis_error()
             return
+        if self._metrics is not None:
+            self._metrics.reclaimed.inc(sum(1 for c in entries if c.num_deliveries > 1))
         for claimed in entries:
             entry_id, qr = claimed.entry_id, claimed.request
             if qr is None:
@@ -307,6 +332,7 @@ class Consumer:
                 counts = listeners(self._client, (self._running[key].channel for key in suspects))
             except redis.RedisError as e:  # asked again after the next PUBLISH reaches nobody
                 log.warning("could not count the listeners of %d requests: %s", len(suspects), e)
+                self._redis_error()
                 counts = {}
             for key in suspects:
                 if counts.get(self._running[key].channel) == 0:
@@ -324,6 +350,7 @@ class Consumer:
             resumed, expired = self._parked.poll(self._client)
         except redis.RedisError as e:
             log.warning("could not poll the parked requests: %s", e)
+            self._redis_error()
             return
         for tracked in resumed:
             log.info("request %s is followed again: resuming it", tracked.request_id)
@@ -367,20 +394,26 @@ class Consumer:
                                    worker_id=self.config.worker_id)
         if out.usage is not None:
             final.usage.CopyFrom(usage_to_pb(out.usage))
+            if self._metrics is not None:
+                self._metrics.observe_finished(out.usage)
         event = tracked.event(final=final)
         self._outbox.log(tracked.record_key, event, None)
         self._outbox.add(tracked.channel, event)
         self._outbox.end(tracked.entry_id, tracked.record_key, tracked.result_ttl_ms)
 
     def _flush(self) -> None:
-        self._publisher.set_load(self._load())
+        stats = self.engine.stats()
+        self._publisher.set_load(self._load(stats))
+        if self._metrics is not None:
+            self._metrics.update(stats, len(self._parked))
         if self._outbox:
             self._publisher.submit(self._outbox)
             self._outbox = Outbox()
 
-    def _load(self) -> dict[str, str]:
-        """Heartbeat fields (strings: they go into a Redis hash); the publisher adds the time."""
-        s, H = self.engine.stats(), Heartbeat
+    def _load(self, s: Any) -> dict[str, str]:
+        """Heartbeat fields from the engine's stats (strings: they go into a Redis hash); the
+        publisher adds the time."""
+        H = Heartbeat
         fields = {
             H.WORKER_ID: self.config.worker_id, H.MODEL: s.model_name, H.NUM_FINISHED: self.num_finished,
             H.NUM_RUNNING: s.num_running, H.NUM_WAITING: s.num_waiting, H.MAX_NUM_SEQS: s.max_num_seqs,

@@ -16,6 +16,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,8 +83,11 @@ class Publisher:
     call: nobody follows those requests any more (the consumer parks them).
     """
 
-    def __init__(self, client: redis.Redis, config: WorkerConfig) -> None:
+    def __init__(self, client: redis.Redis, config: WorkerConfig,
+                 on_error: Callable[[], None] | None = None) -> None:
+        """on_error: called (on this thread) for every failed round."""
         self._client, self._config, self._keys = client, config, config.keys
+        self._on_error = on_error
         self._queue: queue.Queue[Outbox | None] = queue.Queue()
         self._load: dict[str, str] = {}
         self._sent_load: dict[str, str] = {}
@@ -157,6 +161,8 @@ class Publisher:
                 self._sent_load = load if heartbeat else self._sent_load
                 break
             except redis.RedisError as e:
+                if self._on_error is not None:
+                    self._on_error()
                 if time.monotonic() > self._give_up_at:
                     log.error("dropping %d channels of events: Redis unreachable at shutdown (%s)",
                               len(outbox.events), e)

@@ -1,0 +1,222 @@
+"""The gateway's Prometheus metrics (protos/metrics.py has the endpoint and the buckets).
+
+Per call: time to first token, the gaps between chunks, end-to-end latency and the
+worker-reported queue time, token counts, and how the call ended; calls refused before
+they got an answer are counted by reason. Queue gauges are read from Redis by a
+background task once a second, never by a scrape. The `grpc_server_*` family comes from
+`GrpcMetricsInterceptor`, with the names and labels of go-grpc-prometheus.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from redis.exceptions import RedisError
+
+from gateway.errors import (
+    FailedPrecondition,
+    GatewayError,
+    InvalidArgument,
+    NotFound,
+    OutOfRange,
+    QueueFull,
+    Unavailable,
+    WorkerError,
+)
+from protos.metrics import ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS
+from protos.tokenrelay.v1 import generate_pb2
+
+log = logging.getLogger(__name__)
+
+QUEUE_READ_INTERVAL_S = 1.0
+UNKNOWN_MODEL = "unknown"
+_FINISH_REASONS = {v.number: v.name.removeprefix("FINISH_REASON_").lower()
+                   for v in generate_pb2.FinishReason.DESCRIPTOR.values}
+
+
+def rejection_reason(error: GatewayError) -> str:
+    """The `reason` label of a call refused or failed before its final."""
+    if isinstance(error, QueueFull):
+        return "queue_full"
+    if isinstance(error, InvalidArgument | FailedPrecondition | NotFound | OutOfRange):
+        return "invalid"
+    if isinstance(error, WorkerError) and error.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return "deadline"
+    if isinstance(error, WorkerError):
+        return "worker_" + error.code.name.lower()
+    if isinstance(error, Unavailable):
+        return "unavailable"
+    return error.code.name.lower()
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        m = ["model"]
+        # The live workers' model: read with the queue gauges, and by every call that checks the
+        # workers' limits (at most once a second).
+        self.model = UNKNOWN_MODEL
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"tokenrelay_{name}", doc, m, buckets=buckets, registry=registry)
+
+        def counter(name: str, doc: str, *labels: str) -> Counter:
+            return Counter(f"tokenrelay_{name}", doc, [*m, *labels], registry=registry)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"tokenrelay_{name}", doc, m, registry=registry)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Time from the call to its first chunk.",
+                              TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between two chunks of a call.", ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Time from the call to its final.",
+                             REQUEST_LATENCY_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Time a request waited in the queue "
+                                    "(worker-reported).", REQUEST_LATENCY_BUCKETS)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of answered calls.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated for answered calls.")
+        self.success = counter("request_success", "Calls answered with a final, by finish reason.",
+                               "finished_reason")
+        self.rejected = counter("requests_rejected", "Calls that ended with an error, by reason.", "reason")
+        self.inflight = gauge("requests_inflight", "Calls open on this gateway.")
+        self.queue_depth = gauge("queue_depth", "Requests in the queue not claimed by a worker yet.")
+        self.queue_pending = gauge("queue_pending", "Requests claimed by workers and not finished.")
+        self.queue_oldest_age = gauge("queue_oldest_waiting_age_seconds",
+                                      "Age of the oldest request not claimed yet (0 when none waits).")
+
+    async def observe(self, responses: AsyncIterator[generate_pb2.GenerateResponse],
+                      time_remaining: Callable[[], float | None],
+                      ) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        """Pass a call's responses through, timing them; count how it ended (a cancel by the
+        caller is no rejection; a cancel because the call's deadline passed is)."""
+        start, last = time.monotonic(), None
+        inflight = self.inflight.labels(self.model)  # the same series up and down
+        inflight.inc()
+        try:
+            async for response in responses:
+                now = time.monotonic()
+                if response.HasField("chunk"):
+                    if last is None:
+                        self.ttft.labels(self.model).observe(now - start)
+                    else:
+                        self.itl.labels(self.model).observe(now - last)
+                    last = now
+                else:
+                    self._observe_final(self.model, response.final, now - start)
+                yield response
+        except GatewayError as e:
+            self.rejected.labels(self.model, rejection_reason(e)).inc()
+            raise
+        except asyncio.CancelledError:
+            remaining = time_remaining()
+            if remaining is not None and remaining <= 0:
+                self.rejected.labels(self.model, "deadline").inc()
+            raise
+        finally:
+            inflight.dec()
+
+    def _observe_final(self, model: str, final: generate_pb2.Final, e2e_s: float) -> None:
+        self.e2e.labels(model).observe(e2e_s)
+        self.queue_time.labels(model).observe(final.usage.queue_time_s)
+        self.prompt_tokens.labels(model).inc(final.usage.prompt_tokens)
+        self.generation_tokens.labels(model).inc(final.usage.completion_tokens)
+        reason = _FINISH_REASONS.get(final.finish_reason, "unspecified")
+        self.success.labels(model, reason).inc()
+
+    async def read_queue(self, read: Callable[[], Awaitable[tuple[int, int, float, str | None]]]) -> None:
+        """Forever: every QUEUE_READ_INTERVAL_S, set the queue gauges from
+        read() -> (depth, pending, oldest waiting age, the workers' model)."""
+        while True:
+            try:
+                depth, pending, oldest_age, model = await read()
+            except RedisError as e:
+                log.debug("queue gauges not refreshed: %s", e)
+            else:
+                self.model = model or self.model
+                self.queue_depth.labels(self.model).set(depth)
+                self.queue_pending.labels(self.model).set(pending)
+                self.queue_oldest_age.labels(self.model).set(oldest_age)
+            await asyncio.sleep(QUEUE_READ_INTERVAL_S)
+
+
+class GrpcMetricsInterceptor(grpc.aio.ServerInterceptor):
+    """grpc_server_started_total / handled_total{grpc_code} / msg_sent_total / msg_received_total."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        labels = ["grpc_type", "grpc_service", "grpc_method"]
+
+        def counter(name: str, doc: str, *more: str) -> Counter:
+            return Counter(f"grpc_server_{name}", doc, [*labels, *more], registry=registry)
+
+        self.started = counter("started", "RPCs started on the server.")
+        self.handled = counter("handled", "RPCs completed on the server, by status code.", "grpc_code")
+        self.sent = counter("msg_sent", "Stream messages sent by the server.")
+        self.received = counter("msg_received", "Stream messages received by the server.")
+
+    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
+                                details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        service, _, method = details.method.lstrip("/").rpartition("/")  # type: ignore[attr-defined]
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                self._wrap_stream(handler.unary_stream, ("server_stream", service, method)),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                self._wrap_unary(handler.unary_unary, ("unary", service, method)),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        return handler  # streaming requests: none in this API
+
+    def _wrap_stream(self, behavior: Any, labels: tuple[str, str, str]) -> Any:
+        async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            self.started.labels(*labels).inc()
+            self.received.labels(*labels).inc()
+            code = grpc.StatusCode.OK
+            try:
+                async for response in behavior(request, context):
+                    self.sent.labels(*labels).inc()
+                    yield response
+            except asyncio.CancelledError:
+                code = grpc.StatusCode.CANCELLED
+                raise
+            except BaseException:
+                code = _code_of(context, grpc.StatusCode.UNKNOWN)
+                raise
+            finally:
+                self.handled.labels(*labels, _code_of(context, code).name).inc()
+        return wrapped
+
+    def _wrap_unary(self, behavior: Any, labels: tuple[str, str, str]) -> Any:
+        async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            self.started.labels(*labels).inc()
+            self.received.labels(*labels).inc()
+            code = grpc.StatusCode.OK
+            try:
+                response = await behavior(request, context)
+                self.sent.labels(*labels).inc()
+                return response
+            except BaseException:
+                code = _code_of(context, grpc.StatusCode.UNKNOWN)
+                raise
+            finally:
+                self.handled.labels(*labels, _code_of(context, code).name).inc()
+        return wrapped
+
+
+def _code_of(context: grpc.aio.ServicerContext, default: grpc.StatusCode) -> grpc.StatusCode:
+    """The code the handler set (context.abort sets it before raising), else `default`."""
+    code = context.code()
+    if code is None:
+        return default
+    if isinstance(code, grpc.StatusCode):
+        return code
+    return next((c for c in grpc.StatusCode if c.value[0] == code), default)

@@ -1,0 +1,77 @@
+"""The worker's Prometheus metrics (protos/metrics.py has the endpoint and the buckets).
+
+Gauges and the engine's cumulative counters are updated once per loop from the same
+`EngineStats` the heartbeat is built from; step times are observed around
+`engine.step()`; per-request prefill and decode times when a request finishes. All of it
+is a few dictionary updates per step, far below a step's milliseconds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from protos.metrics import ITERATION_TOKENS_BUCKETS, REQUEST_LATENCY_BUCKETS, STEP_BUCKETS
+from protos.params import Usage
+
+
+class WorkerMetrics:
+    def __init__(self, registry: CollectorRegistry, model: str, worker_id: str) -> None:
+        labels = {"model": model, "worker": worker_id}
+        names = list(labels)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"tokenrelay_{name}", doc, names, registry=registry).labels(**labels)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"tokenrelay_{name}", doc, names, registry=registry).labels(**labels)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            family = Histogram(f"tokenrelay_{name}", doc, names, buckets=buckets, registry=registry)
+            return family.labels(**labels)
+
+        self.running = gauge("num_requests_running", "Requests in the batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests admitted, waiting for KV blocks or prefill.")
+        self.parked = gauge("num_requests_parked", "Requests nobody follows, parked for a resume.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Share of KV-cache blocks held by requests, 0..1.")
+        self.preemptions = counter("num_preemptions", "Requests preempted for lack of KV blocks.")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.reclaimed = counter("requests_reclaimed", "Requests of dead workers this worker re-claimed.")
+        self.redis_errors = counter("redis_errors", "Redis commands or pipelines that failed.")
+        self._step = Histogram("tokenrelay_engine_step_seconds", "Time of one engine step, by what it ran.",
+                               [*names, "kind"], buckets=STEP_BUCKETS, registry=registry)
+        self._step_labels = labels
+        self.iteration_tokens = histogram("iteration_tokens", "Tokens computed in one engine step.",
+                                          ITERATION_TOKENS_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds", "Time from admission to the first "
+                                      "token.", REQUEST_LATENCY_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds", "Time from the first to the last token.",
+                                     REQUEST_LATENCY_BUCKETS)
+        self._totals = {"preemptions": 0, "queries": 0, "hits": 0}
+
+    def update(self, stats: Any, num_parked: int) -> None:
+        """From the engine's `EngineStats`: gauges, and the growth of its cumulative counts."""
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.parked.set(num_parked)
+        self.kv_usage.set(stats.kv_cache_usage)
+        for key, counter, total in (("preemptions", self.preemptions, stats.num_preemptions),
+                                    ("queries", self.prefix_queries, stats.num_prefix_cache_query_tokens),
+                                    ("hits", self.prefix_hits, stats.num_prefix_cache_hit_tokens)):
+            if total > self._totals[key]:
+                counter.inc(total - self._totals[key])
+                self._totals[key] = total
+
+    def observe_step(self, seconds: float, num_prefill_tokens: int, num_decode_tokens: int) -> None:
+        if not num_prefill_tokens and not num_decode_tokens:
+            return  # nothing ran (only aborts were applied)
+        kind = "mixed" if num_prefill_tokens and num_decode_tokens else \
+            "prefill" if num_prefill_tokens else "decode"
+        self._step.labels(**self._step_labels, kind=kind).observe(seconds)
+        self.iteration_tokens.observe(num_prefill_tokens + num_decode_tokens)
+
+    def observe_finished(self, usage: Usage) -> None:
+        self.prefill_time.observe(max(0.0, usage.time_to_first_token_s - usage.queue_time_s))
+        self.decode_time.observe(usage.decode_time_s)
