@@ -108,7 +108,8 @@ class ReplyRouter:
         self._confirmed.pop(channel, None)
         if self._pubsub is not None and self.is_ready:
             task = asyncio.ensure_future(self._unsubscribe(channel))
-            task.add_done_callback(lambda t: t.exception())  # a lost UNSUBSCRIBE ends with the connection
+            # A lost UNSUBSCRIBE ends with the connection; a cancelled one with the gateway.
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def _unsubscribe(self, channel: str) -> None:
         if channel not in self._calls:  # nobody followed it again meanwhile

@@ -105,7 +105,8 @@ class ChaosConfig:
 
 class Child:
     """A process slot (`python -m gateway` or `worker`) that restarts under the same port and
-    log file, with the next generation in its id."""
+    log file; every other restart keeps the id (as a StatefulSet pod does: the new process
+    must take back what the old one left pending), the others take a new one."""
 
     def __init__(self, name: str, family: str, args: list[str], log_path: Path, port: int = 0) -> None:
         self.name, self.family, self.args, self.log_path, self.port = name, family, args, log_path, port
@@ -116,7 +117,7 @@ class Child:
 
     @property
     def instance_id(self) -> str:
-        return f"{self.name}-g{self.generation}"
+        return f"{self.name}-g{self.generation // 2}"
 
     def start(self) -> None:
         self.generation += 1

@@ -332,3 +332,20 @@ def test_on_shutdown_unfinished_requests_are_handed_to_another_live_worker(
     assert kinds(events)[-1] == "final"  # no error event from the worker that left
     assert events[-1].final.worker_id == "taker"
     assert events[-1].final.usage.completion_tokens == 100
+
+
+@pytest.mark.slow
+def test_a_worker_restarted_under_the_same_id_resumes_what_its_earlier_run_left(
+        client: redis.Redis, prefix: str, replies: Replies, smollm_engine: Any,
+        make_worker: Callable[..., WorkerThread]) -> None:
+    keys = Keys(prefix)
+    ref_ids, _ = greedy_ids(smollm_engine, "Once upon a time", 10)
+    replies.follow(keys, "r")
+    entry_id = enqueue(client, keys, "r", max_tokens=10, ignore_eos=True)
+    assert claim_as(client, keys, "fixed-id") == entry_id  # the earlier run took it, streamed 4, died
+    client.hset(keys.record("r"), Record.PROGRESS, queue_pb2.Progress(
+        token_ids=ref_ids[:4], seed=3, next_seq=4, num_chunks=4, worker_id="fixed-id").SerializeToString())
+    make_worker(worker_id="fixed-id")  # its heartbeat is alive at once: nobody else would re-claim it
+    events = replies(1)["r"]
+    assert [e.seq for e in events] == list(range(4, 11))
+    assert [t for e in events if e.HasField("chunk") for t in e.chunk.token_ids] == ref_ids[4:]

@@ -38,7 +38,7 @@ from worker.config import WorkerConfig
 from worker.engine.outputs import Admitted, RequestOutput, Resume
 from worker.io.metrics import WorkerMetrics
 from worker.io.parking import POLL_INTERVAL_S, ParkingLot, listeners
-from worker.io.reclaim import Claimed, parse_entry, parse_progress, reclaim_dead_workers
+from worker.io.reclaim import Claimed, parse_entry, parse_progress, reclaim_dead_workers, reclaim_own
 from worker.io.redis_io import AbortListener, Outbox, Publisher, connect
 from worker.io.tracked import Tracked
 
@@ -96,6 +96,7 @@ class Consumer:
         self._retry_claim_at = 0.0
         self._next_sweep_at = 0.0
         self._has_group = False
+        self._took_own_pending = False  # what an earlier run under this worker id left pending
         self.num_finished = 0
 
     def stop(self) -> None:
@@ -201,7 +202,10 @@ class Consumer:
             return
         try:
             entries: list[Claimed] = []
-            if time.monotonic() >= self._next_sweep_at:
+            if not self._took_own_pending:
+                entries = reclaim_own(self._client, self.config, count)
+                self._took_own_pending = len(entries) < count  # else more next round
+            elif time.monotonic() >= self._next_sweep_at:
                 self._next_sweep_at = time.monotonic() + self.config.sweep_interval_s
                 entries = reclaim_dead_workers(self._client, self.config, count)
             block_ms = self.config.claim_block_ms if is_idle and not entries else None

@@ -60,22 +60,43 @@ def reclaim_dead_workers(client: redis.Redis, config: WorkerConfig, count: int) 
             continue
         if len(claimed) >= count:
             continue
-        pending = client.xpending_range(keys.requests, keys.group, min="-", max="+",
-                                        count=count - len(claimed), consumername=name, idle=min_idle_ms)
-        if not pending:
-            continue
-        deliveries = {p["message_id"]: int(p["times_delivered"]) for p in pending}
-        entries = client.xclaim(keys.requests, keys.group, me, min_idle_ms, list(deliveries))
-        taken = [(entry_id, fields) for entry_id, fields in cast(Any, entries) if entry_id is not None]
-        gone = [entry_id for entry_id, fields in taken if not fields]  # deleted while pending
-        if gone:
-            client.xack(keys.requests, keys.group, *gone)
-        live = [(entry_id, fields) for entry_id, fields in taken if fields]
-        for entry_id, fields in live:
-            claimed.append(Claimed(entry_id, parse_entry(entry_id, fields), deliveries.get(entry_id, 1) + 1))
+        live = _take_pending(client, config, name, count - len(claimed), min_idle_ms)
+        claimed += live
         if live:
             log.warning("re-claimed %d requests of stopped worker %s", len(live), name)
     return claimed
+
+
+def reclaim_own(client: redis.Redis, config: WorkerConfig, count: int) -> list[Claimed]:
+    """At start-up: the entries still pending under this worker's own name, left by an earlier
+    process with the same --worker-id that died (nobody else re-claims them: this heartbeat
+    is alive again)."""
+    try:
+        live = _take_pending(client, config, config.worker_id, count, min_idle_ms=0)
+    except redis.ResponseError:  # no stream or group yet
+        return []
+    if live:
+        log.warning("resuming %d requests an earlier run of worker %s left unfinished", len(live),
+                    config.worker_id)
+    return live
+
+
+def _take_pending(client: redis.Redis, config: WorkerConfig, consumer: str, count: int,
+                  min_idle_ms: int) -> list[Claimed]:
+    """XCLAIM up to `count` of `consumer`'s pending entries idle for min_idle_ms, to this worker."""
+    keys = config.keys
+    pending = client.xpending_range(keys.requests, keys.group, min="-", max="+", count=count,
+                                    consumername=consumer, idle=min_idle_ms)
+    if not pending:
+        return []
+    deliveries = {p["message_id"]: int(p["times_delivered"]) for p in pending}
+    entries = client.xclaim(keys.requests, keys.group, config.worker_id, min_idle_ms, list(deliveries))
+    taken = [(entry_id, fields) for entry_id, fields in cast(Any, entries) if entry_id is not None]
+    gone = [entry_id for entry_id, fields in taken if not fields]  # deleted while pending
+    if gone:
+        client.xack(keys.requests, keys.group, *gone)
+    return [Claimed(entry_id, parse_entry(entry_id, fields), deliveries.get(entry_id, 1) + 1)
+            for entry_id, fields in taken if fields]
 
 
 def _text(value: str | bytes) -> str:
