@@ -17,6 +17,7 @@ from gateway import bench
 from gateway.client import TokenRelayClient, add_generation_args, generation_params, print_stream
 from gateway.launcher import Stack, StackConfig
 from gateway.redis_server import free_port
+from protos.metrics import DEFAULT_GATEWAY_PORT
 
 DEFAULT_DEMO_PROMPT = "What is the capital of France? Answer in one sentence."
 
@@ -49,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Start Redis (a private one unless --redis-url), the gateway and "
                                     "--workers worker processes; Ctrl-C stops all of them cleanly.")
     _add_stack_args(up, listen="127.0.0.1:50051")
+    up.add_argument("--metrics-port", type=int, default=DEFAULT_GATEWAY_PORT,
+                    help="Prometheus /metrics of the gateway on this port, of worker i on this + 1 + i; "
+                         f"0 = off (default {DEFAULT_GATEWAY_PORT})")
     demo = sub.add_parser(
         "demo", help="start everything, stream one answer, stop everything",
         description="Start a stack (a private Redis unless --redis-url), ask the model one chat question, "
@@ -69,7 +73,8 @@ def _stack_config(args: argparse.Namespace, listen: str, log_level: str) -> Stac
             worker_args += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     gateway_args = [] if args.max_queue_depth is None else ["--max-queue-depth", str(args.max_queue_depth)]
     return StackConfig(listen=listen, redis_url=args.redis_url, num_workers=args.workers,
-                       worker_args=worker_args, gateway_args=gateway_args, log_level=log_level)
+                       worker_args=worker_args, gateway_args=gateway_args, log_level=log_level,
+                       metrics_port=getattr(args, "metrics_port", 0))  # the demo exports none
 
 
 def up(args: argparse.Namespace) -> int:

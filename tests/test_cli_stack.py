@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import urllib.request
 import uuid
 from collections.abc import Iterator
 
@@ -51,9 +52,10 @@ def test_demo_streams_an_answer_and_cleans_up(marked_env: dict[str, str]) -> Non
 
 
 def test_up_serves_the_client_cli_and_stops_cleanly_on_ctrl_c(marked_env: dict[str, str]) -> None:
-    target = f"127.0.0.1:{free_port()}"
-    up = subprocess.Popen([sys.executable, "-m", "gateway.cli", "up", "--listen", target], cwd=ROOT,
-                          env=marked_env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    target, metrics_port = f"127.0.0.1:{free_port()}", free_port()
+    up = subprocess.Popen([sys.executable, "-m", "gateway.cli", "up", "--listen", target, "--metrics-port",
+                           str(metrics_port)], cwd=ROOT, env=marked_env, stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL, text=True)
     try:
         assert up.stdout is not None
         for line in up.stdout:  # ends if `up` exits early; the pytest timeout bounds a hang
@@ -67,6 +69,9 @@ def test_up_serves_the_client_cli_and_stops_cleanly_on_ctrl_c(marked_env: dict[s
         assert client.returncode == 0, client.stderr
         assert "Paris" in client.stdout
         assert "generated tokens" in client.stderr
+        for port in (metrics_port, metrics_port + 1):  # the gateway's, then the worker's
+            scrape = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            assert "tokenrelay_" in scrape
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=60) == 0
     finally:
