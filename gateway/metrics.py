@@ -10,9 +10,10 @@ background task once a second, never by a scrape. The `grpc_server_*` family com
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import grpc
@@ -178,38 +179,36 @@ class GrpcMetricsInterceptor(grpc.aio.ServerInterceptor):
 
     def _wrap_stream(self, behavior: Any, labels: tuple[str, str, str]) -> Any:
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            self.started.labels(*labels).inc()
-            self.received.labels(*labels).inc()
-            code = grpc.StatusCode.OK
-            try:
+            with self._counted(labels, context):
                 async for response in behavior(request, context):
                     self.sent.labels(*labels).inc()
                     yield response
-            except asyncio.CancelledError:
-                code = grpc.StatusCode.CANCELLED
-                raise
-            except BaseException:
-                code = _code_of(context, grpc.StatusCode.UNKNOWN)
-                raise
-            finally:
-                self.handled.labels(*labels, _code_of(context, code).name).inc()
         return wrapped
 
     def _wrap_unary(self, behavior: Any, labels: tuple[str, str, str]) -> Any:
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            self.started.labels(*labels).inc()
-            self.received.labels(*labels).inc()
-            code = grpc.StatusCode.OK
-            try:
+            with self._counted(labels, context):
                 response = await behavior(request, context)
                 self.sent.labels(*labels).inc()
                 return response
-            except BaseException:
-                code = _code_of(context, grpc.StatusCode.UNKNOWN)
-                raise
-            finally:
-                self.handled.labels(*labels, _code_of(context, code).name).inc()
         return wrapped
+
+    @contextlib.contextmanager
+    def _counted(self, labels: tuple[str, str, str], context: grpc.aio.ServicerContext) -> Iterator[None]:
+        """started and received on entry; handled with the call's status code on exit."""
+        self.started.labels(*labels).inc()
+        self.received.labels(*labels).inc()
+        code = grpc.StatusCode.OK
+        try:
+            yield
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except BaseException:
+            code = _code_of(context, grpc.StatusCode.UNKNOWN)
+            raise
+        finally:
+            self.handled.labels(*labels, _code_of(context, code).name).inc()
 
 
 def _code_of(context: grpc.aio.ServicerContext, default: grpc.StatusCode) -> grpc.StatusCode:

@@ -43,14 +43,13 @@ from typing import Any
 
 import grpc
 import redis
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.client import resumable_stream
 from gateway.redis_server import EmbeddedRedis, free_port
 from protos.convert import build_request
 from protos.keys import Keys
 from protos.tokenrelay.v1 import generate_pb2
-from tests.service import ROOT, stub_for, wait_until, workers_ready
+from tests.service import ROOT, is_serving, stub_for, wait_until, workers_ready
 
 PROMPTS = ("a lighthouse", "a dragon who collects teacups", "the first snow", "a robot gardener",
            "a lost key", "the moon's day off", "a bakery at midnight", "two rival chess clubs",
@@ -187,13 +186,7 @@ class Stack:
     def is_ready(self, child: Child) -> bool:
         """A gateway answers SERVING; a worker's heartbeat key exists (its model is loaded)."""
         if child.family == "gateway":
-            with grpc.insecure_channel(f"127.0.0.1:{child.port}") as channel:
-                health = health_pb2_grpc.HealthStub(channel)
-                try:
-                    status = health.Check(health_pb2.HealthCheckRequest(), timeout=1)
-                except grpc.RpcError:
-                    return False
-            return status.status == health_pb2.HealthCheckResponse.SERVING
+            return is_serving(f"127.0.0.1:{child.port}")
         client = redis.Redis.from_url(self.redis.url, socket_timeout=1)
         try:
             return bool(client.exists(self.keys.worker(child.instance_id)))

@@ -108,23 +108,27 @@ class GatewayProcess:
         self.proc = subprocess.Popen(args, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
     def wait_serving(self, timeout: float = 30) -> GatewayProcess:
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
         def serving() -> bool:
             assert self.proc.poll() is None, f"the gateway exited with {self.proc.returncode}"
-            with grpc.insecure_channel(self.target) as channel:
-                health = health_pb2_grpc.HealthStub(channel)
-                try:
-                    status = health.Check(health_pb2.HealthCheckRequest(), timeout=1)
-                except grpc.RpcError:
-                    return False
-            return status.status == health_pb2.HealthCheckResponse.SERVING
+            return is_serving(self.target)
         wait_until(serving, timeout=timeout, interval=0.1)
         return self
 
     def kill(self) -> None:
         self.proc.kill()
         self.proc.wait()
+
+
+def is_serving(target: str) -> bool:
+    """The gateway at `target` answers its health check with SERVING."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(target) as channel:
+        try:
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
+        except grpc.RpcError:
+            return False
+    return status.status == health_pb2.HealthCheckResponse.SERVING
 
 
 def stub_for(target: str) -> tuple[grpc.Channel, generate_pb2_grpc.TokenRelayStub]:
