@@ -15,6 +15,7 @@ import sys
 from gateway.config import DEFAULT_LISTEN, GatewayConfig
 from gateway.server import Gateway
 from protos.keys import DEFAULT_PREFIX, default_instance_id
+from protos.logs import LOG_FORMATS, configure
 from protos.metrics import DEFAULT_GATEWAY_PORT, METRICS_COMPAT
 from protos.redis_conn import DEFAULT_REDIS_URL
 
@@ -61,10 +62,17 @@ def build_parser() -> argparse.ArgumentParser:
                    default=_env("TOKENRELAY_METRICS_COMPAT", "none"),
                    help="vllm: also export every series under vLLM's vllm: names (model label as model_name) "
                         "[env TOKENRELAY_METRICS_COMPAT]")
+    p.add_argument("--otlp-traces-endpoint", default=_env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", ""),
+                   help="OpenTelemetry collector (OTLP/gRPC) to send traces to: http://host:4317 (plaintext) "
+                        "or https://...; empty: no tracing. Needs the tracing extra; OTEL_* variables "
+                        "(service name, sampler, headers) apply [env OTEL_EXPORTER_OTLP_TRACES_ENDPOINT]")
     p.add_argument("--shutdown-grace", type=float, default=_env("TOKENRELAY_SHUTDOWN_GRACE_S", 10),
                    help="seconds in-flight calls get to finish on SIGTERM [env TOKENRELAY_SHUTDOWN_GRACE_S]")
     p.add_argument("--log-level", default=_env("TOKENRELAY_LOG_LEVEL", "INFO"),
                    help="DEBUG, INFO, WARNING or ERROR [env TOKENRELAY_LOG_LEVEL]")
+    p.add_argument("--log-format", choices=LOG_FORMATS, default=_env("TOKENRELAY_LOG_FORMAT", "text"),
+                   help="json: one JSON object per line, with request_id and trace_id on lines about a "
+                        "request [env TOKENRELAY_LOG_FORMAT]")
     return p
 
 
@@ -77,7 +85,8 @@ def config_from_args(argv: list[str] | None = None) -> tuple[GatewayConfig, str]
             gateway_id=args.gateway_id or default_instance_id(), max_queue_depth=args.max_queue_depth,
             retry_pushback_ms=args.retry_pushback_ms, result_ttl_s=args.result_ttl,
             max_redis_outage_s=args.max_redis_outage, metrics_port=args.metrics_port,
-            metrics_compat=args.metrics_compat, shutdown_grace_s=args.shutdown_grace)
+            metrics_compat=args.metrics_compat, shutdown_grace_s=args.shutdown_grace,
+            otlp_traces_endpoint=args.otlp_traces_endpoint, log_format=args.log_format)
     except ValueError as e:
         parser.error(str(e))
     return config, args.log_level
@@ -99,7 +108,7 @@ async def serve(config: GatewayConfig) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     config, log_level = config_from_args(argv)
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s gateway %(levelname)s %(message)s")
+    configure(log_level, config.log_format, "gateway", gateway=config.gateway_id)
     asyncio.run(serve(config))
     return 0
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from protos.keys import DEFAULT_PREFIX, Keys, check_name, default_instance_id
+from protos.logs import check_log_format
 from protos.metrics import check_metrics_options
 from protos.redis_conn import DEFAULT_REDIS_URL, check_redis_url
+from protos.tracing import check_otlp_endpoint
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
 
@@ -48,6 +50,10 @@ class GatewayConfig:
     metrics_port: int = 0
     # "vllm": also export every series under vLLM's `vllm:` names.
     metrics_compat: str = "none"
+    # OTLP/gRPC collector of the traces (protos/tracing.py), http:// or https://; "" = off.
+    otlp_traces_endpoint: str = ""
+    # "text" or "json" (one object per line, protos/logs.py).
+    log_format: str = "text"
 
     def __post_init__(self) -> None:
         Keys(self.key_prefix)  # validates the prefix
@@ -66,6 +72,8 @@ class GatewayConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         check_metrics_options(self.metrics_port, self.metrics_compat)
+        check_otlp_endpoint(self.otlp_traces_endpoint)
+        check_log_format(self.log_format)
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
 

@@ -38,9 +38,12 @@ from gateway.metrics import GatewayMetrics, GrpcMetricsInterceptor
 from gateway.queue import Attached, RequestQueue, connect
 from gateway.relay import Follow, relay
 from gateway.replies import ReplyRouter
+from gateway.tracing import CallTrace
 from protos.convert import check_request_id, params_from_pb
+from protos.logs import bind_request
 from protos.metrics import MetricsServer
 from protos.tokenrelay.v1 import generate_pb2, generate_pb2_grpc, queue_pb2
+from protos.tracing import GATEWAY_SERVICE, Tracing
 
 log = logging.getLogger(__name__)
 
@@ -99,17 +102,20 @@ def request_digest(request: generate_pb2.GenerateRequest) -> str:
 
 class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
     def __init__(self, config: GatewayConfig, queue: RequestQueue, router: ReplyRouter,
-                 metrics: GatewayMetrics | None = None) -> None:
+                 metrics: GatewayMetrics | None = None, tracing: Tracing | None = None) -> None:
         self.config, self.queue, self.router, self.metrics = config, queue, router, metrics
+        self.tracing = tracing or Tracing()
         self._background: set[asyncio.Task[None]] = set()
         self._max_sequence_tokens: int | None = None  # None: no live worker known
         self._limits_read_at = float("-inf")
 
     async def Generate(self, request: generate_pb2.GenerateRequest | MalformedRequest,  # noqa: N802
                        context: grpc.aio.ServicerContext) -> AsyncIterator[generate_pb2.GenerateResponse]:
-        responses = self._generate(request, context)
+        call = CallTrace(self.tracing, context.invocation_metadata(), SERVICE_NAME)
+        responses = self._generate(request, context, call)
         if self.metrics is not None:
             responses = self.metrics.observe(responses, context.time_remaining)
+        responses = call.observe(responses)
         try:
             async for response in responses:
                 yield response
@@ -117,16 +123,19 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
             await context.abort(e.code, str(e), trailing_metadata=e.trailers)
 
     async def _generate(self, request: generate_pb2.GenerateRequest | MalformedRequest,
-                        context: grpc.aio.ServicerContext) -> AsyncIterator[generate_pb2.GenerateResponse]:
+                        context: grpc.aio.ServicerContext,
+                        call: CallTrace) -> AsyncIterator[generate_pb2.GenerateResponse]:
         if isinstance(request, MalformedRequest):
             raise InvalidArgument(request.error)
         request_id = request.request_id or uuid.uuid4().hex
+        bind_request(request_id, trace_id=call.trace_id)  # this call's task: its log lines name it
         resume_from = request.resume_from_index
         try:
             check_request_id(request_id)
             _, params = params_from_pb(request)
         except ValueError as e:
             raise InvalidArgument(str(e)) from None
+        call.describe(request_id, params)
         if resume_from and not request.request_id:
             raise InvalidArgument("resume_from_index needs the request_id of the stream to resume")
         depth = await self._queue_depth()
@@ -136,7 +145,10 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
         is_done = False
         try:
             queued = self._queued(request_id, request, context)
-            follow, is_new = await self._attach(queued, request_digest(request), depth, resume_from)
+            with call.enqueue(queued):
+                follow, is_new = await self._attach(queued, request_digest(request), depth, resume_from)
+            log.debug("request %s: %s entry %s", request_id, "enqueued" if is_new else "following",
+                      follow.entry_id.decode())
             follow.time_remaining = context.time_remaining
             liveness_s, outage_s = self.config.liveness_check_s, self.config.max_redis_outage_s
             async for response in relay(follow, calls, self.queue, read_log=not is_new,
@@ -284,7 +296,8 @@ class Gateway:
             metrics = GatewayMetrics(self.metrics_server.registry)
             interceptors.append(GrpcMetricsInterceptor(self.metrics_server.registry))
         self.server = grpc.aio.server(interceptors=interceptors)
-        self.servicer = TokenRelayServicer(config, self.queue, self.router, metrics)
+        self.tracing = Tracing(config.otlp_traces_endpoint, GATEWAY_SERVICE, config.gateway_id)
+        self.servicer = TokenRelayServicer(config, self.queue, self.router, metrics, self.tracing)
         add_servicer(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -321,6 +334,7 @@ class Gateway:
         if self._queue_gauges is not None:
             self._queue_gauges.cancel()
         self.metrics_server.stop()
+        await asyncio.to_thread(self.tracing.shutdown)  # exports the last spans: may wait on the collector
         await self.router.close()
         await self.client.aclose()
 

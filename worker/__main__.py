@@ -15,6 +15,7 @@ import sys
 from types import FrameType
 
 from protos.keys import DEFAULT_PREFIX, default_instance_id
+from protos.logs import LOG_FORMATS, configure
 from protos.metrics import DEFAULT_WORKER_PORT, METRICS_COMPAT
 from protos.redis_conn import DEFAULT_REDIS_URL
 from worker.config import WorkerConfig
@@ -101,8 +102,15 @@ def build_parser() -> argparse.ArgumentParser:
                    default=_env("TOKENRELAY_METRICS_COMPAT", "none"),
                    help="vllm: also export every series under vLLM's vllm: names (model label as model_name) "
                         "[env TOKENRELAY_METRICS_COMPAT]")
+    p.add_argument("--otlp-traces-endpoint", default=_env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", ""),
+                   help="OpenTelemetry collector (OTLP/gRPC) to send traces to: http://host:4317 (plaintext) "
+                        "or https://...; empty: no tracing. Needs the tracing extra; OTEL_* variables "
+                        "(service name, sampler, headers) apply [env OTEL_EXPORTER_OTLP_TRACES_ENDPOINT]")
     p.add_argument("--log-level", default=_env("TOKENRELAY_LOG_LEVEL", "INFO"),
                    help="DEBUG, INFO, WARNING or ERROR [env TOKENRELAY_LOG_LEVEL]")
+    p.add_argument("--log-format", choices=LOG_FORMATS, default=_env("TOKENRELAY_LOG_FORMAT", "text"),
+                   help="json: one JSON object per line, with request_id, worker and trace_id on lines "
+                        "about a request [env TOKENRELAY_LOG_FORMAT]")
     return p
 
 
@@ -122,7 +130,8 @@ def config_from_args(argv: list[str] | None = None) -> tuple[WorkerConfig, str]:
                               drain_timeout_s=args.drain_timeout, heartbeat_ttl_s=args.heartbeat_ttl,
                               heartbeat_interval_s=min(0.5, args.heartbeat_ttl / 5),
                               max_deliveries=args.max_deliveries, reattach_grace_s=args.reattach_grace,
-                              metrics_port=args.metrics_port, metrics_compat=args.metrics_compat)
+                              metrics_port=args.metrics_port, metrics_compat=args.metrics_compat,
+                              otlp_traces_endpoint=args.otlp_traces_endpoint, log_format=args.log_format)
     except ValueError as e:
         parser.error(str(e))
     return config, args.log_level
@@ -130,7 +139,7 @@ def config_from_args(argv: list[str] | None = None) -> tuple[WorkerConfig, str]:
 
 def main(argv: list[str] | None = None) -> int:
     config, log_level = config_from_args(argv)
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s worker %(levelname)s %(message)s")
+    configure(log_level, config.log_format, "worker", worker=config.worker_id)
     from worker.engine.text_engine import TextEngine  # torch: only once the flags are known to be good
     from worker.io.consumer import Consumer
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from protos.keys import DEFAULT_PREFIX, Keys, check_name, default_instance_id
+from protos.logs import check_log_format
 from protos.metrics import check_metrics_options
 from protos.redis_conn import DEFAULT_REDIS_URL, check_redis_url
+from protos.tracing import check_otlp_endpoint
 from worker.engine.config import EngineConfig
 
 
@@ -44,6 +46,10 @@ class WorkerConfig:
     metrics_port: int = 0
     # "vllm": also export every series under vLLM's `vllm:` names.
     metrics_compat: str = "none"
+    # OTLP/gRPC collector of the traces (protos/tracing.py), http:// or https://; "" = off.
+    otlp_traces_endpoint: str = ""
+    # "text" or "json" (one object per line, protos/logs.py).
+    log_format: str = "text"
 
     def __post_init__(self) -> None:
         Keys(self.key_prefix)  # validates the prefix
@@ -68,6 +74,8 @@ class WorkerConfig:
         if self.max_deliveries < 1:
             raise ValueError(f"max_deliveries must be >= 1, got {self.max_deliveries}")
         check_metrics_options(self.metrics_port, self.metrics_compat)
+        check_otlp_endpoint(self.otlp_traces_endpoint)
+        check_log_format(self.log_format)
         if self.max_backoff_s <= 0:
             raise ValueError(f"max_backoff_s must be > 0, got {self.max_backoff_s}")
 

@@ -34,12 +34,14 @@ from protos.metrics import MetricsServer
 from protos.params import FinishReason, PromptInput, SamplingParams
 from protos.redis_conn import Backoff
 from protos.tokenrelay.v1 import generate_pb2, queue_pb2
+from protos.tracing import WORKER_SERVICE, Tracing
 from worker.config import WorkerConfig
 from worker.engine.outputs import Admitted, RequestOutput, Resume
 from worker.io.metrics import WorkerMetrics
 from worker.io.parking import POLL_INTERVAL_S, ParkingLot, listeners
 from worker.io.reclaim import Claimed, parse_entry, parse_progress, reclaim_dead_workers, reclaim_own
 from worker.io.redis_io import AbortListener, Outbox, Publisher, connect
+from worker.io.tracing import RequestSpans
 from worker.io.tracked import Tracked
 
 log = logging.getLogger(__name__)
@@ -86,6 +88,8 @@ class Consumer:
         if self._metrics_server.is_enabled:
             self._metrics = WorkerMetrics(self._metrics_server.registry, engine.stats().model_name,
                                           config.worker_id)
+        self.tracing = Tracing(config.otlp_traces_endpoint, WORKER_SERVICE, config.worker_id)
+        self._spans = RequestSpans(self.tracing, config.worker_id, self.keys.requests)
         self._publisher = Publisher(self._client, config, on_error=self._redis_error)
         self._aborts = AbortListener(self._client, config)
         self._running: dict[str, Tracked] = {}
@@ -132,6 +136,7 @@ class Consumer:
             self._aborts.close()
             self._publisher.close()
             self._metrics_server.stop()
+            self.tracing.shutdown()
         log.info("worker %s stopped after %d requests", self.config.worker_id, self.num_finished)
 
     def _run_once(self, *, can_claim: bool) -> None:
@@ -293,13 +298,14 @@ class Consumer:
 
     def _admit(self, tracked: Tracked) -> None:
         qr = tracked.request
+        self._spans.admitted(tracked)
         if qr.deadline_unix and time.time() > qr.deadline_unix:
             return self._reject(tracked, ErrorCode.ERROR_CODE_DEADLINE_EXCEEDED,
                                 "the deadline passed while the request was queued")
         if tracked.key in self._running or tracked.key in self._parked:  # this worker holds it already
             log.error("entry %s of request %s claimed twice; ignoring the second claim", tracked.key,
-                      qr.request_id)
-            return None
+                      qr.request_id, extra=self._spans.log_fields(tracked))
+            return self._spans.left(tracked, "claimed twice")
         progress = tracked.record if tracked.record.worker_id else None
         resume = None if progress is None else Resume(tuple(progress.token_ids), progress.seed,
                                                       progress.first_token_unix)
@@ -310,14 +316,17 @@ class Consumer:
         except ValueError as e:  # bad field, or prompt + max_tokens longer than the context
             return self._reject(tracked, ErrorCode.ERROR_CODE_INVALID_ARGUMENT, str(e))
         except Exception as e:
-            log.exception("add_request failed for %s", qr.request_id)
+            log.exception("add_request failed for %s", qr.request_id, extra=self._spans.log_fields(tracked))
             return self._reject(tracked, ErrorCode.ERROR_CODE_INTERNAL, f"worker error: {e}")
         tracked.record.seed, tracked.record.worker_id = admitted.seed, self.config.worker_id
         if admitted.text:
             tracked.text_parts.append(admitted.text)
         self._running[tracked.key] = tracked
+        log.debug("request %s: running entry %s", qr.request_id, tracked.key,
+                  extra=self._spans.log_fields(tracked))
 
     def _reject(self, tracked: Tracked, code: queue_pb2.ErrorCode, message: str) -> None:
+        self._spans.failed(tracked, code, message)
         self._outbox.add(tracked.channel, tracked.error_event(code, message))
         self._outbox.end(tracked.entry_id, tracked.record_key, tracked.result_ttl_ms)
 
@@ -357,11 +366,12 @@ class Consumer:
             self._redis_error()
             return
         for tracked in resumed:
-            log.info("request %s is followed again: resuming it", tracked.request_id)
+            log.info("request %s is followed again: resuming it", tracked.request_id,
+                     extra=self._spans.log_fields(tracked))
             self._admit(Tracked.of(self.keys, tracked.entry_id, tracked.request, tracked.record))
         for tracked in expired:
             log.info("request %s: nobody resumed it within %.1fs; abandoned", tracked.request_id,
-                     self._parked.grace_s)
+                     self._parked.grace_s, extra=self._spans.log_fields(tracked))
             self._outbox.end(tracked.entry_id, tracked.record_key, tracked.result_ttl_ms)
 
     def _emit(self, outputs: list[RequestOutput]) -> None:
@@ -385,8 +395,9 @@ class Consumer:
         del self._running[out.request_id]
         if out.finish_reason is FinishReason.ABORT:
             if tracked.is_handed_off:
-                return
+                return self._spans.left(tracked, "handed over")
             if tracked.is_parking:
+                self._spans.left(tracked, "parked")
                 return self._parked.park(tracked)
         self.num_finished += 1
         if tracked.error is not None and out.finish_reason is FinishReason.ABORT:
@@ -400,6 +411,7 @@ class Consumer:
             final.usage.CopyFrom(usage_to_pb(out.usage))
             if self._metrics is not None:
                 self._metrics.observe_finished(out.usage)
+        self._spans.finished(tracked, out)
         event = tracked.event(final=final)
         self._outbox.log(tracked.record_key, event, None)
         self._outbox.add(tracked.channel, event)

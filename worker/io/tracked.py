@@ -30,6 +30,8 @@ class Tracked:
     is_handed_off: bool = False
     # Aborted because nobody follows it: parked, not finished (worker/io/parking.py).
     is_parking: bool = False
+    # The CONSUMER span of this admission (worker/io/tracing.py); None with tracing off.
+    span: Any = None
 
     @classmethod
     def of(cls, keys: Keys, entry_id: bytes, request: queue_pb2.QueuedRequest,
