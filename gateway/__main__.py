@@ -15,8 +15,9 @@ import sys
 from gateway.config import DEFAULT_LISTEN, GatewayConfig
 from gateway.server import Gateway
 from protos.keys import DEFAULT_PREFIX, default_instance_id
-from protos.logs import LOG_FORMATS, configure
-from protos.metrics import DEFAULT_GATEWAY_PORT, METRICS_COMPAT
+from protos.logs import configure
+from protos.metrics import DEFAULT_GATEWAY_PORT
+from protos.observability import add_observability_args
 from protos.redis_conn import DEFAULT_REDIS_URL
 
 
@@ -54,25 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-redis-outage", type=float, default=_env("TOKENRELAY_MAX_REDIS_OUTAGE_S", 30),
                    help="seconds an in-flight call waits for Redis to come back before UNAVAILABLE "
                         "(new calls get UNAVAILABLE at once) [env TOKENRELAY_MAX_REDIS_OUTAGE_S]")
-    p.add_argument("--metrics-port", type=int,
-                   default=_env("TOKENRELAY_METRICS_PORT", DEFAULT_GATEWAY_PORT),
-                   help="port of the Prometheus /metrics endpoint; 0 turns it off "
-                        "[env TOKENRELAY_METRICS_PORT]")
-    p.add_argument("--metrics-compat", choices=METRICS_COMPAT,
-                   default=_env("TOKENRELAY_METRICS_COMPAT", "none"),
-                   help="vllm: also export every series under vLLM's vllm: names (model label as model_name) "
-                        "[env TOKENRELAY_METRICS_COMPAT]")
-    p.add_argument("--otlp-traces-endpoint", default=_env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", ""),
-                   help="OpenTelemetry collector (OTLP/gRPC) to send traces to: http://host:4317 (plaintext) "
-                        "or https://...; empty: no tracing. Needs the tracing extra; OTEL_* variables "
-                        "(service name, sampler, headers) apply [env OTEL_EXPORTER_OTLP_TRACES_ENDPOINT]")
     p.add_argument("--shutdown-grace", type=float, default=_env("TOKENRELAY_SHUTDOWN_GRACE_S", 10),
                    help="seconds in-flight calls get to finish on SIGTERM [env TOKENRELAY_SHUTDOWN_GRACE_S]")
     p.add_argument("--log-level", default=_env("TOKENRELAY_LOG_LEVEL", "INFO"),
                    help="DEBUG, INFO, WARNING or ERROR [env TOKENRELAY_LOG_LEVEL]")
-    p.add_argument("--log-format", choices=LOG_FORMATS, default=_env("TOKENRELAY_LOG_FORMAT", "text"),
-                   help="json: one JSON object per line, with request_id and trace_id on lines about a "
-                        "request [env TOKENRELAY_LOG_FORMAT]")
+    add_observability_args(p, default_metrics_port=DEFAULT_GATEWAY_PORT)
     return p
 
 

@@ -4,8 +4,8 @@ One loop on one thread owns the engine (torch lives behind the
 `TextEngineProtocol`; this module imports none):
 
     park what nobody follows, re-admit parked requests followed again ->
-    claim what the engine can run now (re-claim crashed workers' entries
-    first, then XREADGROUP) -> engine.step() -> hand that step's events and
+    claim what the engine can run now (worker/io/claim.py: re-claimed
+    entries first, then XREADGROUP) -> engine.step() -> hand that step's events and
     progress to the publisher thread
 
 The publisher thread sends each step's writes as ONE pipelined round trip
@@ -24,12 +24,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 import redis
 
 from protos.convert import chunk_to_pb, finish_reason_to_pb, params_from_pb, usage_to_pb
-from protos.keys import Heartbeat, Record
+from protos.keys import Heartbeat
 from protos.metrics import MetricsServer
 from protos.params import FinishReason, PromptInput, SamplingParams
 from protos.redis_conn import Backoff
@@ -37,9 +37,9 @@ from protos.tokenrelay.v1 import generate_pb2, queue_pb2
 from protos.tracing import WORKER_SERVICE, Tracing
 from worker.config import WorkerConfig
 from worker.engine.outputs import Admitted, RequestOutput, Resume
+from worker.io.claim import Claimer
 from worker.io.metrics import WorkerMetrics
 from worker.io.parking import POLL_INTERVAL_S, ParkingLot, listeners
-from worker.io.reclaim import Claimed, parse_entry, parse_progress, reclaim_dead_workers, reclaim_own
 from worker.io.redis_io import AbortListener, Outbox, Publisher, connect
 from worker.io.tracing import RequestSpans
 from worker.io.tracked import Tracked
@@ -97,10 +97,8 @@ class Consumer:
         self._outbox = Outbox()
         self._stopping = threading.Event()
         self._backoff = Backoff(config.max_backoff_s)
+        self._claimer = Claimer(self._client, config)
         self._retry_claim_at = 0.0
-        self._next_sweep_at = 0.0
-        self._has_group = False
-        self._took_own_pending = False  # what an earlier run under this worker id left pending
         self.num_finished = 0
 
     def stop(self) -> None:
@@ -205,21 +203,10 @@ class Consumer:
             if is_idle and wait > 0:
                 self._stopping.wait(wait)  # Redis is down and there is nothing to compute
             return
+        max_block_ms = int(POLL_INTERVAL_S * 1000) if len(self._parked) else None  # to notice a resume
         try:
-            entries: list[Claimed] = []
-            if not self._took_own_pending:
-                entries = reclaim_own(self._client, self.config, count)
-                self._took_own_pending = len(entries) < count  # else more next round
-            elif time.monotonic() >= self._next_sweep_at:
-                self._next_sweep_at = time.monotonic() + self.config.sweep_interval_s
-                entries = reclaim_dead_workers(self._client, self.config, count)
-            block_ms = self.config.claim_block_ms if is_idle and not entries else None
-            if block_ms is not None and len(self._parked):  # wake up in time to notice a resume
-                block_ms = min(block_ms, int(POLL_INTERVAL_S * 1000))
-            entries += self._read(count - len(entries), block_ms) if count > len(entries) else []
-            if is_idle and entries:
-                entries += self._read_burst(count - len(entries))
-            progress, followed = self._inspect(entries)
+            entries = self._claimer.take(count, is_idle=is_idle, max_block_ms=max_block_ms)
+            progress, followed = self._claimer.inspect(entries)
             self._backoff.reset()
         except redis.RedisError as e:
             delay = self._backoff.failed()
@@ -243,58 +230,6 @@ class Consumer:
                 self._parked.park(tracked)  # its caller left while it was queued: compute nothing
             else:
                 self._admit(tracked)
-
-    def _inspect(self, entries: list[Claimed]) -> tuple[dict[bytes, queue_pb2.Progress], dict[str, int]]:
-        """Per claimed request, in one round trip: the progress in its record (a new attempt, or
-        a dead worker's entry, resumes from it) and how many callers follow it."""
-        readable = [(c.entry_id, c.request) for c in entries if c.request is not None]
-        if not readable:
-            return {}, {}
-        pipe = self._client.pipeline(transaction=False)
-        for _, qr in readable:
-            pipe.hget(self.keys.record(qr.request_id), Record.PROGRESS)
-        channels = [self.keys.events(qr.request_id) for _, qr in readable]
-        pipe.pubsub_numsub(*channels)
-        *records, counts = pipe.execute()
-        progress = {entry_id: p for (entry_id, _), data in zip(readable, records, strict=True)
-                    if (p := parse_progress(data)) is not None}
-        followed = {(c.decode() if isinstance(c, bytes) else c): int(n) for c, n in counts}
-        return progress, followed
-
-    def _read(self, count: int, block_ms: int | None) -> list[Claimed]:
-        if not self._has_group:
-            self._create_group()
-        try:
-            reply = self._client.xreadgroup(self.keys.group, self.config.worker_id, {self.keys.requests: ">"},
-                                            count=count, block=block_ms)
-        except redis.ResponseError as e:
-            if "NOGROUP" not in str(e):
-                raise
-            self._has_group = False  # Redis restarted without our group: recreate it next round
-            return []
-        entries: list[tuple[bytes, dict[bytes, bytes]]] = cast(Any, reply)[0][1] if reply else []
-        return [Claimed(entry_id, parse_entry(entry_id, fields)) for entry_id, fields in entries]
-
-    def _read_burst(self, count: int) -> list[Claimed]:
-        """After an idle wake-up: claim what keeps arriving every claim_coalesce_ms, so a burst
-        is prefilled in one step rather than its first request alone."""
-        entries: list[Claimed] = []
-        while count > len(entries) and self.config.claim_coalesce_ms > 0:
-            time.sleep(self.config.claim_coalesce_ms / 1000)  # a one-off pause, not a poll loop
-            more = self._read(count - len(entries), block_ms=None)
-            if not more:
-                break
-            entries += more
-        return entries
-
-    def _create_group(self) -> None:
-        try:
-            # Id 0, not $: requests added before the group existed must be served too.
-            self._client.xgroup_create(self.keys.requests, self.keys.group, id="0", mkstream=True)
-        except redis.ResponseError as e:
-            if "BUSYGROUP" not in str(e):
-                raise
-        self._has_group = True
 
     def _admit(self, tracked: Tracked) -> None:
         qr = tracked.request
