@@ -24,17 +24,14 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import random
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 import traceback
-import uuid
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -42,14 +39,12 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import redis
 
 from gateway.client import resumable_stream
-from gateway.redis_server import EmbeddedRedis, free_port
 from protos.convert import build_request
-from protos.keys import Keys
 from protos.tokenrelay.v1 import generate_pb2
-from tests.service import ROOT, is_serving, stub_for, wait_until, workers_ready
+from tests.chaos_stack import STOP_TIMEOUT_S, Stack
+from tests.service import stub_for
 
 PROMPTS = ("a lighthouse", "a dragon who collects teacups", "the first snow", "a robot gardener",
            "a lost key", "the moon's day off", "a bakery at midnight", "two rival chess clubs",
@@ -57,15 +52,6 @@ PROMPTS = ("a lighthouse", "a dragon who collects teacups", "the first snow", "a
 FAULT_KINDS = ("worker_sigkill", "worker_sigterm", "gateway_sigkill", "gateway_sigterm", "redis_restart")
 FAMILIES = {"worker": FAULT_KINDS[:2], "gateway": FAULT_KINDS[2:4], "redis": FAULT_KINDS[4:]}
 BAD_COUNTS = ("lost", "duplicated_tokens", "gaps", "mismatches")  # all must be 0
-# Small batches and one torch thread each: 3 workers share 2 cores. A 2 s heartbeat TTL lets
-# a killed worker's requests be re-claimed soon; 3 s of drain keeps a SIGTERM short.
-WORKER_ARGS = ("--max-num-seqs", "8", "--max-model-len", "256", "--heartbeat-ttl", "2",
-               "--drain-timeout", "3", "--reattach-grace", "10", "--num-threads", "1")
-GATEWAY_ARGS = ("--shutdown-grace", "2", "--max-redis-outage", "30")
-# Metrics off, or every process would want the same default port (an env var: a version
-# without metrics ignores it).
-CHILD_ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENRELAY_METRICS_PORT": "0"}
-STOP_TIMEOUT_S = 10.0  # SIGTERM, then SIGKILL after this (> the workers' drain timeout)
 TICK_S = 0.2  # how often the fault loop looks at its processes
 
 
@@ -100,110 +86,6 @@ class ChaosConfig:
         return build_request(f"Tell me a story about {PROMPTS[i]}.", request_id=request_id,
                              max_tokens=self.max_tokens, temperature=0.8, seed=self.seed * 1000 + i,
                              ignore_eos=True)
-
-
-class Child:
-    """A process slot (`python -m gateway` or `worker`) that restarts under the same port and
-    log file; every other restart keeps the id (as a StatefulSet pod does: the new process
-    must take back what the old one left pending), the others take a new one."""
-
-    def __init__(self, name: str, family: str, args: list[str], log_path: Path, port: int = 0) -> None:
-        self.name, self.family, self.args, self.log_path, self.port = name, family, args, log_path, port
-        self.generation = -1
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.state = "down"  # down -> starting -> up -> stopping -> down
-        self.restart_at = self.stop_deadline = 0.0
-
-    @property
-    def instance_id(self) -> str:
-        return f"{self.name}-g{self.generation // 2}"
-
-    def start(self) -> None:
-        self.generation += 1
-        args = [sys.executable, "-m", self.family, *self.args, f"--{self.family}-id", self.instance_id]
-        if self.port:
-            args += ["--listen", f"127.0.0.1:{self.port}"]
-        with open(self.log_path, "ab") as log:
-            log.write(f"=== chaos: start {self.instance_id} at {time.strftime('%H:%M:%S')}\n".encode())
-            log.flush()
-            self.proc = subprocess.Popen(args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True, env=CHILD_ENV)
-        self.state = "starting"
-
-    def send(self, sig: signal.Signals) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        self.state, self.stop_deadline = "stopping", time.monotonic() + STOP_TIMEOUT_S
-
-    def exited(self) -> bool:
-        return self.proc is None or self.proc.poll() is not None
-
-    def wait_or_kill(self, deadline: float) -> None:
-        if self.proc is None:
-            return
-        try:
-            self.proc.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.state = "down"
-
-
-class Stack:
-    """Redis with AOF in a data_dir that survives kill()+start(), the gateways and the workers."""
-
-    def __init__(self, config: ChaosConfig, work_dir: Path) -> None:
-        self.redis = EmbeddedRedis(data_dir=work_dir / "redis")
-        self.keys = Keys(f"chaos-{uuid.uuid4().hex[:8]}")
-        common = ["--redis-url", self.redis.url, "--key-prefix", self.keys.prefix, "--log-level", "INFO"]
-        self.gateways = [Child(f"gateway-{i}", "gateway", [*common, *GATEWAY_ARGS],
-                               work_dir / f"gateway-{i}.log", port=free_port())
-                         for i in range(config.num_gateways)]
-        self.workers = [Child(f"worker-{i}", "worker", [*common, *WORKER_ARGS], work_dir / f"worker-{i}.log")
-                        for i in range(config.num_workers)]
-        self.children = [*self.gateways, *self.workers]
-        self.targets = [f"127.0.0.1:{g.port}" for g in self.gateways]
-
-    def start(self, timeout_s: float) -> None:
-        """Until every gateway is SERVING and GetServerInfo lists every worker."""
-        self.redis.start()
-        for child in self.children:
-            child.start()
-
-        def is_ready() -> bool:
-            if exited := [f"{c.log_path} (exit {c.proc and c.proc.returncode})" for c in self.children
-                          if c.exited()]:
-                raise RuntimeError(f"stopped during start-up: {', '.join(exited)}")
-            return all(self.is_ready(c) for c in self.children)
-
-        channel, stub = stub_for(self.targets[0])
-        with channel:
-            wait_until(is_ready, timeout=timeout_s, interval=0.5)
-            wait_until(workers_ready(stub, len(self.workers)), timeout=timeout_s, interval=0.5)
-        for child in self.children:
-            child.state = "up"
-
-    def is_ready(self, child: Child) -> bool:
-        """A gateway answers SERVING; a worker's heartbeat key exists (its model is loaded)."""
-        if child.family == "gateway":
-            return is_serving(f"127.0.0.1:{child.port}")
-        client = redis.Redis.from_url(self.redis.url, socket_timeout=1)
-        try:
-            return bool(client.exists(self.keys.worker(child.instance_id)))
-        except redis.RedisError:
-            return False
-        finally:
-            client.close()
-
-    def stop(self) -> None:
-        """SIGTERM every child (they drain at once), SIGKILL what is left, Redis last."""
-        for child in self.children:
-            if not child.exited():
-                child.send(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        for child in self.children:
-            child.wait_or_kill(deadline)
-        self.redis.stop()
 
 
 class FaultInjector:
@@ -433,7 +315,8 @@ def summarize(streams: list[Stream], reference: Reference, injector: FaultInject
 
 def run_chaos(config: ChaosConfig, work_dir: Path) -> tuple[dict[str, Any], list[str], list[str]]:
     """The whole run: (report, failed streams, timeline). Stops everything it started."""
-    stack, timeline, started = Stack(config, work_dir), [], time.monotonic()
+    stack = Stack(config.num_gateways, config.num_workers, work_dir)
+    timeline, started = [], time.monotonic()
     try:
         stack.start(config.ready_timeout_s)
         reference = make_reference(stack, config)

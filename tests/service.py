@@ -9,12 +9,15 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import grpc
 import redis
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from gateway.config import GatewayConfig
 from gateway.server import Gateway
@@ -129,6 +132,12 @@ def is_serving(target: str) -> bool:
         except grpc.RpcError:
             return False
     return status.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def scrape_samples(port: int) -> list[Sample]:
+    """Every sample of the /metrics page on 127.0.0.1:port, parsed by prometheus-client."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return [s for family in text_string_to_metric_families(text) for s in family.samples]
 
 
 def stub_for(target: str) -> tuple[grpc.Channel, generate_pb2_grpc.TokenRelayStub]:

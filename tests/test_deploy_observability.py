@@ -8,7 +8,6 @@ import json
 import re
 import shutil
 import subprocess
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,12 +15,11 @@ from typing import Any
 import grpc
 import pytest
 import yaml  # pyyaml: installed with gguf and transformers ([worker,dev])
-from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.redis_server import free_port
 from protos.convert import build_request
 from protos.metrics import DEFAULT_GATEWAY_PORT, DEFAULT_WORKER_PORT
-from tests.service import GatewayThread, WorkerThread, stub_for, wait_until, workers_ready
+from tests.service import GatewayThread, WorkerThread, scrape_samples, stub_for, wait_until, workers_ready
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "tokenrelay-dashboard.json"
@@ -176,8 +174,7 @@ def test_promtool_accepts_the_config_and_the_rules() -> None:
 
 def scrape(port: int) -> tuple[set[str], set[str]]:
     """(sample names, label names) of one /metrics page."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+    samples = scrape_samples(port)
     return {s.name for s in samples}, {label for s in samples for label in s.labels}
 
 

@@ -3,24 +3,20 @@ parsed with prometheus-client's own text parser (issue 10)."""
 
 from __future__ import annotations
 
-import urllib.request
 from collections.abc import Callable
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.redis_server import free_port
 from protos.convert import build_request
-from tests.service import GatewayThread, WorkerThread, stub_for, wait_until, workers_ready
+from tests.service import GatewayThread, WorkerThread, scrape_samples, stub_for, wait_until, workers_ready
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
 def scrape(port: int) -> Samples:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {(s.name, frozenset(s.labels.items())): s.value for s in scrape_samples(port)}
 
 
 def value(samples: Samples, name: str, **labels: str) -> float:
