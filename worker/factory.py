@@ -39,17 +39,27 @@ class CachePlan:
     dtype: torch.dtype
 
 
-def build_text_engine(config: EngineConfig) -> TextEngine:
+def build_model(config: EngineConfig) -> LlamaModel:
+    """The model of `config.model` (the default SmolLM2 when None) with its weights and kernels."""
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
-    path = Path(config.model) if config.model else default_model_path()
     dtype = DTYPES[config.dtype]
     device = torch.device(config.device)
     with weights_loading():
-        model_config, weights = load_model(path, dtype=dtype)
+        model_config, weights = load_model(model_path(config), dtype=dtype)
         model = LlamaModel(model_config, weights, dtype=dtype, device=device,
                            kernels=native_kernels(config, device, dtype))
         del weights
+    return model
+
+
+def model_path(config: EngineConfig) -> Path:
+    return Path(config.model) if config.model else default_model_path()
+
+
+def build_text_engine(config: EngineConfig) -> TextEngine:
+    model = build_model(config)
+    model_config, device, path = model.config, model.device, model_path(config)
     tokenizer = Tokenizer.load(path)
     plan = plan_kv_cache(config, model_config, device, model)
     log.info("KV cache: %d blocks of %d tokens (%s, %.0f MB), max_model_len %d, max_num_seqs %d",

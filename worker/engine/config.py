@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0")
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # CPU fp32 decode attention and RMSNorm in C kernels compiled on first use (worker/model/native.py).
     enable_native_kernels: bool = True
+    # Linear weights on CPU: "auto" keeps a GGUF's Q4_0/Q4_1/Q8_0 blocks as they are (other
+    # GGUF types become Q8_0) and runs the C kernels on them; a safetensors model stays fp32.
+    # "q8_0"/"q4_0" quantize any model's linears at load; "none" is the fp32 path.
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -49,6 +54,9 @@ class EngineConfig:
         if self.kv_cache_dtype is not None and self.kv_cache_dtype not in DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, "
+                             f"got {self.quantization!r}")
         if not 1 <= self.block_size <= 1024:
             raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
         if self.max_num_seqs < 1:
