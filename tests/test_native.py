@@ -261,8 +261,8 @@ def test_block_ids_past_a_rows_used_blocks_are_not_checked_or_read(kernel: Paged
 
 def test_the_build_is_cached_and_a_missing_compiler_falls_back(tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    built = native._build(native.SOURCE, tmp_path)
-    assert built.exists() and native._build(native.SOURCE, tmp_path) == built  # second call reuses it
+    built = native._build(native.SOURCES, tmp_path)
+    assert built.exists() and native._build(native.SOURCES, tmp_path) == built  # second call reuses it
     assert [p.name for p in tmp_path.iterdir()] == [built.name]  # no temporary files left behind
     monkeypatch.setattr(native, "COMPILERS", ("no-such-compiler-here",))
     load_native_kernels.cache_clear()
@@ -275,7 +275,7 @@ def test_the_build_is_cached_and_a_missing_compiler_falls_back(tmp_path: Path,
 def test_a_compile_error_falls_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     bad = tmp_path / "bad.c"
     bad.write_text("this is not C\n")
-    monkeypatch.setattr(native, "SOURCE", bad)
+    monkeypatch.setattr(native, "SOURCES", (bad,))
     load_native_kernels.cache_clear()
     try:
         assert load_native_kernels(tmp_path / "cache") is None
@@ -288,10 +288,10 @@ def test_an_unwritable_cache_folder_falls_back_to_the_temp_folder(tmp_path: Path
     locked = tmp_path / "read-only-home"
     real_build = native._build
 
-    def build(source: Path, cache_dir: Path) -> Path:
+    def build(sources: tuple[Path, ...], cache_dir: Path) -> Path:
         if cache_dir.is_relative_to(locked):  # as os.mkdir fails there for a non-root user
             raise PermissionError(13, "Permission denied", str(cache_dir))
-        return real_build(source, cache_dir)
+        return real_build(sources, cache_dir)
 
     monkeypatch.setattr(native, "_build", build)
     monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))

@@ -45,12 +45,34 @@ def build_model(config: EngineConfig) -> LlamaModel:
         torch.set_num_threads(config.num_threads)
     dtype = DTYPES[config.dtype]
     device = torch.device(config.device)
+    path = model_path(config)
+    kernels = native_kernels(config, device, dtype)
     with weights_loading():
-        model_config, weights = load_model(model_path(config), dtype=dtype)
-        model = LlamaModel(model_config, weights, dtype=dtype, device=device,
-                           kernels=native_kernels(config, device, dtype))
+        model_config, weights = load_model(path, dtype=dtype,
+                                           quantize_to=quantize_to(config, path, device, dtype, kernels))
+        model = LlamaModel(model_config, weights, dtype=dtype, device=device, kernels=kernels)
         del weights
+    log.info("model %s: %s", path.name, model.quantization_summary)
     return model
+
+
+def quantize_to(config: EngineConfig, path: Path, device: torch.device, dtype: torch.dtype,
+                kernels: NativeKernels | None) -> str | None:
+    """What `load_model` keeps quantized: EngineConfig.quantization where it can run here."""
+    if config.quantization == "none":
+        return None
+    runnable = device.type == "cpu" and dtype == torch.float32 and kernels is not None
+    if config.quantization == "auto":
+        if path.suffix == ".gguf" and not runnable:
+            log.warning("GGUF weights dequantized to %s: the quantized kernels run on CPU in float32 with "
+                        "the C kernels (device %s, native kernels %s)", dtype, device,
+                        "loaded" if kernels else "unavailable")
+        return "gguf" if path.suffix == ".gguf" and runnable else None
+    if not runnable:
+        raise ValueError(f"quantization {config.quantization} runs on CPU in float32 with the C kernels "
+                         f"(device {device}, dtype {dtype}, native kernels "
+                         f"{'loaded' if kernels else 'unavailable or disabled'})")
+    return config.quantization
 
 
 def model_path(config: EngineConfig) -> Path:

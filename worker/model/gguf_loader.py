@@ -1,8 +1,11 @@
-"""Llama weights from a GGUF file (llama.cpp's format), dequantised to torch.
+"""Llama weights from a GGUF file (llama.cpp's format), dequantised to torch or kept quantized.
 
 Each tensor is dequantised by the `gguf` package (numpy), converted to the
 requested dtype and the numpy buffer dropped before the next one, so peak
-memory is the finished weights plus one tensor in flight.
+memory is the finished weights plus one tensor in flight. With `quantize`
+set, 2-D weights (the linears and the embedding table) become QuantWeights
+instead (worker/model/quant.py): kept in their own Q4_0/Q4_1/Q8_0 blocks
+("gguf"), or requantized ("q8_0", "q4_0"; any other type becomes Q8_0).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 
 from worker.model.config import ModelConfig
 from worker.model.gguf_meta import GGUFMetadata, GGUFTensorInfo, end_of_generation_ids, read_gguf_metadata
+from worker.model.quant import KEPT_TYPES, QuantWeight, from_blocks, quantize
 from worker.model.rope import check_rope_scaling
 
 _GLOBAL_NAMES = {
@@ -51,25 +55,33 @@ def hf_tensor_name(gguf_name: str) -> str:
     return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
 
 
-def unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+def unpermute_rope_rows(w: torch.Tensor | QuantWeight, num_heads: int) -> torch.Tensor | QuantWeight:
     """Undo llama.cpp's q/k row permutation (its converter interleaves each
     head's two RoPE halves; Hugging Face keeps them as halves).
 
     w: (num_heads * head_dim, ...) -> same shape, Hugging Face row order.
     """
+    if isinstance(w, QuantWeight):  # whole rows move: the same order applied to row numbers
+        order = unpermute_rope_rows(torch.arange(w.shape[0]), num_heads)
+        assert isinstance(order, torch.Tensor)
+        return w.rows(order)
     rows = w.shape[0]
     # (H, D/2, 2, ...) -> (H, 2, D/2, ...): pairs become halves
     return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _to_numpy(file: BinaryIO, t: GGUFTensorInfo) -> np.ndarray:
-    """Dequantised float32 array in numpy (= Hugging Face) order, owning its memory."""
+def _raw(file: BinaryIO, t: GGUFTensorInfo) -> np.ndarray:
     # Read, not mmap: only one tensor's quantised bytes are resident at a time.
     file.seek(t.offset)
     raw = np.fromfile(file, dtype=np.uint8, count=t.num_bytes)
     if raw.size != t.num_bytes:
         raise ValueError(f"{t.name}: GGUF file is truncated")
-    raw = raw.reshape(t.byte_shape)
+    return raw.reshape(t.byte_shape)
+
+
+def _to_numpy(file: BinaryIO, t: GGUFTensorInfo) -> np.ndarray:
+    """Dequantised float32 array in numpy (= Hugging Face) order, owning its memory."""
+    raw = _raw(file, t)
     try:
         return gguf.quants.dequantize(raw, t.qtype).reshape(t.shape)
     except NotImplementedError as e:
@@ -134,19 +146,36 @@ def read_gguf_config(meta: GGUFMetadata) -> ModelConfig:
     )
 
 
-def load_gguf(path: str | Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_gguf(path: str | Path, dtype: torch.dtype, quantize_to: str | None = None
+              ) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantWeight]]:
+    """`quantize_to`: None (all dequantised to dtype), "gguf", "q8_0" or "q4_0" (see above)."""
     meta = read_gguf_metadata(path)
     config = read_gguf_config(meta)
     names = {t.name: hf_tensor_name(t.name) for t in meta.tensors}  # fail on unknown names before any work
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor | QuantWeight] = {}
     with open(meta.path, "rb") as file:
         for t in meta.tensors:
             name = names[t.name]
-            w = torch.from_numpy(_to_numpy(file, t))  # shares the fresh numpy buffer: no copy
-            if ".self_attn.q_proj." in name:
-                w = unpermute_rope_rows(w, config.num_heads)
-            elif ".self_attn.k_proj." in name:
-                w = unpermute_rope_rows(w, config.num_kv_heads)
-            tensors[name] = w.to(dtype)  # a float32 source is freed here when dtype differs
+            w: torch.Tensor | QuantWeight
+            if quantize_to is not None and len(t.shape) == 2:
+                w = _quantized(file, t, quantize_to)
+            else:
+                w = torch.from_numpy(_to_numpy(file, t)).to(dtype)  # a float32 source is freed when dtype differs
+            heads = {"self_attn.q_proj": config.num_heads, "self_attn.k_proj": config.num_kv_heads}
+            for part, num_heads in heads.items():
+                if f".{part}." in name:
+                    w = unpermute_rope_rows(w, num_heads)
+            tensors[name] = w
             del w
     return config, tensors
+
+
+def _quantized(file: BinaryIO, t: GGUFTensorInfo, quantize_to: str) -> QuantWeight:
+    """A 2-D tensor as a QuantWeight: its own blocks where it has a kept type (and "gguf",
+    or the asked type), else dequantised and requantized (Q8_0 for "gguf")."""
+    shape = (t.shape[0], t.shape[1])
+    wanted = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}.get(quantize_to)
+    if t.qtype in KEPT_TYPES and wanted in (None, t.qtype):
+        return from_blocks(_raw(file, t), t.qtype, shape)
+    kind = quantize_to if wanted is not None else "q8_0"
+    return quantize(torch.from_numpy(_to_numpy(file, t)), kind, source=t.qtype.name)

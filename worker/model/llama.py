@@ -14,13 +14,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from worker.model.config import ModelConfig
+from worker.model.linear import Linears, Weight
 from worker.model.native import NativeKernels
+from worker.model.quant import QuantWeight, cat_rows
 from worker.model.rope import apply_rope, rope_tables
 
 
@@ -47,13 +50,15 @@ class ForwardBatch:
 
 @dataclass
 class LayerWeights:
+    """Matmul weights are float tensors or QuantWeights, in their kernel's layout (linear.py)."""
+
     attn_norm: torch.Tensor  # (C,)
-    wqkv: torch.Tensor  # ((H + 2K) * D, C): q, k and v projections fused into one matmul
+    wqkv: Weight  # ((H + 2K) * D, C): q, k and v projections fused into one matmul
     bqkv: torch.Tensor | None  # ((H + 2K) * D,) when attention_bias
-    wo: torch.Tensor  # (C, H * D)
+    wo: Weight  # (C, H * D)
     mlp_norm: torch.Tensor  # (C,)
-    w_gate_up: torch.Tensor  # (2 * F, C): gate and up fused
-    w_down: torch.Tensor  # (C, F)
+    w_gate_up: Weight  # (2 * F, C): gate and up fused
+    w_down: Weight  # (C, F)
 
 
 class KVCache:
@@ -93,44 +98,6 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
-PACK_ROWS_HINT = 16  # oneDNN picks the blocked weight layout for this many rows (a decode batch)
-
-
-def _onednn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [None], "")
-
-
-@dataclass(frozen=True)
-class LinearKernel:
-    """The matmul `linear(x, w, b)` and how weights must be prepared for it (`pack`)."""
-
-    linear: Callable[..., torch.Tensor]
-    pack: Callable[[torch.Tensor], torch.Tensor]
-
-
-def _onednn_pack(w: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT)
-
-
-def pick_linear(device: torch.device, dtype: torch.dtype) -> LinearKernel:
-    """oneDNN with weights pre-packed into its blocked layout on CPU fp32, else F.linear.
-
-    Measured on our 2-core CPUs (SmolLM2 shapes, weights streamed from DRAM as in
-    a real step): a decode step's 121 matmuls at 16 rows take 60 ms packed vs
-    80 ms with oneDNN on plain weights and 90 ms with BLAS (F.linear); at 1 row
-    31 vs 34 vs 47 ms; prefill-sized inputs are on par. Packing is a one-off
-    reorder at load time and takes no extra memory. It is the kernel
-    torch.compile's CPU backend uses, but a private op, so fall back when missing.
-    """
-    if device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available():
-        try:
-            _onednn_linear(torch.ones(1, 2), _onednn_pack(torch.ones(3, 2)))
-            return LinearKernel(_onednn_linear, _onednn_pack)
-        except (RuntimeError, AttributeError):
-            pass
-    return LinearKernel(F.linear, lambda w: w)
-
-
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                      bias: torch.Tensor | None) -> torch.Tensor:
     """Attention of one new token per row: (B, H, 1, D) queries over (B, K, L, D) keys/values.
@@ -158,11 +125,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class LlamaModel:
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor | QuantWeight],
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", *,
                  kernels: NativeKernels | None = None) -> None:
-        """`kernels`: the C kernels (worker/model/native.py) for CPU decode attention and
-        RMSNorm, built by the caller; None keeps the torch path (CUDA, half precision)."""
+        """`kernels`: the C kernels (worker/model/native.py) for CPU decode attention,
+        RMSNorm and quantized weights, built by the caller; None keeps the torch path
+        (CUDA, half precision), which cannot run QuantWeights."""
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
@@ -171,16 +139,17 @@ class LlamaModel:
         self.kernels = kernels
         self.rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = (
             kernels.rms_norm if kernels is not None else rms_norm)
-        kernel = pick_linear(self.device, dtype)
-        self.linear, self._pack = kernel.linear, kernel.pack
-        self.embed = weights.pop("model.embed_tokens.weight").to(self.device, dtype)  # (V, C)
+        self.linear = Linears(self.device, dtype, kernels.quant if kernels is not None else None)
+        self.formats = sorted({w.source for w in weights.values() if isinstance(w, QuantWeight)})
+        self.embed = self._take(weights, "model.embed_tokens.weight")  # (V, C)
         lm_head = weights.pop("lm_head.weight", None)
-        # A tied head is packed from the embedding, which F.embedding needs plain: with
+        # A tied float head is packed from the embedding, which F.embedding needs plain: with
         # oneDNN that is a copy (V * C * 4 bytes, 113 MB for SmolLM2), bought for speed:
         # the head's matmul at 16 rows took 9.6 ms packed vs 14.4 ms plain (5% of a step).
-        # With F.linear, pack is the identity and the two share memory.
-        self.lm_head = self._pack(self.embed if lm_head is None else lm_head.to(self.device, dtype))  # (V, C)
-        self.norm = weights.pop("model.norm.weight").to(self.device, dtype)  # (C,)
+        # With F.linear, pack is the identity and the two share memory, as a quantized table does.
+        head = self.embed if lm_head is None else self._to_device(lm_head)
+        self.lm_head = self.linear.prepare(head)  # (V, C)
+        self.norm = self._take(weights, "model.norm.weight")  # (C,)
         self.layers = [self._take_layer(weights, i) for i in range(config.num_layers)]
         # computed in fp32, then stored in the model's dtype (as transformers does), so
         # half-precision activations are not promoted to fp32 by the rotation
@@ -188,25 +157,39 @@ class LlamaModel:
         self.cos, self.sin = cos.to(dtype), sin.to(dtype)
         self.kv_head_index = torch.arange(config.num_kv_heads, device=self.device)[None, :]  # (1, K)
 
-    def _take_layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
+    def _to_device(self, w: torch.Tensor | QuantWeight) -> Any:
+        return w if isinstance(w, QuantWeight) else w.to(self.device, self.dtype)
+
+    def _take(self, weights: dict[str, torch.Tensor | QuantWeight], name: str) -> Any:
+        return self._to_device(weights.pop(name))
+
+    def _take_layer(self, w: dict[str, torch.Tensor | QuantWeight], i: int) -> LayerWeights:
         p = f"model.layers.{i}."
 
-        def take(name: str) -> torch.Tensor:
-            return w.pop(p + name).to(self.device, self.dtype)
+        def take(name: str) -> Any:
+            return self._take(w, p + name)
 
         qkv = [take(f"self_attn.{n}_proj.weight") for n in "qkv"]
         bias = ([take(f"self_attn.{n}_proj.bias") for n in "qkv"]
                 if self.config.attention_bias else None)
-        pack = self._pack  # matmul weights in the kernel's layout (opaque: only `linear` reads them)
+        prepare = self.linear.prepare
         return LayerWeights(
             attn_norm=take("input_layernorm.weight"),
-            wqkv=pack(torch.cat(qkv, dim=0)),
+            wqkv=prepare(cat_rows(qkv) if isinstance(qkv[0], QuantWeight) else torch.cat(qkv, dim=0)),
             bqkv=torch.cat(bias, dim=0) if bias else None,
-            wo=pack(take("self_attn.o_proj.weight")),
+            wo=prepare(take("self_attn.o_proj.weight")),
             mlp_norm=take("post_attention_layernorm.weight"),
-            w_gate_up=pack(torch.cat([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")], dim=0)),
-            w_down=pack(take("mlp.down_proj.weight")),
+            w_gate_up=self.linear.fuse_gate_up(take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")),
+            w_down=prepare(take("mlp.down_proj.weight")),
         )
+
+    @property
+    def quantization_summary(self) -> str:
+        """Which formats and kernels run, for the start-up log and GetServerInfo."""
+        quant = self.linear.quant
+        if not self.formats or quant is None:
+            return f"{str(self.dtype).removeprefix('torch.')} weights"
+        return f"{', '.join(self.formats)} weights, {quant.isa} kernels"
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
@@ -214,7 +197,7 @@ class LlamaModel:
 
         Returns float32 logits (R, V) of the tokens in batch.logits_indices.
         """
-        x = F.embedding(batch.input_ids, self.embed)  # (T, C)
+        x = self._embed(batch.input_ids)  # (T, C)
         cos = self.cos[batch.positions].unsqueeze(1)  # (T, 1, D)
         sin = self.sin[batch.positions].unsqueeze(1)  # (T, 1, D)
         bs = cache.block_size
@@ -229,6 +212,12 @@ class LlamaModel:
             x = x + self._mlp(h, layer)
         x = self.rms_norm(x[batch.logits_indices], self.norm, self.config.rms_norm_eps)  # (R, C)
         return self.linear(x, self.lm_head).float()  # (R, V)
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.embed, QuantWeight):
+            assert self.linear.quant is not None
+            return self.linear.quant.dequantize_rows(self.embed, ids)  # (T, C)
+        return F.embedding(ids, self.embed)  # (T, C)
 
     def _attention(self, h: torch.Tensor, layer: LayerWeights, cache: KVCache, i: int,
                    batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor,
@@ -303,8 +292,7 @@ class LlamaModel:
         return bias.reshape(-1, 1, m * block_size)  # (B * K, 1, m * Bs)
 
     def _mlp(self, h: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
-        gate, up = self.linear(h, layer.w_gate_up).chunk(2, dim=-1)  # (B, T, F) each
-        return self.linear(F.silu(gate) * up, layer.w_down)  # (B, T, C)
+        return self.linear(self.linear.gate_up(h, layer.w_gate_up), layer.w_down)  # (T, F) -> (T, C)
 
 
 def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -9,6 +9,7 @@ embeddings are not tied.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from safetensors import safe_open
 from worker.model.config import ModelConfig
 from worker.model.gguf_loader import load_gguf
 from worker.model.gguf_meta import default_model_path
+from worker.model.quant import QUANTIZE_TYPES, QuantWeight, quantize
 from worker.model.rope import check_rope_scaling, rope_type
 
 __all__ = ["check_weights", "default_model_path", "expected_shapes", "load_model"]
@@ -27,14 +29,26 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 
 
 def load_model(
-    path: str | Path | None = None, dtype: torch.dtype = torch.float32
-) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read a `.gguf` file or a folder with `config.json` + `*.safetensors`."""
+    path: str | Path | None = None, dtype: torch.dtype = torch.float32, quantize_to: str | None = None
+) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantWeight]]:
+    """Read a `.gguf` file or a folder with `config.json` + `*.safetensors`.
+
+    quantize_to: None keeps every weight a `dtype` tensor; "gguf" keeps a GGUF's
+    Q4_0/Q4_1/Q8_0 linears and embeddings in their blocks (others become Q8_0; a
+    safetensors model stays float); "q8_0"/"q4_0" quantize them all (the embedding
+    table and LM head to Q8_0, as llama.cpp keeps its output at higher precision)."""
     path = default_model_path() if path is None else Path(path)
+    tensors: dict[str, torch.Tensor | QuantWeight]
     if path.is_file() and path.suffix == ".gguf":
-        config, tensors = load_gguf(path, dtype)
+        config, tensors = load_gguf(path, dtype, quantize_to)
     elif path.is_dir() and (path / "config.json").is_file():
-        config, tensors = load_hf_folder(path, dtype)
+        config, floats = load_hf_folder(path, dtype)
+        tensors = dict(floats)
+        if quantize_to in QUANTIZE_TYPES:
+            for name, w in tensors.items():
+                if isinstance(w, torch.Tensor) and w.dim() == 2:
+                    is_table = name in ("model.embed_tokens.weight", "lm_head.weight")
+                    tensors[name] = quantize(w, "q8_0" if is_table else quantize_to, source=str(w.dtype)[6:])
     else:
         raise ValueError(f"{path}: expected a .gguf file or a folder with config.json and *.safetensors")
     check_weights(config, tensors)
@@ -70,7 +84,7 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_weights(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
+def check_weights(config: ModelConfig, tensors: Mapping[str, torch.Tensor | QuantWeight]) -> None:
     """ValueError naming missing, unexpected or mis-shaped tensors."""
     shapes = expected_shapes(config)
     missing = sorted(set(shapes) - set(tensors))
@@ -80,7 +94,7 @@ def check_weights(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> None
     unexpected = sorted(set(tensors) - set(shapes))
     if unexpected:
         raise ValueError(f"unexpected tensors: {', '.join(unexpected[:10])}")
-    wrong = [f"{n} {tuple(t.shape)} != {shapes[n]}" for n, t in tensors.items() if t.shape != shapes[n]]
+    wrong = [f"{n} {tuple(t.shape)} != {shapes[n]}" for n, t in tensors.items() if tuple(t.shape) != shapes[n]]
     if wrong:
         raise ValueError(f"wrong tensor shapes: {'; '.join(wrong[:10])}")
 

@@ -26,9 +26,12 @@ from pathlib import Path
 
 import torch
 
+from worker.model.native_quant import QuantKernels
+
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kernels") / "cpu.c"
+KERNELS = Path(__file__).with_name("kernels")
+SOURCES = (KERNELS / "cpu.c", KERNELS / "quant.c")  # one library; the *.h files they include are hashed too
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
 COMPILERS = ("cc", "gcc", "clang")
 
@@ -155,6 +158,7 @@ class RmsNorm:
 class NativeKernels:
     paged_decode_attention: PagedDecodeAttention
     rms_norm: RmsNorm
+    quant: QuantKernels
 
 
 @functools.cache
@@ -162,9 +166,9 @@ def load_native_kernels(cache_dir: Path | None = None) -> NativeKernels | None:
     """The compiled kernels, or None (logged once) where they cannot be built or loaded here."""
     try:
         try:
-            path = _build(SOURCE, cache_dir or _default_cache_dir())
+            path = _build(SOURCES, cache_dir or _default_cache_dir())
         except PermissionError:  # a read-only home (containers, CI): build in the temp folder instead
-            path = _build(SOURCE, Path(tempfile.gettempdir()) / f"tokenrelay-kernels-{os.getuid()}")
+            path = _build(SOURCES, Path(tempfile.gettempdir()) / f"tokenrelay-kernels-{os.getuid()}")
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError, RuntimeError) as e:
         log.warning("native CPU kernels unavailable, using torch: %s", e)
@@ -181,16 +185,17 @@ def load_native_kernels(cache_dir: Path | None = None) -> NativeKernels | None:
     norm = lib.rms_norm_f32
     norm.restype = None
     norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
-    return NativeKernels(PagedDecodeAttention(attention), RmsNorm(norm))
+    return NativeKernels(PagedDecodeAttention(attention), RmsNorm(norm), QuantKernels(lib))
 
 
-def _build(source: Path, cache_dir: Path) -> Path:
+def _build(sources: tuple[Path, ...], cache_dir: Path) -> Path:
     compiler = next((c for c in map(shutil.which, COMPILERS) if c), None)
     if compiler is None:
         raise RuntimeError(f"no C compiler found (tried {', '.join(COMPILERS)})")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([source.read_text(), compiler, version, *CFLAGS, _cpu_id()]).encode())
-    target = cache_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"
+    texts = [p.read_text() for p in (*sources, *sorted(KERNELS.glob("*.h")))]
+    key = hashlib.sha256("\0".join([*texts, compiler, version, *CFLAGS, _cpu_id()]).encode())
+    target = cache_dir / f"kernels-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -198,7 +203,7 @@ def _build(source: Path, cache_dir: Path) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *CFLAGS, "-o", tmp, str(source)],
+        done = subprocess.run([compiler, *CFLAGS, "-o", tmp, *map(str, sources)],
                               capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")

@@ -1,0 +1,213 @@
+/* Quantized linears on CPU, loaded by worker/model/native_quant.py.
+ *
+ * Weights stay in llama.cpp's block formats, repacked at load into two runtime
+ * formats (worker/model/quant.py): rows of 32-weight blocks, the 4-bit or 8-bit
+ * values of a row contiguous, the block scales beside them as fp32:
+ *   q4 (Q4_1, and Q4_0 as Q4_1 with m = -8 d): w = d * u + m, u in [0, 15]; a
+ *      block is 16 bytes, byte j holding u_j (low nibble) and u_{j+16} (high);
+ *   q8 (Q8_0): w = d * q, q in [-128, 127], 32 bytes a block.
+ * Activations are quantized once per input row into q8 blocks, as llama.cpp's
+ * q8_0/q8_1 do: a = da * qa with da = max|x| / 127 and qa = rint(x / da), plus
+ * the block's integer sum sa (exact; llama.cpp's q8_1 rounds da * sa to fp16).
+ * A block's contribution to an output is then integer maths and two scales:
+ *   q4: dw * da * sum(u * qa) + mw * (da * sa)        q8: dw * da * sum(q * qa)
+ *
+ * The integer dot products come from one of three instruction sets, chosen at run
+ * time (quant_isa_supported): AVX-512 VNNI / AVX-VNNI `vpdpbusd` (u8 x s8 -> s32
+ * in one instruction), AVX2 `vpmaddubsw` + `vpmaddwd` (its s16 middle step cannot
+ * overflow here: 2 * 15 * 128 and 2 * 128 * 128 fit), and portable C. They are
+ * the same code (quant_simd.h, compiled once per target) but for that one
+ * primitive, so every path sums the same integers and scales them in the same
+ * order. The unsigned nibbles of q4 feed vpdpbusd as they are; q8 weights are
+ * signed, and the 256-bit registers used here have vpsignb: sum(q * qa) =
+ * sum(|q| * sign(qa, q)). (512-bit registers have no vpsignb; a 512-bit variant
+ * would use the +128 offset trick, (q + 128) . qa - 128 sa, with the exact sa.)
+ *
+ * Tiling: a task owns 16 output rows and up to 64 input rows. One input row
+ * (decode at batch 1) runs 4 weight rows at a time, so 4 independent
+ * accumulators hide the dot product's latency; more rows run 2 weight rows x 4
+ * input rows, so each weight block is unpacked once for 4 rows and a task's 16
+ * weight rows (~5 KB for SmolLM2) stay in L1 while all its input rows pass: a
+ * batched decode reads each weight from memory once per step for all rows.
+ */
+#include <stdint.h>
+#include <string.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+#include "quant.h"
+
+#define QBLOCK 32
+#define TASK_ROWS_OUT 16
+#define TASK_ROWS_IN 64
+
+/* ---- activations ----------------------------------------------------------------------- */
+
+void quantize_rows_body(const float *x, int64_t x_stride, int64_t T, int64_t C, q8_act a) {
+    const int64_t nb = C / QBLOCK;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < T * nb; ++i) {
+        const int64_t t = i / nb, b = i % nb;
+        const float *xb = x + t * x_stride + b * QBLOCK;
+        int8_t *q = a.qs + t * C + b * QBLOCK;
+        float amax = 0.0f;
+        for (int j = 0; j < QBLOCK; ++j) {
+            const float v = xb[j] < 0 ? -xb[j] : xb[j];
+            amax = v > amax ? v : amax;
+        }
+        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        int32_t sum = 0;
+#pragma omp simd reduction(+ : sum)
+        for (int j = 0; j < QBLOCK; ++j) {
+            const int32_t v = (int32_t)__builtin_rintf(xb[j] * id); /* ties to even, as numpy's rint */
+            q[j] = (int8_t)v;
+            sum += v;
+        }
+        a.d[t * nb + b] = d;
+        a.s[t * nb + b] = sum;
+        a.ds[t * nb + b] = d * (float)sum;
+    }
+}
+
+/* ---- the three instruction sets ---------------------------------------------------------- */
+
+#define SUFFIX scalar
+#include "quant_simd.h"
+#undef SUFFIX
+
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__) && !defined(__clang__)
+#define HAVE_X86_VARIANTS 1
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+#define SUFFIX avx2
+#define DOT_U8S8(u, s) _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
+#include "quant_simd.h"
+#undef SUFFIX
+#undef DOT_U8S8
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,avxvnni")
+#define SUFFIX avxvnni
+#define DOT_U8S8(u, s) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s)
+#include "quant_simd.h"
+#undef SUFFIX
+#undef DOT_U8S8
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,avx512f,avx512vl,avx512vnni")
+#define SUFFIX avx512vnni
+#define DOT_U8S8(u, s) _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
+#include "quant_simd.h"
+#undef SUFFIX
+#undef DOT_U8S8
+#pragma GCC pop_options
+#endif
+
+int quant_isa_supported(int isa) {
+    switch (isa) {
+    case QUANT_ISA_SCALAR:
+        return 1;
+#ifdef HAVE_X86_VARIANTS
+    case QUANT_ISA_AVX2:
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case QUANT_ISA_AVXVNNI:
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+               __builtin_cpu_supports("avxvnni");
+    case QUANT_ISA_AVX512VNNI:
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+               __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+               __builtin_cpu_supports("avx512vnni");
+#endif
+    default:
+        return 0;
+    }
+}
+
+/* ---- matmuls ------------------------------------------------------------------------------ */
+
+/* out[t, n] (row stride out_stride) for every input row t and output row n, written as
+ * `mode` says: QUANT_STORE, QUANT_ADD (out += the result: a residual), or QUANT_SILU_MUL
+ * (weight rows 2i and 2i + 1 are gate_i and up_i; out[t, i] = silu(gate) * up).
+ * bias (N,) or NULL is added to the result first. A worksharing loop: call it inside a
+ * parallel region. */
+void quant_matmul_body(int isa, quant_weight w, q8_act a, int64_t T, float *out, int64_t out_stride,
+                       const float *bias, int mode) {
+    const int64_t n_tasks = (w.N + TASK_ROWS_OUT - 1) / TASK_ROWS_OUT;
+    const int64_t t_tasks = (T + TASK_ROWS_IN - 1) / TASK_ROWS_IN;
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < n_tasks * t_tasks; ++task) {
+        const int64_t t0 = (task / n_tasks) * TASK_ROWS_IN, n0 = (task % n_tasks) * TASK_ROWS_OUT;
+        const int64_t t1 = t0 + TASK_ROWS_IN < T ? t0 + TASK_ROWS_IN : T;
+        const int64_t n1 = n0 + TASK_ROWS_OUT < w.N ? n0 + TASK_ROWS_OUT : w.N;
+        switch (isa) {
+#ifdef HAVE_X86_VARIANTS
+        case QUANT_ISA_AVX2:
+            quant_task_avx2(w, a, n0, n1, t0, t1, out, out_stride, bias, mode);
+            break;
+        case QUANT_ISA_AVXVNNI:
+            quant_task_avxvnni(w, a, n0, n1, t0, t1, out, out_stride, bias, mode);
+            break;
+        case QUANT_ISA_AVX512VNNI:
+            quant_task_avx512vnni(w, a, n0, n1, t0, t1, out, out_stride, bias, mode);
+            break;
+#endif
+        default:
+            quant_task_scalar(w, a, n0, n1, t0, t1, out, out_stride, bias, mode);
+        }
+    }
+}
+
+/* The entry points (ctypes): one call quantizes x (T, C), row stride x_stride, into the
+ * caller's activation buffers and multiplies. Returns -1 for an instruction set this CPU
+ * lacks (nothing is computed), else 0. */
+int quant_linear(int isa, const void *w_qs, const float *w_d, const float *w_m, int64_t N, int64_t C,
+                 int format, const float *x, int64_t x_stride, int64_t T, int8_t *a_qs, float *a_d,
+                 int32_t *a_s, float *a_ds, float *out, int64_t out_stride, const float *bias, int mode,
+                 int num_threads) {
+    if (!quant_isa_supported(isa)) return -1;
+    const quant_weight w = {w_qs, w_d, w_m, N, C, format};
+    const q8_act a = {a_qs, a_d, a_s, a_ds, C};
+#pragma omp parallel num_threads(num_threads)
+    {
+        quantize_rows_body(x, x_stride, T, C, a);
+        /* the implicit barrier after quantize's loop: every row is quantized before any is read */
+        quant_matmul_body(isa, w, a, T, out, out_stride, bias, mode);
+    }
+    return 0;
+}
+
+/* Activation quantization alone (the tests compare it with a NumPy reference). */
+void quantize_rows(const float *x, int64_t x_stride, int64_t T, int64_t C, int8_t *a_qs, float *a_d,
+                   int32_t *a_s, float *a_ds) {
+    const q8_act a = {a_qs, a_d, a_s, a_ds, C};
+    quantize_rows_body(x, x_stride, T, C, a);
+}
+
+/* Rows `ids` of a weight as fp32: embedding lookups on a quantized table, and whole
+ * weights for prefill-sized matmuls (native_quant.py says why). */
+void quant_dequantize_rows(const void *w_qs, const float *w_d, const float *w_m, int64_t C, int format,
+                           const int64_t *ids, int64_t n, float *out, int num_threads) {
+    const int64_t nb = C / QBLOCK;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (n >= 64)
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t r = ids[i];
+        float *o = out + i * C;
+        for (int64_t b = 0; b < nb; ++b) {
+            const float d = w_d[r * nb + b];
+            if (format == QUANT_Q4) {
+                const uint8_t *q = (const uint8_t *)w_qs + r * (C / 2) + b * (QBLOCK / 2);
+                const float m = w_m[r * nb + b];
+                for (int j = 0; j < QBLOCK / 2; ++j) {
+                    o[b * QBLOCK + j] = d * (float)(q[j] & 0x0F) + m;
+                    o[b * QBLOCK + j + QBLOCK / 2] = d * (float)(q[j] >> 4) + m;
+                }
+            } else {
+                const int8_t *q = (const int8_t *)w_qs + r * C + b * QBLOCK;
+                for (int j = 0; j < QBLOCK; ++j) o[b * QBLOCK + j] = d * (float)q[j];
+            }
+        }
+    }
+}

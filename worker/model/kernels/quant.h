@@ -1,0 +1,34 @@
+/* Shared by quant.c (the quantized linears) and layer.c (a whole decode layer). */
+#ifndef TOKENRELAY_QUANT_H
+#define TOKENRELAY_QUANT_H
+#include <stdint.h>
+
+enum { QUANT_ISA_SCALAR = 0, QUANT_ISA_AVX2 = 1, QUANT_ISA_AVXVNNI = 2, QUANT_ISA_AVX512VNNI = 3 };
+enum { QUANT_Q4 = 0, QUANT_Q8 = 1 };                       /* runtime weight formats */
+enum { QUANT_STORE = 0, QUANT_ADD = 1, QUANT_SILU_MUL = 2 }; /* how a matmul writes out */
+
+/* A weight (N, C) in blocks of 32 along C: qs q4 (N, C / 2) uint8 or q8 (N, C) int8;
+ * d and m (N, C / 32) fp32 (m only for q4). */
+typedef struct {
+    const void *qs;
+    const float *d, *m;
+    int64_t N, C;
+    int format;
+} quant_weight;
+
+/* Input rows quantized to q8 blocks: qs (T, C) int8; d, s, ds (T, C / 32): scale, integer
+ * sum, scale * sum. */
+typedef struct {
+    int8_t *qs;
+    float *d;
+    int32_t *s;
+    float *ds;
+    int64_t C;
+} q8_act;
+
+int quant_isa_supported(int isa);
+/* Worksharing loops (omp for): call them inside a parallel region. */
+void quantize_rows_body(const float *x, int64_t x_stride, int64_t T, int64_t C, q8_act a);
+void quant_matmul_body(int isa, quant_weight w, q8_act a, int64_t T, float *out, int64_t out_stride,
+                       const float *bias, int mode);
+#endif

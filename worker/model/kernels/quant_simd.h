@@ -1,0 +1,155 @@
+/* One instruction set's quantized-matmul task, included by quant.c once per target with
+ * SUFFIX set (and DOT_U8S8(u, s): the 8 s32 sums of 4 u8 x s8 products each, for the x86
+ * ones). Without DOT_U8S8 it is portable C. */
+#define CAT_(a, b) a##_##b
+#define CAT(a, b) CAT_(a, b)
+
+#ifdef DOT_U8S8
+static inline float CAT(hsum, SUFFIX)(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+#endif
+
+/* res[r * RA + c] = row n + r of the weight . input row t + c, for r < RW, c < RA. Inlined
+ * with constant FMT, RW and RA, so the RW x RA accumulators live in registers. Q4's offset
+ * term, sum over blocks of m * (da * sa), is a plain fp32 dot product of two short rows,
+ * done after the blocks: in the block loop its scalar maths took ~20% of a tile's time. */
+static inline __attribute__((always_inline)) void CAT(tile, SUFFIX)(
+    quant_weight w, q8_act a, int64_t n, int64_t t, const int FMT, const int RW, const int RA, float *res) {
+    const int64_t nb = w.C / 32;
+#ifdef DOT_U8S8
+    __m256 acc[4][4];
+    for (int r = 0; r < RW; ++r)
+        for (int c = 0; c < RA; ++c) acc[r][c] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        __m256i wv[4], sign[4];
+        __m256 dw[4];
+        for (int r = 0; r < RW; ++r) {
+            dw[r] = _mm256_broadcast_ss(w.d + (n + r) * nb + b);
+            if (FMT == QUANT_Q4) {
+                const __m128i p = _mm_loadu_si128((const __m128i *)((const uint8_t *)w.qs + (n + r) * (w.C / 2) + b * 16));
+                const __m256i v = _mm256_set_m128i(_mm_srli_epi16(p, 4), p); /* elements 16..31 | 0..15 */
+                wv[r] = _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
+            } else {
+                sign[r] = _mm256_loadu_si256((const __m256i *)((const int8_t *)w.qs + (n + r) * w.C + b * 32));
+                wv[r] = _mm256_sign_epi8(sign[r], sign[r]);
+            }
+        }
+        for (int c = 0; c < RA; ++c) {
+            const __m256i av = _mm256_loadu_si256((const __m256i *)(a.qs + (t + c) * a.C + b * 32));
+            const __m256 da = _mm256_broadcast_ss(a.d + (t + c) * nb + b);
+            for (int r = 0; r < RW; ++r) {
+                const __m256i s = FMT == QUANT_Q4 ? av : _mm256_sign_epi8(av, sign[r]);
+                const __m256 dot = _mm256_cvtepi32_ps(DOT_U8S8(wv[r], s));
+                acc[r][c] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dw[r], da), acc[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < RW; ++r)
+        for (int c = 0; c < RA; ++c) res[r * RA + c] = CAT(hsum, SUFFIX)(acc[r][c]);
+#else
+    for (int r = 0; r < RW; ++r)
+        for (int c = 0; c < RA; ++c) {
+            const int8_t *qa = a.qs + (t + c) * a.C;
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; ++b) {
+                int32_t dot = 0;
+                if (FMT == QUANT_Q4) {
+                    const uint8_t *q = (const uint8_t *)w.qs + (n + r) * (w.C / 2) + b * 16;
+                    for (int j = 0; j < 16; ++j) dot += (q[j] & 0x0F) * qa[b * 32 + j] + (q[j] >> 4) * qa[b * 32 + j + 16];
+                } else {
+                    const int8_t *q = (const int8_t *)w.qs + (n + r) * w.C + b * 32;
+                    for (int j = 0; j < 32; ++j) dot += q[j] * qa[b * 32 + j];
+                }
+                acc += (float)dot * (w.d[(n + r) * nb + b] * a.d[(t + c) * nb + b]);
+            }
+            res[r * RA + c] = acc;
+        }
+#endif
+    if (FMT == QUANT_Q4)
+        for (int r = 0; r < RW; ++r)
+            for (int c = 0; c < RA; ++c) {
+                const float *m = w.m + (n + r) * nb, *ds = a.ds + (t + c) * nb;
+                float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+                for (int64_t b = 0; b < nb; ++b) sum += m[b] * ds[b];
+                res[r * RA + c] += sum;
+            }
+}
+
+/* Writes the tile res (RW x RA) of output rows n.., input rows t.. as `mode` says. */
+static inline void CAT(write_tile, SUFFIX)(const float *res, int RW, int RA, int64_t n, int64_t t,
+                                           float *out, int64_t out_stride, const float *bias, int mode) {
+    for (int r = 0; r < RW; r += mode == QUANT_SILU_MUL ? 2 : 1)
+        for (int c = 0; c < RA; ++c) {
+            float *o = out + (t + c) * out_stride;
+            const float v = res[r * RA + c] + (bias ? bias[n + r] : 0.0f);
+            if (mode == QUANT_SILU_MUL) {
+                const float up = res[(r + 1) * RA + c] + (bias ? bias[n + r + 1] : 0.0f);
+                o[(n + r) / 2] = v / (1.0f + __builtin_expf(-v)) * up;
+            } else if (mode == QUANT_ADD) {
+                o[n + r] += v;
+            } else {
+                o[n + r] = v;
+            }
+        }
+}
+
+/* Output rows [n0, n1) x input rows [t0, t1). n0 is even and, for QUANT_SILU_MUL, so is n1. */
+static inline __attribute__((always_inline)) void CAT(task_fmt, SUFFIX)(
+    quant_weight w, q8_act a, int64_t n0, int64_t n1, int64_t t0, int64_t t1, float *out,
+    int64_t out_stride, const float *bias, int mode, const int FMT) {
+    float res[16];
+    int64_t t = t0;
+    if (t1 - t0 == 1) { /* one input row: 4 weight rows at a time */
+        int64_t n = n0;
+        for (; n + 4 <= n1; n += 4) {
+            CAT(tile, SUFFIX)(w, a, n, t, FMT, 4, 1, res);
+            CAT(write_tile, SUFFIX)(res, 4, 1, n, t, out, out_stride, bias, mode);
+        }
+        for (; n + 2 <= n1; n += 2) {
+            CAT(tile, SUFFIX)(w, a, n, t, FMT, 2, 1, res);
+            CAT(write_tile, SUFFIX)(res, 2, 1, n, t, out, out_stride, bias, mode);
+        }
+        for (; n < n1; ++n) {
+            CAT(tile, SUFFIX)(w, a, n, t, FMT, 1, 1, res);
+            CAT(write_tile, SUFFIX)(res, 1, 1, n, t, out, out_stride, bias, mode);
+        }
+        return;
+    }
+    for (; t + 4 <= t1; t += 4) { /* 2 weight rows x 4 input rows */
+        int64_t n = n0;
+        for (; n + 2 <= n1; n += 2) {
+            CAT(tile, SUFFIX)(w, a, n, t, FMT, 2, 4, res);
+            CAT(write_tile, SUFFIX)(res, 2, 4, n, t, out, out_stride, bias, mode);
+        }
+        for (; n < n1; ++n) {
+            CAT(tile, SUFFIX)(w, a, n, t, FMT, 1, 4, res);
+            CAT(write_tile, SUFFIX)(res, 1, 4, n, t, out, out_stride, bias, mode);
+        }
+    }
+    for (; t < t1; ++t) {
+        int64_t n = n0;
+        for (; n + 2 <= n1; n += 2) {
+            CAT(tile, SUFFIX)(w, a, n, t, FMT, 2, 1, res);
+            CAT(write_tile, SUFFIX)(res, 2, 1, n, t, out, out_stride, bias, mode);
+        }
+        for (; n < n1; ++n) {
+            CAT(tile, SUFFIX)(w, a, n, t, FMT, 1, 1, res);
+            CAT(write_tile, SUFFIX)(res, 1, 1, n, t, out, out_stride, bias, mode);
+        }
+    }
+}
+static void CAT(quant_task, SUFFIX)(quant_weight w, q8_act a, int64_t n0, int64_t n1, int64_t t0,
+                                    int64_t t1, float *out, int64_t out_stride, const float *bias, int mode) {
+    if (w.format == QUANT_Q4)
+        CAT(task_fmt, SUFFIX)(w, a, n0, n1, t0, t1, out, out_stride, bias, mode, QUANT_Q4);
+    else
+        CAT(task_fmt, SUFFIX)(w, a, n0, n1, t0, t1, out, out_stride, bias, mode, QUANT_Q8);
+}
+#undef CAT
+#undef CAT_

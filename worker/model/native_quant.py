@@ -1,0 +1,99 @@
+"""The Python side of the quantized linears in kernels/quant.c (built by native.py)."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+
+from worker.model.quant import QK, QuantWeight
+
+# Instruction sets, best first; the numbers are quant.h's QUANT_ISA_*.
+ISAS = {"avx512vnni": 3, "avxvnni": 2, "avx2": 1, "scalar": 0}
+FORMATS = {"q4": 0, "q8": 1}
+MODES = {"store": 0, "add": 1, "silu_mul": 2}
+
+_p, _i64, _i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+
+class QuantKernels:
+    """Quantized matmuls on the best instruction set this CPU has (`isa`), or a named one."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._linear = lib.quant_linear
+        self._linear.restype = _i
+        self._linear.argtypes = [_i, _p, _p, _p, _i64, _i64, _i, _p, _i64, _i64, _p, _p, _p, _p, _p, _i64,
+                                 _p, _i, _i]
+        self._quantize = lib.quantize_rows
+        self._quantize.restype = None
+        self._quantize.argtypes = [_p, _i64, _i64, _i64, _p, _p, _p, _p]
+        self._dequantize = lib.quant_dequantize_rows
+        self._dequantize.restype = None
+        self._dequantize.argtypes = [_p, _p, _p, _i64, _i, _p, _i64, _p, _i]
+        supported = lib.quant_isa_supported
+        supported.restype = _i
+        supported.argtypes = [_i]
+        self.supported_isas = tuple(name for name, n in ISAS.items() if supported(n))
+        self.isa = self.supported_isas[0]
+
+    def linear(self, x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, *,
+               mode: str = "store", out: torch.Tensor | None = None, isa: str | None = None) -> torch.Tensor:
+        """x (T, C) fp32, rows strided, values contiguous -> (T, N), or (T, N / 2) for
+        "silu_mul" (weight rows interleaved gate, up), or added into `out` for "add"."""
+        N, C = w.shape
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != C or x.stride(1) != 1:
+            raise ValueError(f"quantized linear: x must be (T, {C}) fp32 with contiguous rows, got "
+                             f"{x.dtype} {tuple(x.shape)} strides {x.stride()}")
+        T = x.shape[0]
+        width = N // 2 if mode == "silu_mul" else N
+        if out is None:
+            if mode == "add":
+                raise ValueError("quantized linear: mode 'add' needs `out`")
+            out = torch.empty(T, width, dtype=torch.float32)  # (T, N) or (T, N / 2)
+        elif out.shape != (T, width) or out.stride(1) != 1 or out.dtype != torch.float32:
+            raise ValueError(f"quantized linear: out must be ({T}, {width}) fp32, got {tuple(out.shape)}")
+        if bias is not None and (bias.shape != (N,) or bias.dtype != torch.float32
+                                 or not bias.is_contiguous()):
+            raise ValueError(f"quantized linear: bias must be ({N},) fp32 contiguous")
+        qa = _activation_buffers(T, C)
+        isa_id = ISAS[isa or self.isa]
+        failed = self._linear(isa_id, w.qs.data_ptr(), w.d.data_ptr(), _ptr(w.m), N, C, FORMATS[w.format],
+                              x.data_ptr(), x.stride(0), T, *(t.data_ptr() for t in qa), out.data_ptr(),
+                              out.stride(0), _ptr(bias), MODES[mode], torch.get_num_threads())
+        if failed:
+            raise ValueError(f"quantized linear: this CPU cannot run {isa} (it has {', '.join(self.supported_isas)})")
+        return out
+
+    def quantize_activations(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x (T, C) fp32 contiguous -> qs (T, C) int8, d, s, d * s (T, C / QK)."""
+        T, C = x.shape
+        qa = _activation_buffers(T, C)
+        self._quantize(x.data_ptr(), x.stride(0), T, C, *(t.data_ptr() for t in qa))
+        return qa
+
+    def dequantize_rows(self, w: QuantWeight, ids: torch.Tensor | None = None,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows `ids` (n,) of w (all rows when None) as fp32 (n, C), into `out` when given."""
+        N, C = w.shape
+        ids = torch.arange(N) if ids is None else ids.to(torch.int64).contiguous()
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= N):
+            raise ValueError(f"dequantize_rows: ids must be in [0, {N})")
+        n = ids.shape[0]
+        if out is None:
+            out = torch.empty(n, C, dtype=torch.float32)  # (n, C)
+        elif out.shape != (n, C) or not out.is_contiguous() or out.dtype != torch.float32:
+            raise ValueError(f"dequantize_rows: out must be ({n}, {C}) fp32 contiguous")
+        self._dequantize(w.qs.data_ptr(), w.d.data_ptr(), _ptr(w.m), C, FORMATS[w.format], ids.data_ptr(),
+                         n, out.data_ptr(), torch.get_num_threads())
+        return out
+
+
+def _activation_buffers(T: int, C: int) -> tuple[torch.Tensor, ...]:
+    nb = C // QK
+    return (torch.empty(T, C, dtype=torch.int8), torch.empty(T, nb, dtype=torch.float32),  # qs, d
+            torch.empty(T, nb, dtype=torch.int32), torch.empty(T, nb, dtype=torch.float32))  # s, d * s
+
+
+def _ptr(t: Any) -> int | None:
+    return None if t is None else t.data_ptr()

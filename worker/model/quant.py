@@ -1,0 +1,151 @@
+"""Block-quantized linear weights, as the C kernels read them (kernels/quant.c).
+
+llama.cpp's Q4_0, Q4_1 and Q8_0 blocks hold 32 weights and fp16 scales. At load
+they are repacked once into two runtime formats, rows of blocks with the values
+of a row contiguous and the scales beside them as fp32 (a conversion that is
+exact and saves the kernels an fp16 decode per block):
+  * "q4": Q4_1 (w = d * u + m, u a nibble) and Q4_0 (w = d * (u - 8), kept as
+    Q4_1 with m = -8 d: one kernel for both);
+  * "q8": Q8_0 (w = d * q, q an int8).
+Any other tensor type (F16, BF16, K-quants) is dequantized and requantized to
+Q8_0 at load, as are safetensors weights with `quantization="q8_0"`.
+
+Also here: NumPy references of the activation quantization and of a quantized
+linear, which the tests hold the C kernels to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import gguf
+import numpy as np
+import torch
+
+QK = 32  # weights per block
+Q = gguf.GGMLQuantizationType
+KEPT_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0)  # GGUF types kept in their own blocks
+QUANTIZE_TYPES = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0}
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    """A linear weight (N, C) in blocks of QK along C."""
+
+    format: str  # "q4" or "q8"
+    source: str  # the file's type it came from: "Q4_1", "Q4_0", "Q8_0", or "F32->Q8_0", ...
+    qs: torch.Tensor  # q4: (N, C // 2) uint8, byte j of a block holds u_j (low) and u_{j+16}; q8: (N, C) int8
+    d: torch.Tensor  # (N, C // QK) fp32 block scales
+    m: torch.Tensor | None  # q4: (N, C // QK) fp32 block offsets; q8: None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.d.shape[0], self.d.shape[1] * QK
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m) if t is not None)
+
+    def rows(self, index: torch.Tensor) -> QuantWeight:
+        """These rows, in this order (rows are whole blocks: permuting them is exact)."""
+        return replace(self, qs=self.qs[index].contiguous(), d=self.d[index].contiguous(),
+                       m=None if self.m is None else self.m[index].contiguous())
+
+    def dequantize(self) -> torch.Tensor:
+        """(N, C) fp32: what the kernels multiply by."""
+        N, C = self.shape
+        scale = self.d[:, :, None]  # (N, C / QK, 1)
+        if self.format == "q8":
+            return (self.qs.view(N, -1, QK).float() * scale).view(N, C)
+        q = self.qs.view(N, -1, QK // 2)  # (N, C / QK, 16)
+        u = torch.cat((q & 0x0F, q >> 4), dim=-1).float()  # (N, C / QK, QK) in element order
+        assert self.m is not None
+        return (u * scale + self.m[:, :, None]).view(N, C)
+
+
+def cat_rows(weights: list[QuantWeight], source: str | None = None) -> QuantWeight:
+    """Weights of one format stacked along N (fused q/k/v, gate/up)."""
+    formats = {w.format for w in weights}
+    if len(formats) != 1:
+        raise ValueError(f"cannot fuse weights of formats {sorted(formats)}")
+    ms = [w.m for w in weights]
+    return QuantWeight(weights[0].format, source or "+".join(sorted({w.source for w in weights})),
+                       torch.cat([w.qs for w in weights]), torch.cat([w.d for w in weights]),
+                       None if any(m is None for m in ms) else torch.cat([m for m in ms if m is not None]))
+
+
+def interleave_rows(a: QuantWeight, b: QuantWeight) -> QuantWeight:
+    """Rows a_0, b_0, a_1, b_1, ...: gate and up side by side for the SiLU-mul epilogue."""
+    both = cat_rows([a, b])
+    n = a.shape[0]
+    order = torch.stack((torch.arange(n), torch.arange(n, 2 * n)), dim=1).reshape(-1)  # (2n,)
+    return both.rows(order)
+
+
+def from_blocks(raw: np.ndarray, qtype: Q, shape: tuple[int, int], source: str | None = None) -> QuantWeight:
+    """A GGUF tensor's raw bytes ((N, C // QK * block bytes) uint8) as a QuantWeight."""
+    N, C = shape
+    if C % QK:
+        raise ValueError(f"a {qtype.name} tensor needs in_features divisible by {QK}, got {C}")
+    blocks = np.ascontiguousarray(raw).reshape(N, C // QK, -1)  # (N, nb, block bytes)
+    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))  # (N, nb)
+    if qtype == Q.Q8_0:
+        qs = torch.from_numpy(blocks[..., 2:].copy().view(np.int8).reshape(N, C))
+        return QuantWeight("q8", source or qtype.name, qs, d, None)
+    if qtype == Q.Q4_1:
+        m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+        qs = torch.from_numpy(blocks[..., 4:].reshape(N, C // 2).copy())
+    elif qtype == Q.Q4_0:
+        m = d * -8.0  # exact: a power of two
+        qs = torch.from_numpy(blocks[..., 2:].reshape(N, C // 2).copy())
+    else:
+        raise ValueError(f"{qtype.name} blocks are not kept quantized (only {[t.name for t in KEPT_TYPES]})")
+    return QuantWeight("q4", source or qtype.name, qs, d, m)
+
+
+def quantize(w: torch.Tensor, kind: str, source: str = "") -> QuantWeight:
+    """A float weight (N, C) quantized with llama.cpp's reference rounding (gguf's NumPy port)."""
+    qtype = QUANTIZE_TYPES[kind]
+    N, C = w.shape
+    if C % QK:
+        raise ValueError(f"{kind} needs in_features divisible by {QK}, got {C}")
+    raw = gguf.quants.quantize(w.detach().float().numpy(), qtype)  # (N, nb * block bytes)
+    return from_blocks(raw, qtype, (N, C), source=f"{source}->{qtype.name}" if source else qtype.name)
+
+
+# ---- NumPy references ----------------------------------------------------------------------
+
+def quantize_activations_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x (T, C) fp32 -> (qs (T, C) int8, d (T, C / QK) fp32, s (T, C / QK) int32), as
+    kernels/quant.c computes them: d = max|x| / 127, q = rint(x * (1 / d)) (ties to even)."""
+    T, C = x.shape
+    xb = x.astype(np.float32).reshape(T, C // QK, QK)
+    d = (np.abs(xb).max(axis=-1) / np.float32(127)).astype(np.float32)  # (T, nb)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+    q = np.rint(xb * inv[..., None]).astype(np.int32)  # (T, nb, QK)
+    return q.astype(np.int8).reshape(T, C), d, q.sum(axis=-1).astype(np.int32)
+
+
+def integer_dots_reference(w: QuantWeight, qa: np.ndarray) -> np.ndarray:
+    """Per block integer dot products (T, N, C / QK) int64 of the weight's integers (u for q4,
+    q for q8) with quantized activations qa (T, C)."""
+    N, C = w.shape
+    if w.format == "q8":
+        wi = w.qs.numpy().astype(np.int64).reshape(N, C // QK, QK)
+    else:
+        q = w.qs.numpy().reshape(N, C // QK, QK // 2)
+        wi = np.concatenate((q & 0x0F, q >> 4), axis=-1).astype(np.int64)  # (N, nb, QK)
+    a = qa.astype(np.int64).reshape(qa.shape[0], C // QK, QK)  # (T, nb, QK)
+    return np.einsum("nbk,tbk->tnb", wi, a)
+
+
+def linear_reference(w: QuantWeight, x: np.ndarray) -> np.ndarray:
+    """What the kernels compute for x (T, C), in float64: (T, N)."""
+    qa, d, s = quantize_activations_reference(x)
+    dots = integer_dots_reference(w, qa).astype(np.float64)  # (T, N, nb)
+    da = d.astype(np.float64)[:, None, :]  # (T, 1, nb)
+    out = dots * w.d.numpy().astype(np.float64)[None] * da
+    if w.m is not None:
+        out += w.m.numpy().astype(np.float64)[None] * (da * s[:, None, :])
+    return out.sum(axis=-1)
