@@ -160,7 +160,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype, quantize_to: str | None = No
             if quantize_to is not None and len(t.shape) == 2:
                 w = _quantized(file, t, quantize_to)
             else:
-                w = torch.from_numpy(_to_numpy(file, t)).to(dtype)  # a float32 source is freed when dtype differs
+                # shares the fresh numpy buffer; a float32 source is freed here when dtype differs
+                w = torch.from_numpy(_to_numpy(file, t)).to(dtype)
             heads = {"self_attn.q_proj": config.num_heads, "self_attn.k_proj": config.num_kv_heads}
             for part, num_heads in heads.items():
                 if f".{part}." in name:

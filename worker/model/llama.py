@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from worker.model.config import ModelConfig
 from worker.model.linear import Linears, Weight
 from worker.model.native import NativeKernels
+from worker.model.native_layers import DecodeLayers
 from worker.model.quant import QuantWeight, cat_rows
 from worker.model.rope import apply_rope, rope_tables
 
@@ -56,6 +57,7 @@ class LayerWeights:
     wqkv: Weight  # ((H + 2K) * D, C): q, k and v projections fused into one matmul
     bqkv: torch.Tensor | None  # ((H + 2K) * D,) when attention_bias
     wo: Weight  # (C, H * D)
+    bo: torch.Tensor | None  # (C,) when attention_bias
     mlp_norm: torch.Tensor  # (C,)
     w_gate_up: Weight  # (2 * F, C): gate and up fused
     w_down: Weight  # (C, F)
@@ -156,6 +158,20 @@ class LlamaModel:
         cos, sin = rope_tables(config, config.max_position_embeddings, self.device)  # (P, D)
         self.cos, self.sin = cos.to(dtype), sin.to(dtype)
         self.kv_head_index = torch.arange(config.num_kv_heads, device=self.device)[None, :]  # (1, K)
+        self.decode_layers = self._fused_decode_layers()
+
+    def _fused_decode_layers(self) -> DecodeLayers | None:
+        """All layers of a decode-only step in one C call (kernels/layer.c), where every matmul
+        weight is quantized and the shapes are ones the C code takes; else None (per op)."""
+        cfg = self.config
+        weights = [w for layer in self.layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
+        if (self.kernels is None or not all(isinstance(w, QuantWeight) for w in weights)
+                or cfg.head_dim > 512 or (cfg.num_heads * cfg.head_dim) % 32):
+            return None
+        return self.kernels.decode_layers(self.layers, hidden=cfg.hidden_size, heads=cfg.num_heads,
+                                          kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                                          ffn=cfg.intermediate_size, eps=cfg.rms_norm_eps, cos=self.cos,
+                                          sin=self.sin)
 
     def _to_device(self, w: torch.Tensor | QuantWeight) -> Any:
         return w if isinstance(w, QuantWeight) else w.to(self.device, self.dtype)
@@ -178,6 +194,7 @@ class LlamaModel:
             wqkv=prepare(cat_rows(qkv) if isinstance(qkv[0], QuantWeight) else torch.cat(qkv, dim=0)),
             bqkv=torch.cat(bias, dim=0) if bias else None,
             wo=prepare(take("self_attn.o_proj.weight")),
+            bo=take("self_attn.o_proj.bias") if self.config.attention_bias else None,
             mlp_norm=take("post_attention_layernorm.weight"),
             w_gate_up=self.linear.fuse_gate_up(take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")),
             w_down=prepare(take("mlp.down_proj.weight")),
@@ -198,6 +215,10 @@ class LlamaModel:
         Returns float32 logits (R, V) of the tokens in batch.logits_indices.
         """
         x = self._embed(batch.input_ids)  # (T, C)
+        if batch.num_prefills == 0 and self.decode_layers is not None:
+            self.decode_layers(x, batch.positions, batch.slot_mapping, batch.block_tables, batch.context_lens,
+                               cache.k, cache.v)  # x updated in place
+            return self._logits(x, batch)
         cos = self.cos[batch.positions].unsqueeze(1)  # (T, 1, D)
         sin = self.sin[batch.positions].unsqueeze(1)  # (T, 1, D)
         bs = cache.block_size
@@ -210,6 +231,9 @@ class LlamaModel:
             x = x + self._attention(h, layer, cache, i, batch, cos, sin, write_index, decode_bias)
             h = self.rms_norm(x, layer.mlp_norm, self.config.rms_norm_eps)  # (T, C)
             x = x + self._mlp(h, layer)
+        return self._logits(x, batch)
+
+    def _logits(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         x = self.rms_norm(x[batch.logits_indices], self.norm, self.config.rms_norm_eps)  # (R, C)
         return self.linear(x, self.lm_head).float()  # (R, V)
 
@@ -236,7 +260,7 @@ class LlamaModel:
         if first_decode < T:
             outs.append(self._decode_attention(q[first_decode:], cache, i, batch, decode_bias))
         out = outs[0] if len(outs) == 1 else torch.cat(outs)  # (T, H, D)
-        return self.linear(out.reshape(T, H * D), layer.wo)  # (T, C)
+        return self.linear(out.reshape(T, H * D), layer.wo, layer.bo)  # (T, C)
 
     def _prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
                            i: int, batch: ForwardBatch) -> list[torch.Tensor]:

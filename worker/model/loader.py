@@ -94,7 +94,8 @@ def check_weights(config: ModelConfig, tensors: Mapping[str, torch.Tensor | Quan
     unexpected = sorted(set(tensors) - set(shapes))
     if unexpected:
         raise ValueError(f"unexpected tensors: {', '.join(unexpected[:10])}")
-    wrong = [f"{n} {tuple(t.shape)} != {shapes[n]}" for n, t in tensors.items() if tuple(t.shape) != shapes[n]]
+    wrong = [f"{n} {tuple(t.shape)} != {shapes[n]}" for n, t in tensors.items()
+             if tuple(t.shape) != shapes[n]]
     if wrong:
         raise ValueError(f"wrong tensor shapes: {'; '.join(wrong[:10])}")
 

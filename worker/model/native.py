@@ -26,12 +26,14 @@ from pathlib import Path
 
 import torch
 
+from worker.model.native_layers import DecodeLayers
 from worker.model.native_quant import QuantKernels
 
 log = logging.getLogger(__name__)
 
 KERNELS = Path(__file__).with_name("kernels")
-SOURCES = (KERNELS / "cpu.c", KERNELS / "quant.c")  # one library; the *.h files they include are hashed too
+# One library; the *.h files they include are hashed into its name too.
+SOURCES = (KERNELS / "cpu.c", KERNELS / "quant.c", KERNELS / "layer.c")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
 COMPILERS = ("cc", "gcc", "clang")
 
@@ -159,6 +161,7 @@ class NativeKernels:
     paged_decode_attention: PagedDecodeAttention
     rms_norm: RmsNorm
     quant: QuantKernels
+    decode_layers: Callable[..., DecodeLayers]  # (layers, **shapes) -> the layers' decode-step call
 
 
 @functools.cache
@@ -185,7 +188,9 @@ def load_native_kernels(cache_dir: Path | None = None) -> NativeKernels | None:
     norm = lib.rms_norm_f32
     norm.restype = None
     norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
-    return NativeKernels(PagedDecodeAttention(attention), RmsNorm(norm), QuantKernels(lib))
+    quant = QuantKernels(lib)
+    return NativeKernels(PagedDecodeAttention(attention), RmsNorm(norm), quant,
+                         functools.partial(DecodeLayers, lib, quant))
 
 
 def _build(sources: tuple[Path, ...], cache_dir: Path) -> Path:

@@ -62,7 +62,8 @@ class QuantKernels:
                               x.data_ptr(), x.stride(0), T, *(t.data_ptr() for t in qa), out.data_ptr(),
                               out.stride(0), _ptr(bias), MODES[mode], torch.get_num_threads())
         if failed:
-            raise ValueError(f"quantized linear: this CPU cannot run {isa} (it has {', '.join(self.supported_isas)})")
+            raise ValueError(f"quantized linear: this CPU cannot run {isa} "
+                             f"(it has {', '.join(self.supported_isas)})")
         return out
 
     def quantize_activations(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:

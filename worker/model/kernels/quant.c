@@ -49,24 +49,7 @@ void quantize_rows_body(const float *x, int64_t x_stride, int64_t T, int64_t C, 
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < T * nb; ++i) {
         const int64_t t = i / nb, b = i % nb;
-        const float *xb = x + t * x_stride + b * QBLOCK;
-        int8_t *q = a.qs + t * C + b * QBLOCK;
-        float amax = 0.0f;
-        for (int j = 0; j < QBLOCK; ++j) {
-            const float v = xb[j] < 0 ? -xb[j] : xb[j];
-            amax = v > amax ? v : amax;
-        }
-        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-        int32_t sum = 0;
-#pragma omp simd reduction(+ : sum)
-        for (int j = 0; j < QBLOCK; ++j) {
-            const int32_t v = (int32_t)__builtin_rintf(xb[j] * id); /* ties to even, as numpy's rint */
-            q[j] = (int8_t)v;
-            sum += v;
-        }
-        a.d[t * nb + b] = d;
-        a.s[t * nb + b] = sum;
-        a.ds[t * nb + b] = d * (float)sum;
+        quantize_block(x + t * x_stride + b * QBLOCK, a.qs + t * C + b * QBLOCK, a.d + i, a.s + i, a.ds + i);
     }
 }
 

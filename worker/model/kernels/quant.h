@@ -26,6 +26,27 @@ typedef struct {
     int64_t C;
 } q8_act;
 
+/* One block of 32 inputs as q8: d = max|x| / 127, q = rint(x / d) (ties to even, as
+ * numpy's rint), s = sum(q) exactly, ds = d * s. */
+static inline void quantize_block(const float *x, int8_t *q, float *d, int32_t *s, float *ds) {
+    float amax = 0.0f;
+    for (int j = 0; j < 32; ++j) {
+        const float v = x[j] < 0 ? -x[j] : x[j];
+        amax = v > amax ? v : amax;
+    }
+    const float scale = amax / 127.0f, inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+    int32_t sum = 0;
+#pragma omp simd reduction(+ : sum)
+    for (int j = 0; j < 32; ++j) {
+        const int32_t v = (int32_t)__builtin_rintf(x[j] * inv);
+        q[j] = (int8_t)v;
+        sum += v;
+    }
+    *d = scale;
+    *s = sum;
+    *ds = scale * (float)sum;
+}
+
 int quant_isa_supported(int isa);
 /* Worksharing loops (omp for): call them inside a parallel region. */
 void quantize_rows_body(const float *x, int64_t x_stride, int64_t T, int64_t C, q8_act a);
