@@ -11,6 +11,7 @@ from worker.engine.core import EngineCore
 from worker.model.config import ModelConfig
 from worker.model.llama import LlamaModel
 from worker.model.native import load_native_kernels
+from worker.model.quant import QuantWeight, quantize
 
 VOCAB = 128
 
@@ -28,11 +29,18 @@ def make_hf_model(num_heads: int = 4, num_kv_heads: int = 2, tie: bool = False,
         rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=tie,
         rope_scaling=rope_scaling, attention_bias=attention_bias, bos_token_id=1, eos_token_id=2,
     )
-    return transformers.LlamaForCausalLM(cfg).eval()
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # transformers starts biases at 0, which would hide a dropped one
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.5)
+    return model
 
 
-def ours_from_hf(hf: Any, dtype: torch.dtype = torch.float32, native: bool = True) -> LlamaModel:
-    """Our model with hf's weights; native=False keeps decode attention in torch (the CUDA path)."""
+def ours_from_hf(hf: Any, dtype: torch.dtype = torch.float32, native: bool = True,
+                 quantize_to: str | None = None) -> LlamaModel:
+    """Our model with hf's weights; native=False keeps decode attention in torch (the CUDA path);
+    quantize_to "q8_0"/"q4_0" quantizes every matmul weight and the embedding table."""
     c = hf.config
     config = ModelConfig(
         vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
@@ -42,9 +50,12 @@ def ours_from_hf(hf: Any, dtype: torch.dtype = torch.float32, native: bool = Tru
         max_position_embeddings=c.max_position_embeddings,
         tie_word_embeddings=c.tie_word_embeddings, attention_bias=c.attention_bias,
     )
-    weights = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    weights: dict[str, torch.Tensor | QuantWeight] = {k: v.detach().clone() for k, v in hf.state_dict().items()}
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
+    if quantize_to is not None:
+        weights = {k: quantize(v, quantize_to) if isinstance(v, torch.Tensor) and v.dim() == 2 else v
+                   for k, v in weights.items()}
     kernels = load_native_kernels() if native and dtype == torch.float32 else None
     return LlamaModel(config, weights, dtype=dtype, kernels=kernels)
 

@@ -1,0 +1,124 @@
+"""kernels/layer.c: a decode step's layers in one C call give exactly what the per-op path gives."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from tests.factories import make_hf_model, ours_from_hf
+from worker.model.llama import ForwardBatch, KVCache, LlamaModel
+from worker.model.native import COMPILERS, load_native_kernels
+
+if not any(shutil.which(c) for c in COMPILERS):
+    pytest.skip("no C compiler on this machine: the model uses its torch path", allow_module_level=True)
+
+BLOCK = 4
+
+
+@dataclass
+class Step:
+    batch: ForwardBatch
+    cache: KVCache
+
+
+def make_step(model: LlamaModel, lengths: list[int], kv_dtype: torch.dtype, seed: int = 0) -> Step:
+    """A decode step over rows with `lengths` cached positions (random K/V in scattered blocks,
+    the new token's slot at position length)."""
+    g = torch.Generator().manual_seed(seed)
+    per_row = [-(-(n + 1) // BLOCK) for n in lengths]
+    num_blocks = sum(per_row) + 3
+    cache = KVCache(model.config, num_blocks, BLOCK, kv_dtype, torch.device("cpu"))
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    order = torch.randperm(num_blocks, generator=g).to(torch.int32)
+    tables = torch.zeros(len(lengths), max(per_row), dtype=torch.int32)  # (B, M), padded with block 0
+    used = 0
+    for b, m in enumerate(per_row):
+        tables[b, :m] = order[used:used + m]
+        used += m
+    pos = torch.tensor(lengths)  # (B,): the new token's position
+    slots = tables[torch.arange(len(lengths)), pos // BLOCK].long() * BLOCK + pos % BLOCK
+    lens = tuple(n + 1 for n in lengths)
+    batch = ForwardBatch(
+        input_ids=torch.randint(0, model.config.vocab_size, (len(lengths),), generator=g), positions=pos,
+        slot_mapping=slots, block_tables=tables, context_lens=torch.tensor(lens, dtype=torch.int32),
+        query_start_loc=tuple(range(len(lengths) + 1)), context_lens_host=lens, num_prefills=0,
+        logits_indices=torch.arange(len(lengths)))
+    return Step(batch, cache)
+
+
+def run(model: LlamaModel, step: Step, fused: bool) -> tuple[torch.Tensor, KVCache]:
+    cache = KVCache(model.config, step.cache.num_blocks, BLOCK, step.cache.dtype, torch.device("cpu"))
+    cache.k.copy_(step.cache.k)
+    cache.v.copy_(step.cache.v)
+    layers, model.decode_layers = model.decode_layers, (model.decode_layers if fused else None)
+    try:
+        return model.forward(step.batch, cache), cache
+    finally:
+        model.decode_layers = layers
+
+
+@pytest.fixture(scope="module", params=["q8_0", "q4_0"])
+def model(request: pytest.FixtureRequest) -> LlamaModel:
+    m = ours_from_hf(make_hf_model(num_heads=4, num_kv_heads=2, attention_bias=True), quantize_to=request.param)
+    assert m.decode_layers is not None, "every weight is quantized: the fused path must be on"
+    return m
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("lengths", [[0], [5, 0, 13, 31, 2, 8]])
+def test_fused_layers_equal_the_per_op_path_bit_for_bit(model: LlamaModel, kv_dtype: torch.dtype,
+                                                        lengths: list[int]) -> None:
+    step = make_step(model, lengths, kv_dtype)
+    fused_logits, fused_cache = run(model, step, fused=True)
+    logits, cache = run(model, step, fused=False)
+    assert torch.equal(fused_cache.k, cache.k) and torch.equal(fused_cache.v, cache.v)  # K/V written alike
+    assert torch.equal(fused_logits, logits)
+    assert not torch.equal(fused_cache.k, step.cache.k)  # and something was written
+
+
+def test_every_instruction_set_gives_the_same_step(model: LlamaModel) -> None:
+    kernels = load_native_kernels()
+    assert kernels is not None and model.decode_layers is not None
+    step = make_step(model, [3, 17, 9], torch.float32)
+    outs = {}
+    for isa in kernels.quant.supported_isas:
+        cache = KVCache(model.config, step.cache.num_blocks, BLOCK, torch.float32, torch.device("cpu"))
+        cache.k.copy_(step.cache.k)
+        cache.v.copy_(step.cache.v)
+        x = model._embed(step.batch.input_ids)
+        b = step.batch
+        model.decode_layers(x, b.positions, b.slot_mapping, b.block_tables, b.context_lens, cache.k, cache.v,
+                            isa=isa)
+        outs[isa] = x
+    for isa, x in outs.items():
+        torch.testing.assert_close(x, outs["scalar"], rtol=1e-5, atol=1e-5, msg=f"{isa} vs scalar")
+
+
+@pytest.mark.parametrize("breakage, message", [
+    ("lens", "context length"), ("block", "block id"), ("position", "position"), ("slot", "slot")])
+def test_bad_step_metadata_is_refused_before_anything_is_written(model: LlamaModel, breakage: str,
+                                                                 message: str) -> None:
+    step = make_step(model, [5, 9], torch.float32)
+    b = step.batch
+    if breakage == "lens":
+        b.context_lens[1] = b.block_tables.shape[1] * BLOCK + 1
+    elif breakage == "block":
+        b.block_tables[0, 0] = step.cache.num_blocks
+    elif breakage == "position":
+        b.positions[0] = model.cos.shape[0]
+    else:
+        b.slot_mapping[1] = step.cache.num_blocks * BLOCK
+    k, v = step.cache.k.clone(), step.cache.v.clone()
+    assert model.decode_layers is not None
+    with pytest.raises(ValueError, match=message):
+        model.decode_layers(model._embed(b.input_ids), b.positions, b.slot_mapping, b.block_tables,
+                            b.context_lens, step.cache.k, step.cache.v)
+    assert torch.equal(step.cache.k, k) and torch.equal(step.cache.v, v)
+
+
+def test_a_float_model_runs_per_op() -> None:
+    assert ours_from_hf(make_hf_model()).decode_layers is None
