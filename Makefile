@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= What is the capital of France? Answer in one sentence.
 
-.PHONY: demo serve test lint bench-engine bench-kv bench-e2e chaos protos clean
+.PHONY: demo serve test lint bench-engine bench-kv bench-e2e bench-llamacpp chaos protos clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,9 @@ bench-kv: $(STAMP)  ## paged KV cache: 48 chats with one system prompt, prefix c
 
 bench-e2e: $(STAMP)
 	$(BIN)/python benchmarks/e2e.py
+
+bench-llamacpp: $(STAMP)  ## vs llama.cpp on the same GGUF; needs the llamacpp extra (it says how to install it)
+	$(BIN)/python benchmarks/llamacpp.py
 
 MINUTES ?= 5
 chaos: $(STAMP)  ## kill workers/gateways and restart Redis under streaming load for $(MINUTES) min; prints JSON
