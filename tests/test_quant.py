@@ -1,0 +1,515 @@
+"""Block-quantized CPU linears (worker/model/quant.py, native_quant.py, kernels/quant.c): the C kernels
+against NumPy references and fp32 maths, every instruction set, Linears, the loader and the factory."""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from worker.engine.config import EngineConfig
+from worker.factory import build_model, quantize_to
+from worker.model.linear import DEQUANTIZE_ROWS, Linears
+from worker.model.llama import ForwardBatch, KVCache, LlamaModel
+from worker.model.loader import default_model_path, expected_shapes, load_model, read_hf_config
+from worker.model.native import COMPILERS, load_native_kernels
+from worker.model.native_quant import ISAS, QuantKernels
+from worker.model.quant import (
+    QK,
+    QuantWeight,
+    cat_rows,
+    from_blocks,
+    integer_dots_reference,
+    interleave_rows,
+    linear_reference,
+    quantize,
+    quantize_activations_reference,
+)
+
+if not any(shutil.which(c) for c in COMPILERS):
+    pytest.skip("no C compiler on this machine: quantized weights cannot run", allow_module_level=True)
+
+Q = gguf.GGMLQuantizationType
+KINDS = {"q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q8_0": Q.Q8_0}  # GGUF block types the kernels run as they are
+NMSE_MAX = 5e-4  # llama.cpp's test-backend-ops threshold for a quantized matmul
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def quant() -> QuantKernels:
+    kernels = load_native_kernels()
+    assert kernels is not None, "a C compiler is present, so the kernels must build and load"
+    return kernels.quant
+
+
+@pytest.fixture(params=list(ISAS))
+def isa(request: pytest.FixtureRequest, quant: QuantKernels) -> str:
+    if request.param not in quant.supported_isas:
+        pytest.skip(f"this CPU has no {request.param} (it has {', '.join(quant.supported_isas)})")
+    return str(request.param)
+
+
+# ---------------------------------------------------------------- factories
+
+
+def pack_blocks(kind: str, ints: np.ndarray, d: np.ndarray, m: np.ndarray | None = None) -> np.ndarray:
+    """GGUF raw blocks (N, C / 32 * block bytes) uint8 of integers (N, C) (q8_0: q in [-128, 127];
+    q4: u in [0, 15], q4_0 meaning d * (u - 8)), scales d (N, C / 32) and, for q4_1, offsets m."""
+    N, C = ints.shape
+    nb = C // QK
+    parts: list[np.ndarray] = [d.astype(np.float16).reshape(N, nb, 1).view(np.uint8)]  # (N, nb, 2)
+    if kind == "q4_1":
+        assert m is not None
+        parts.append(m.astype(np.float16).reshape(N, nb, 1).view(np.uint8))
+    if kind == "q8_0":
+        parts.append(ints.astype(np.int8).reshape(N, nb, QK).view(np.uint8))  # (N, nb, 32)
+    else:
+        u = ints.astype(np.uint8).reshape(N, nb, QK)
+        parts.append(u[..., :QK // 2] | (u[..., QK // 2:] << 4))  # (N, nb, 16): byte j = u_j | u_{j+16} << 4
+    return np.concatenate(parts, axis=-1).reshape(N, -1)
+
+
+def make_integer_weight(kind: str, N: int, C: int, seed: int = 0) -> QuantWeight:
+    """Scale 1, offset 0 (q4_0: -8), random integers; row 0 all at the extreme (u = 15, q = -128),
+    so every product the kernels sum is a small integer and the sums are exact in fp32."""
+    rng = np.random.default_rng(seed)
+    low, high, extreme = (-128, 128, -128) if kind == "q8_0" else (0, 16, 15)
+    ints = rng.integers(low, high, size=(N, C))
+    ints[0] = extreme
+    nb = C // QK
+    raw = pack_blocks(kind, ints, np.ones((N, nb)), np.zeros((N, nb)))
+    return from_blocks(raw, KINDS[kind], (N, C))
+
+
+def make_integer_inputs(T: int, C: int, seed: int = 0) -> torch.Tensor:
+    """Integers in [-127, 127] with |x| = 127 in every block: the activation scale is exactly 1 and
+    quantization keeps x as it is. Row 0 is all -127 (with the weight's row 0: the largest sums)."""
+    rng = np.random.default_rng(seed + 1)
+    x = rng.integers(-127, 128, size=(T, C))
+    x[:, ::QK] = rng.choice([-127, 127], size=(T, C // QK))
+    x[0] = -127
+    return torch.from_numpy(x.astype(np.float32))
+
+
+@functools.cache
+def make_weight(kind: str, N: int, C: int, seed: int = 0) -> QuantWeight:
+    """A random weight (scaled like a trained linear's) in kind's blocks, from llama.cpp's quantizer."""
+    w = torch.randn(N, C, generator=torch.Generator().manual_seed(seed)) * 0.05
+    if kind == "q4_1":  # not one of quantize()'s targets, but what GGUF files (SmolLM2's) hold
+        return from_blocks(gguf.quants.quantize(w.numpy(), Q.Q4_1), Q.Q4_1, (N, C))
+    return quantize(w, kind)
+
+
+def make_inputs(T: int, C: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(T, C, generator=torch.Generator().manual_seed(seed + 100))  # (T, C)
+
+
+def float_linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    """x (T, C) @ w^T with the dequantized weight in float64: what the quantized activations approximate."""
+    return x.double() @ w.dequantize().double().T  # (T, N)
+
+
+def nmse(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float(((got.double() - want) ** 2).sum() / (want**2).sum())
+
+
+def assert_close_to_max(got: torch.Tensor, want: np.ndarray | torch.Tensor, rtol: float = 1e-5) -> None:
+    want = torch.as_tensor(want, dtype=torch.float64)
+    err = (got.double() - want).abs().max()
+    assert err <= rtol * want.abs().max(), f"max error {err:.3g} vs max |ref| {want.abs().max():.3g}"
+
+
+# ---------------------------------------------------------------- activation quantization
+
+
+def test_activation_quantization_equals_the_reference_with_zero_blocks_and_ties(quant: QuantKernels) -> None:
+    x = make_inputs(5, 4 * QK) * 3  # (T, C)
+    x[1, :QK] = 0  # an all-zero block: d = 0, q = 0
+    x[2] = 0  # an all-zero row
+    ties = (torch.arange(-16, 16) + 0.5) / 8  # x / d = k + 1/2 exactly when d = 1/8
+    ties[5] = 127 / 8  # max |x| = 127 / 8: d = 1/8 exactly
+    x[3, QK:2 * QK] = ties
+    x[4, 2 * QK:3 * QK] = -ties
+    qs, d, s, ds = quant.quantize_activations(x)
+    want_qs, want_d, want_s = quantize_activations_reference(x.numpy())
+    assert (want_qs[3, QK:2 * QK][np.arange(QK) != 5] % 2 == 0).all()  # every tie went to its even neighbour
+    assert (want_d[1, 0], want_d[3, 1]) == (0.0, 0.125) and not want_qs[2].any()
+    np.testing.assert_array_equal(qs.numpy(), want_qs)
+    np.testing.assert_array_equal(d.numpy(), want_d)
+    np.testing.assert_array_equal(s.numpy(), want_s)
+    np.testing.assert_array_equal(ds.numpy(), want_d * want_s.astype(np.float32))
+
+
+# ---------------------------------------------------------------- the kernels' maths, per instruction set
+
+
+@pytest.mark.parametrize("T", [1, 3, 5, 17, 70])  # each input-row tile remainder, and two tasks (> 64 rows)
+@pytest.mark.parametrize("kind", KINDS)
+def test_integer_dot_products_are_exact(quant: QuantKernels, isa: str, kind: str, T: int) -> None:
+    N, C = 39, 3 * QK  # 39 = 16 + 16 + 7: weight-row tiles of 4, 2 and 1
+    w = make_integer_weight(kind, N, C)
+    x = make_integer_inputs(T, C)
+    qa, da, s = quantize_activations_reference(x.numpy())
+    assert (da == 1).all() and (qa == x.numpy()).all()
+    want = integer_dots_reference(w, qa).sum(-1)  # (T, N) int64
+    if kind == "q4_0":  # w = u - 8
+        want = want - 8 * s.sum(-1, keepdims=True)
+    got = quant.linear(x, w, isa=isa)
+    np.testing.assert_array_equal(got.numpy(), want.astype(np.float32))
+    assert want[0, 0] == C * {"q8_0": 128 * 127, "q4_1": -15 * 127, "q4_0": -7 * 127}[kind]  # the extremes
+
+
+@pytest.mark.parametrize("T", [1, 6, 70])
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_instruction_set_matches_scalar_and_the_reference(quant: QuantKernels, isa: str, kind: str,
+                                                                 T: int) -> None:
+    w = make_weight(kind, 39, 8 * QK)
+    x = make_inputs(T, 8 * QK)
+    got = quant.linear(x, w, isa=isa)
+    assert got.shape == (T, 39) and got.dtype == torch.float32
+    assert_close_to_max(got, linear_reference(w, x.numpy()))
+    assert_close_to_max(got, quant.linear(x, w, isa="scalar"))
+
+
+def test_an_instruction_set_this_cpu_lacks_is_refused(quant: QuantKernels) -> None:
+    missing = [isa for isa in ISAS if isa not in quant.supported_isas]
+    if not missing:
+        pytest.skip("this CPU has every instruction set the kernels know")
+    w, x = make_weight("q8_0", 4, QK), make_inputs(2, QK)
+    with pytest.raises(ValueError, match=f"this CPU cannot run {missing[0]}"):
+        quant.linear(x, w, isa=missing[0])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_rows_result_does_not_depend_on_its_batch_or_row_stride(quant: QuantKernels, kind: str) -> None:
+    w = make_weight(kind, 39, 4 * QK)
+    wide = make_inputs(70, 5 * QK)  # (T, C + 32): x below is a view with strided rows
+    x = wide[:, QK:]
+    together = quant.linear(x, w)
+    assert torch.equal(together, quant.linear(x.contiguous(), w))
+    for t in (0, 3, 64, 69):
+        assert torch.equal(quant.linear(x[t:t + 1], w)[0], together[t]), f"row {t}"
+    assert torch.equal(quant.linear(x[:5], w), together[:5])
+
+
+@pytest.mark.parametrize("T", [1, 16])
+@pytest.mark.parametrize("kind", KINDS)
+def test_quantized_linear_error_vs_fp32_is_within_llama_cpp_threshold(quant: QuantKernels, kind: str,
+                                                                      T: int) -> None:
+    w = make_weight(kind, 1536, 576)  # SmolLM2's gate projection
+    x = make_inputs(T, 576)
+    error = nmse(quant.linear(x, w), float_linear(x, w))
+    assert error < NMSE_MAX
+    assert error > 1e-8  # the activations really were quantized: the check above can fail
+
+
+# ---------------------------------------------------------------- modes, bias and fused gate/up
+
+
+@pytest.mark.parametrize("T", [1, 6])
+@pytest.mark.parametrize("kind", KINDS)
+def test_bias_and_add_mode_apply_to_the_stored_result(quant: QuantKernels, kind: str, T: int) -> None:
+    w, x = make_weight(kind, 39, 4 * QK), make_inputs(T, 4 * QK)
+    bias = torch.randn(39, generator=torch.Generator().manual_seed(5))
+    stored = quant.linear(x, w)
+    assert torch.equal(quant.linear(x, w, bias), stored + bias)
+    residual = torch.randn(T, 39, generator=torch.Generator().manual_seed(6))
+    out = residual.clone()
+    assert quant.linear(x, w, bias, mode="add", out=out) is out
+    assert torch.equal(out, residual + (stored + bias))
+
+
+@pytest.mark.parametrize("T", [1, 6])
+@pytest.mark.parametrize("kind", KINDS)
+def test_silu_mul_of_interleaved_gate_and_up(quant: QuantKernels, kind: str, T: int) -> None:
+    gate, up = make_weight(kind, 38, 4 * QK, seed=1), make_weight(kind, 38, 4 * QK, seed=2)
+    x = make_inputs(T, 4 * QK)
+    bias = torch.randn(76, generator=torch.Generator().manual_seed(7))  # interleaved: gate_i, up_i
+    g = torch.from_numpy(linear_reference(gate, x.numpy())) + bias[0::2].double()  # (T, 38)
+    u = torch.from_numpy(linear_reference(up, x.numpy())) + bias[1::2].double()
+    got = quant.linear(x, interleave_rows(gate, up), bias, mode="silu_mul")
+    assert got.shape == (T, 38)
+    assert_close_to_max(got, F.silu(g) * u)
+    fp32 = F.silu(float_linear(x, gate) + bias[0::2]) * (float_linear(x, up) + bias[1::2])
+    assert nmse(got, fp32) < NMSE_MAX
+
+
+def test_interleave_and_cat_rows_order_whole_rows() -> None:
+    a, b = make_weight("q4_1", 3, QK, seed=1), make_weight("q4_1", 3, QK, seed=2)
+    da, db = a.dequantize(), b.dequantize()
+    assert torch.equal(interleave_rows(a, b).dequantize(), torch.stack((da, db), dim=1).reshape(6, QK))
+    assert torch.equal(cat_rows([a, b]).dequantize(), torch.cat((da, db)))
+    assert torch.equal(a.rows(torch.tensor([2, 0])).dequantize(), da[[2, 0]])
+
+
+# ---------------------------------------------------------------- dequantization and GGUF blocks
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_from_blocks_dequantizes_as_gguf_does(kind: str) -> None:
+    w = make_inputs(6, 4 * QK).numpy()
+    raw = gguf.quants.quantize(w, KINDS[kind])  # (N, nb * block bytes)
+    got = from_blocks(raw, KINDS[kind], (6, 4 * QK))
+    assert got.shape == (6, 4 * QK) and got.source == kind.upper()
+    np.testing.assert_array_equal(got.dequantize().numpy(), gguf.quants.dequantize(raw, KINDS[kind]))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_hand_packed_blocks_mean_what_gguf_says(kind: str) -> None:
+    """This file's pack_blocks (behind the exact-integer tests) writes GGUF's layout."""
+    rng = np.random.default_rng(3)
+    ints = rng.integers(-128, 128, (4, 2 * QK)) if kind == "q8_0" else rng.integers(0, 16, (4, 2 * QK))
+    d, m = rng.uniform(0.01, 1, (4, 2)), rng.uniform(-1, 1, (4, 2))
+    raw = pack_blocks(kind, ints, d, m)
+    want = gguf.quants.dequantize(raw, KINDS[kind])  # (4, 2 * QK)
+    d16, m16 = np.repeat(d.astype(np.float16), QK, 1), np.repeat(m.astype(np.float16), QK, 1)
+    by_hand = {"q8_0": d16 * ints, "q4_0": d16 * (ints - 8), "q4_1": d16 * ints + m16}[kind]
+    np.testing.assert_allclose(want, by_hand, rtol=1e-6)
+    np.testing.assert_array_equal(from_blocks(raw, KINDS[kind], (4, 2 * QK)).dequantize().numpy(), want)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_dequantize_rows_equals_dequantize(quant: QuantKernels, kind: str) -> None:
+    w = make_weight(kind, 70, 3 * QK)  # 70 rows: the parallel loop
+    full = w.dequantize()
+    assert torch.equal(quant.dequantize_rows(w), full)
+    ids = torch.tensor([69, 0, 5, 5], dtype=torch.int32)
+    out = torch.full((4, 3 * QK), float("nan"))
+    assert quant.dequantize_rows(w, ids, out=out) is out
+    assert torch.equal(out, full[ids.long()])
+    assert quant.dequantize_rows(w, torch.tensor([], dtype=torch.int64)).shape == (0, 3 * QK)
+
+
+@pytest.mark.parametrize("kind", ["q4_0", "q8_0"])
+def test_quantize_rounds_each_weight_to_a_near_step(kind: str) -> None:
+    w = make_inputs(8, 4 * QK)
+    q = quantize(w, kind)
+    assert q.shape == (8, 4 * QK) and q.source == kind.upper()
+    assert quantize(w, kind, source="bf16").source == f"bf16->{kind.upper()}"
+    step = q.d.abs().repeat_interleave(QK, dim=1)  # (N, C)
+    # q8_0 rounds to the nearest of +-127 steps, q4_0 to 8 steps down but 7 up (the top loses up to one);
+    # the step is stored in fp16 (relative error 2^-11), which moves the farthest level by 127 (8) times that
+    bound = step * (0.5 + 127 * 2**-11 if kind == "q8_0" else 1 + 8 * 2**-11)
+    assert ((q.dequantize() - w).abs() <= bound).all()
+    assert nmse(q.dequantize(), w.double()) < (1e-4 if kind == "q8_0" else 2e-2)
+
+
+# ---------------------------------------------------------------- bad inputs
+
+
+Call = Callable[[QuantKernels, QuantWeight, torch.Tensor], Any]
+
+BAD_INPUTS: dict[str, tuple[Call, str]] = {
+    "x fp64": (lambda k, w, x: k.linear(x.double(), w), "x must be (T, 96) fp32 with contiguous rows"),
+    "x 1-D": (lambda k, w, x: k.linear(x[0], w), "x must be (T, 96) fp32"),
+    "x wrong in_features": (lambda k, w, x: k.linear(x[:, :64], w), "x must be (T, 96) fp32"),
+    "x columns strided": (lambda k, w, x: k.linear(x.t().contiguous().t(), w), "with contiguous rows"),
+    "add without out": (lambda k, w, x: k.linear(x, w, mode="add"), "mode 'add' needs `out`"),
+    "out wrong shape": (lambda k, w, x: k.linear(x, w, out=torch.empty(3, 38)), "out must be (3, 39) fp32"),
+    "out fp64": (lambda k, w, x: k.linear(x, w, out=torch.empty(3, 39, dtype=torch.float64)),
+                 "out must be (3, 39) fp32"),
+    "bias wrong shape": (lambda k, w, x: k.linear(x, w, torch.zeros(38)), "bias must be (39,) fp32"),
+    "ids negative": (lambda k, w, x: k.dequantize_rows(w, torch.tensor([0, -1])), "ids must be in [0, 39)"),
+    "ids past the end": (lambda k, w, x: k.dequantize_rows(w, torch.tensor([39])), "ids must be in [0, 39)"),
+    "dequantize out wrong shape": (lambda k, w, x: k.dequantize_rows(w, out=torch.empty(39, 64)),
+                                   "out must be (39, 96) fp32 contiguous"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_INPUTS)
+def test_bad_inputs_raise_value_error_naming_the_problem(quant: QuantKernels, name: str) -> None:
+    call, message = BAD_INPUTS[name]
+    with pytest.raises(ValueError, match=re.escape(message)):
+        call(quant, make_weight("q8_0", 39, 3 * QK), make_inputs(3, 3 * QK))
+
+
+@pytest.mark.xfail(strict=True, reason="native_quant.linear does not check that N is even for 'silu_mul': "
+                   "with odd N the C epilogue (quant_simd.h write_tile) takes an uninitialised slot of "
+                   "the tile's results as the last row's 'up' and writes out[t, N // 2], a column past `out`")
+def test_silu_mul_with_an_odd_number_of_rows_is_refused(quant: QuantKernels) -> None:
+    w, x = make_weight("q8_0", 5, QK), make_inputs(3, QK)
+    padded = torch.zeros(3, 3)  # (T, N // 2 + 1): the column past `out` catches a stray write
+    try:
+        with pytest.raises(ValueError, match="silu_mul"):
+            quant.linear(x, w, mode="silu_mul", out=padded[:, :2])
+    finally:
+        assert not padded[:, 2].any(), "the kernel wrote past `out`"
+
+
+@pytest.mark.xfail(strict=True, raises=KeyError,
+                   reason="native_quant.linear looks isa and mode up in dicts: an unknown name raises a "
+                   "bare KeyError('neon') instead of a ValueError listing the known ones")
+@pytest.mark.parametrize(("isa", "mode"), [("neon", "store"), (None, "gelu")], ids=["isa", "mode"])
+def test_unknown_isa_or_mode_names_raise_value_error(quant: QuantKernels, isa: str | None, mode: str) -> None:
+    with pytest.raises(ValueError, match=isa or mode):
+        quant.linear(make_inputs(2, QK), make_weight("q8_0", 4, QK), mode=mode, isa=isa)
+
+
+def test_shapes_and_types_the_blocks_cannot_hold_are_refused() -> None:
+    with pytest.raises(ValueError, match="q8_0 needs in_features divisible by 32, got 48"):
+        quantize(torch.ones(4, 48), "q8_0")
+    with pytest.raises(ValueError, match="Q4_1 tensor needs in_features divisible by 32, got 48"):
+        from_blocks(np.zeros((4, 30), np.uint8), Q.Q4_1, (4, 48))
+    with pytest.raises(ValueError, match="F16 blocks are not kept quantized"):
+        from_blocks(np.zeros((4, 64), np.uint8), Q.F16, (4, QK))
+    with pytest.raises(ValueError, match=re.escape("cannot fuse weights of formats ['q4', 'q8']")):
+        cat_rows([make_weight("q4_0", 2, QK), make_weight("q8_0", 2, QK)])
+
+
+# ---------------------------------------------------------------- Linears
+
+
+@pytest.mark.parametrize("T", [5, DEQUANTIZE_ROWS + 6])  # the integer kernels, then dequantize + fp32
+@pytest.mark.parametrize("kind", KINDS)
+def test_linears_with_quantized_weights_below_and_above_the_dequantize_threshold(
+        quant: QuantKernels, kind: str, T: int) -> None:
+    linears = Linears(CPU, torch.float32, quant)
+    x = make_inputs(T, 4 * QK)
+    w = make_weight(kind, 40, 4 * QK)
+    bias = torch.randn(40, generator=torch.Generator().manual_seed(8))
+    want = float_linear(x, w) + bias.double()
+    got = linears(x, linears.prepare(w), bias)
+    assert got.shape == (T, 40) and nmse(got, want) < NMSE_MAX
+    if T >= DEQUANTIZE_ROWS:  # fp32 maths on the dequantized weight: no activation quantization error
+        assert_close_to_max(got, want)
+    gate, up = make_weight(kind, 40, 4 * QK, seed=1), make_weight(kind, 40, 4 * QK, seed=2)
+    fused = linears.fuse_gate_up(gate, up)
+    got_mlp = linears.gate_up(x, fused)
+    want_mlp = F.silu(float_linear(x, gate)) * float_linear(x, up)
+    assert got_mlp.shape == (T, 40) and nmse(got_mlp, want_mlp) < NMSE_MAX
+    if T >= DEQUANTIZE_ROWS:
+        assert_close_to_max(got_mlp, want_mlp)
+        assert torch.equal(linears(x, w, bias), got)  # gate/up reused the shared scratch: no stale rows
+
+
+def test_linears_refuse_quantized_weights_without_kernels_or_mixed_pairs(quant: QuantKernels) -> None:
+    w = make_weight("q8_0", 4, QK)
+    with pytest.raises(ValueError, match="quantized weights need the C kernels"):
+        Linears(CPU, torch.float32, None).prepare(w)
+    with pytest.raises(ValueError, match="gate and up projections must both be quantized or both be float"):
+        Linears(CPU, torch.float32, quant).fuse_gate_up(w, torch.ones(4, QK))
+
+
+# ---------------------------------------------------------------- the real SmolLM2 GGUF (Q4_1, Q8_0 table)
+
+
+@pytest.fixture(scope="module")
+def smollm2_gguf() -> dict[str, Any]:
+    return load_model(default_model_path(), quantize_to="gguf")[1]
+
+
+@pytest.fixture(scope="module")
+def smollm2_fp32() -> dict[str, Any]:
+    return load_model(default_model_path())[1]
+
+
+@pytest.mark.slow
+def test_smollm2_keeps_its_gguf_blocks(smollm2_gguf: dict[str, Any], smollm2_fp32: dict[str, Any]) -> None:
+    quantized = {n: w for n, w in smollm2_gguf.items() if isinstance(w, QuantWeight)}
+    table = quantized.pop("model.embed_tokens.weight")  # tied: also the LM head
+    assert len(quantized) == 30 * 7  # every linear of the 30 layers
+    assert (table.format, table.source, table.shape) == ("q8", "Q8_0", (49152, 576))
+    assert {(w.format, w.source) for w in quantized.values()} == {("q4", "Q4_1")}
+    floats = {n for n, w in smollm2_gguf.items() if not isinstance(w, QuantWeight)}
+    assert floats == {n for n, w in smollm2_fp32.items() if w.dim() == 1}  # the norms stay fp32 tensors
+    assert {n: tuple(w.shape) for n, w in smollm2_gguf.items()} == {
+        n: tuple(w.shape) for n, w in smollm2_fp32.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [
+    "model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+    "model.layers.0.self_attn.k_proj.weight", "model.layers.29.self_attn.q_proj.weight",
+    "model.layers.29.self_attn.k_proj.weight", "model.layers.13.self_attn.v_proj.weight",
+    "model.layers.13.mlp.gate_proj.weight", "model.layers.13.mlp.down_proj.weight"])
+def test_smollm2_blocks_dequantize_to_the_fp32_load(smollm2_gguf: dict[str, Any],
+                                                    smollm2_fp32: dict[str, Any], name: str) -> None:
+    """q_proj and k_proj rows are permuted at load: the blocks must move with their rows."""
+    assert torch.equal(smollm2_gguf[name].dequantize(), smollm2_fp32[name])
+
+
+# ---------------------------------------------------------------- the factory
+
+
+TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128, "hidden_size": 64,
+              "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "max_position_embeddings": 256, "tie_word_embeddings": False}
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A seeded tiny Llama as a Hugging Face folder, written without transformers (its import takes ~4 s)."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    (folder / "config.json").write_text(json.dumps(TINY_LLAMA))
+    g = torch.Generator().manual_seed(0)
+    shapes = expected_shapes(read_hf_config(folder))
+    save_file({name: torch.randn(shape, generator=g) * 0.1 + (len(shape) == 1)  # norms around 1
+               for name, shape in shapes.items()}, str(folder / "model.safetensors"))
+    return folder
+
+
+def prefill_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
+    """Logits (T, V) of one prompt prefilled into a fresh cache."""
+    n, block_size = len(ids), 16
+    num_blocks = -(-n // block_size)
+    cache = KVCache(model.config, num_blocks, block_size, model.dtype, model.device)
+    batch = ForwardBatch(
+        input_ids=torch.tensor(ids), positions=torch.arange(n), slot_mapping=torch.arange(n),
+        block_tables=torch.arange(num_blocks, dtype=torch.int32)[None], context_lens=torch.tensor([n]).int(),
+        query_start_loc=(0, n), context_lens_host=(n,), num_prefills=1, logits_indices=torch.arange(n))
+    return model.forward(batch, cache)
+
+
+def test_auto_keeps_a_safetensors_model_float(hf_folder: Path) -> None:
+    model = build_model(EngineConfig(model=str(hf_folder), quantization="auto"))
+    assert model.formats == [] and model.quantization_summary == "float32 weights"
+    unquantized = build_model(EngineConfig(model=str(hf_folder), quantization="none"))
+    ids = list(range(3, 23))
+    assert torch.equal(prefill_logits(model, ids), prefill_logits(unquantized, ids))
+
+
+@pytest.mark.parametrize(("kind", "formats"), [
+    ("q8_0", ["float32->Q8_0"]),
+    ("q4_0", ["float32->Q4_0", "float32->Q8_0"])])  # the embedding table and the head stay Q8_0
+def test_build_model_runs_a_safetensors_model_quantized_when_asked(quant: QuantKernels, hf_folder: Path,
+                                                                   kind: str, formats: list[str]) -> None:
+    model = build_model(EngineConfig(model=str(hf_folder), quantization=kind))
+    assert model.quantization_summary == f"{', '.join(formats)} weights, {quant.isa} kernels"
+    config, weights = load_model(hf_folder, quantize_to=kind)
+    dequantized: dict[str, torch.Tensor | QuantWeight] = {
+        n: w.dequantize() if isinstance(w, QuantWeight) else w for n, w in weights.items()}
+    reference = LlamaModel(config, dequantized, kernels=load_native_kernels())  # same weights, fp32 maths
+    ids = torch.randint(3, 128, (20,), generator=torch.Generator().manual_seed(9)).tolist()
+    error = nmse(prefill_logits(model, ids), prefill_logits(reference, ids).double())
+    assert 0 < error < 1e-3  # only the 8-bit rounding of the activations differs
+
+
+@pytest.mark.parametrize(("changes", "reason"), [
+    ({"dtype": "bfloat16"}, "dtype torch.bfloat16"),
+    ({"enable_native_kernels": False}, "native kernels unavailable or disabled")])
+def test_an_explicit_quantization_that_cannot_run_is_refused(hf_folder: Path, changes: dict[str, Any],
+                                                             reason: str) -> None:
+    config = EngineConfig(model=str(hf_folder), quantization="q8_0", **changes)
+    with pytest.raises(ValueError, match=f"quantization q8_0 runs on CPU in float32 .*{re.escape(reason)}"):
+        build_model(config)
+
+
+def test_auto_keeps_a_gguf_quantized_only_where_the_kernels_run(hf_folder: Path) -> None:
+    gguf_path, kernels = default_model_path(), load_native_kernels()
+    assert kernels is not None
+    assert quantize_to(EngineConfig(), gguf_path, CPU, torch.float32, kernels) == "gguf"
+    assert quantize_to(EngineConfig(), gguf_path, CPU, torch.float32, None) is None
+    assert quantize_to(EngineConfig(dtype="bfloat16"), gguf_path, CPU, torch.bfloat16, None) is None
+    assert quantize_to(EngineConfig(quantization="none"), gguf_path, CPU, torch.float32, kernels) is None
+    assert quantize_to(EngineConfig(), hf_folder, CPU, torch.float32, kernels) is None
