@@ -144,6 +144,7 @@ class Heartbeat:
 
     WORKER_ID = "worker_id"
     MODEL = "model"
+    WEIGHTS = "weights"
     HEARTBEAT_UNIX = "heartbeat_unix"  # time.time() of the write
     NUM_FINISHED = "num_finished"
     # From the engine's stats, each under its own name.
@@ -164,7 +165,7 @@ class Heartbeat:
     # usage, prefix tokens: they change almost every step) ride along, and are at most
     # one heartbeat interval old, so a busy worker writes its hash ~2x a second, not per step.
     EVENTS = (NUM_RUNNING, NUM_WAITING, NUM_FINISHED, NUM_PREEMPTIONS, NUM_PARKED)
-    TEXT = (WORKER_ID, MODEL)
+    TEXT = (WORKER_ID, MODEL, WEIGHTS)
     FLOAT = (HEARTBEAT_UNIX, KV_CACHE_USAGE)
     INT = (NUM_FINISHED, NUM_RUNNING, NUM_WAITING, MAX_NUM_SEQS, MAX_MODEL_LEN, BLOCK_SIZE, NUM_BLOCKS,
            NUM_FREE_BLOCKS, NUM_PREFIX_CACHE_HIT_TOKENS, NUM_PREFIX_CACHE_QUERY_TOKENS, NUM_PREEMPTIONS,

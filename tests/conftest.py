@@ -76,6 +76,15 @@ def smollm_engine() -> Any:
 
 
 @pytest.fixture(scope="session")
+def smollm_fp32_engine() -> Any:
+    """SmolLM2 with its weights dequantized to fp32 (--quantization none), loaded once per session."""
+    from worker.engine.text_engine import TextEngine
+
+    return TextEngine.from_config(EngineConfig(max_num_seqs=TEST_MAX_NUM_SEQS,
+                                               max_model_len=TEST_MAX_MODEL_LEN, quantization="none"))
+
+
+@pytest.fixture(scope="session")
 def hf_smollm2() -> Any:
     """transformers' own GGUF loading of the default model (the reference); ~20 s, once."""
     torch = pytest.importorskip("torch")

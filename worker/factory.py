@@ -93,7 +93,8 @@ def build_text_engine(config: EngineConfig) -> TextEngine:
                         max_model_len=plan.max_model_len, max_num_seqs=config.max_num_seqs,
                         max_prefill_tokens=config.max_prefill_tokens, eos_token_ids=eos,
                         kv_cache_dtype=plan.dtype, enable_prefix_caching=config.enable_prefix_caching)
-    return TextEngine(engine, tokenizer, model_name=path.stem if path.is_file() else path.name)
+    return TextEngine(engine, tokenizer, model_name=path.stem if path.is_file() else path.name,
+                      weights=model.quantization_summary)
 
 
 def native_kernels(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> NativeKernels | None:

@@ -32,6 +32,7 @@ from worker.text.tokenizer import IncrementalDetokenizer, Tokenizer
 @dataclass
 class EngineStats:
     model_name: str
+    weights: str  # formats and kernels (LlamaModel.quantization_summary)
     num_running: int
     num_waiting: int  # admitted, waiting for KV blocks or prefill budget (preempted ones too)
     max_num_seqs: int
@@ -55,10 +56,12 @@ class _TextState:
 
 
 class TextEngine:
-    def __init__(self, engine: EngineCore, tokenizer: Tokenizer, model_name: str = "model") -> None:
+    def __init__(self, engine: EngineCore, tokenizer: Tokenizer, model_name: str = "model",
+                 weights: str = "") -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.weights = weights
         self.max_model_len = engine.max_len
         self._states: dict[str, _TextState] = {}
         self._ready: list[RequestOutput] = []  # resumed requests that had already ended
@@ -113,7 +116,7 @@ class TextEngine:
     def stats(self) -> EngineStats:
         sched, kv = self.engine.scheduler, self.engine.kv
         return EngineStats(
-            model_name=self.model_name, num_running=sched.num_running, num_waiting=sched.num_waiting,
+            model_name=self.model_name, weights=self.weights, num_running=sched.num_running, num_waiting=sched.num_waiting,
             max_num_seqs=sched.max_num_seqs, max_model_len=self.max_model_len, block_size=kv.block_size,
             num_blocks=kv.num_blocks, num_free_blocks=kv.num_free_blocks, kv_cache_usage=kv.usage,
             num_prefix_cache_hit_tokens=kv.num_prefix_hit_tokens,

@@ -366,7 +366,8 @@ class Consumer:
         publisher adds the time."""
         H = Heartbeat
         fields = {
-            H.WORKER_ID: self.config.worker_id, H.MODEL: s.model_name, H.NUM_FINISHED: self.num_finished,
+            H.WORKER_ID: self.config.worker_id, H.MODEL: s.model_name, H.WEIGHTS: s.weights,
+            H.NUM_FINISHED: self.num_finished,
             H.NUM_RUNNING: s.num_running, H.NUM_WAITING: s.num_waiting, H.MAX_NUM_SEQS: s.max_num_seqs,
             H.MAX_MODEL_LEN: s.max_model_len, H.BLOCK_SIZE: s.block_size, H.NUM_BLOCKS: s.num_blocks,
             H.NUM_FREE_BLOCKS: s.num_free_blocks, H.KV_CACHE_USAGE: s.kv_cache_usage,

@@ -42,23 +42,31 @@ class QuantKernels:
         """x (T, C) fp32, rows strided, values contiguous -> (T, N), or (T, N / 2) for
         "silu_mul" (weight rows interleaved gate, up), or added into `out` for "add"."""
         N, C = w.shape
-        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != C or x.stride(1) != 1:
-            raise ValueError(f"quantized linear: x must be (T, {C}) fp32 with contiguous rows, got "
-                             f"{x.dtype} {tuple(x.shape)} strides {x.stride()}")
+        if mode not in MODES:
+            raise ValueError(f"quantized linear: mode must be one of {', '.join(MODES)}, got {mode!r}")
+        isa = isa or self.isa
+        if isa not in ISAS:
+            raise ValueError(f"quantized linear: isa must be one of {', '.join(ISAS)}, got {isa!r}")
+        check_weight(w)
+        _check_rows("x", x, C)
+        if mode == "silu_mul" and N % 2:
+            raise ValueError(f"quantized linear: 'silu_mul' needs an even number of weight rows "
+                             f"(gate, up interleaved), got {N}")
         T = x.shape[0]
         width = N // 2 if mode == "silu_mul" else N
         if out is None:
             if mode == "add":
                 raise ValueError("quantized linear: mode 'add' needs `out`")
             out = torch.empty(T, width, dtype=torch.float32)  # (T, N) or (T, N / 2)
-        elif out.shape != (T, width) or out.stride(1) != 1 or out.dtype != torch.float32:
-            raise ValueError(f"quantized linear: out must be ({T}, {width}) fp32, got {tuple(out.shape)}")
-        if bias is not None and (bias.shape != (N,) or bias.dtype != torch.float32
-                                 or not bias.is_contiguous()):
-            raise ValueError(f"quantized linear: bias must be ({N},) fp32 contiguous")
+        elif out.shape != (T, width):
+            raise ValueError(f"quantized linear: out must be ({T}, {width}), got {tuple(out.shape)}")
+        _check_rows("out", out, width)
+        if bias is not None:
+            _check_cpu("bias", bias, torch.float32)
+            if bias.shape != (N,) or not bias.is_contiguous():
+                raise ValueError(f"quantized linear: bias must be ({N},) contiguous, got {tuple(bias.shape)}")
         qa = _activation_buffers(T, C)
-        isa_id = ISAS[isa or self.isa]
-        failed = self._linear(isa_id, w.qs.data_ptr(), w.d.data_ptr(), _ptr(w.m), N, C, FORMATS[w.format],
+        failed = self._linear(ISAS[isa], w.qs.data_ptr(), w.d.data_ptr(), _ptr(w.m), N, C, FORMATS[w.format],
                               x.data_ptr(), x.stride(0), T, *(t.data_ptr() for t in qa), out.data_ptr(),
                               out.stride(0), _ptr(bias), MODES[mode], torch.get_num_threads())
         if failed:
@@ -67,8 +75,11 @@ class QuantKernels:
         return out
 
     def quantize_activations(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """x (T, C) fp32 contiguous -> qs (T, C) int8, d, s, d * s (T, C / QK)."""
+        """x (T, C) fp32, contiguous rows -> qs (T, C) int16, d, s, d * s (T, C / QK)."""
         T, C = x.shape
+        if C % QK:
+            raise ValueError(f"quantize_activations: C must be a multiple of {QK}, got {C}")
+        _check_rows("x", x, C)
         qa = _activation_buffers(T, C)
         self._quantize(x.data_ptr(), x.stride(0), T, C, *(t.data_ptr() for t in qa))
         return qa
@@ -77,22 +88,52 @@ class QuantKernels:
                         out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows `ids` (n,) of w (all rows when None) as fp32 (n, C), into `out` when given."""
         N, C = w.shape
+        check_weight(w)
         ids = torch.arange(N) if ids is None else ids.to(torch.int64).contiguous()
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= N):
             raise ValueError(f"dequantize_rows: ids must be in [0, {N})")
         n = ids.shape[0]
         if out is None:
             out = torch.empty(n, C, dtype=torch.float32)  # (n, C)
-        elif out.shape != (n, C) or not out.is_contiguous() or out.dtype != torch.float32:
-            raise ValueError(f"dequantize_rows: out must be ({n}, {C}) fp32 contiguous")
+        elif out.shape != (n, C) or not out.is_contiguous():
+            raise ValueError(f"dequantize_rows: out must be ({n}, {C}) contiguous")
+        _check_cpu("out", out, torch.float32)
         self._dequantize(w.qs.data_ptr(), w.d.data_ptr(), _ptr(w.m), C, FORMATS[w.format], ids.data_ptr(),
                          n, out.data_ptr(), torch.get_num_threads())
         return out
 
 
+def check_weight(w: QuantWeight) -> None:
+    """The C code reads w's tensors through raw pointers: they must be what QuantWeight says."""
+    N, C = w.shape
+    qs_dtype, qs_shape = (torch.uint8, (N, C // 2)) if w.format == "q4" else (torch.int8, (N, C))
+    parts = {"qs": (w.qs, qs_dtype, qs_shape), "d": (w.d, torch.float32, (N, C // QK))}
+    if w.format == "q4":
+        if w.m is None:
+            raise ValueError("a q4 weight needs its block offsets m")
+        parts["m"] = (w.m, torch.float32, (N, C // QK))
+    for name, (t, dtype, shape) in parts.items():
+        _check_cpu(f"weight {name}", t, dtype)
+        if tuple(t.shape) != shape or not t.is_contiguous():
+            raise ValueError(f"weight {name} must be {shape} contiguous, got {tuple(t.shape)}")
+
+
+def _check_cpu(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
+    if t.device.type != "cpu" or t.dtype != dtype:
+        raise ValueError(f"{name} must be a {dtype} CPU tensor, got {t.dtype} on {t.device}")
+
+
+def _check_rows(name: str, t: torch.Tensor, width: int) -> None:
+    """A (rows, width) fp32 CPU matrix whose rows may be strided but whose values are contiguous."""
+    _check_cpu(name, t, torch.float32)
+    if t.dim() != 2 or t.shape[1] != width or (t.shape[1] > 1 and t.stride(1) != 1):
+        raise ValueError(f"{name} must be (T, {width}) with contiguous rows, got shape {tuple(t.shape)} "
+                         f"strides {t.stride()}")
+
+
 def _activation_buffers(T: int, C: int) -> tuple[torch.Tensor, ...]:
     nb = C // QK
-    return (torch.empty(T, C, dtype=torch.int8), torch.empty(T, nb, dtype=torch.float32),  # qs, d
+    return (torch.empty(T, C, dtype=torch.int16), torch.empty(T, nb, dtype=torch.float32),  # qs, d
             torch.empty(T, nb, dtype=torch.int32), torch.empty(T, nb, dtype=torch.float32))  # s, d * s
 
 

@@ -115,16 +115,19 @@ def quantize(w: torch.Tensor, kind: str, source: str = "") -> QuantWeight:
 
 # ---- NumPy references ----------------------------------------------------------------------
 
+ACT_MAX = 32767  # activations are quantized to int16 blocks (kernels/quant.c says why)
+
+
 def quantize_activations_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """x (T, C) fp32 -> (qs (T, C) int8, d (T, C / QK) fp32, s (T, C / QK) int32), as
-    kernels/quant.c computes them: d = max|x| / 127, q = rint(x * (1 / d)) (ties to even)."""
+    """x (T, C) fp32 -> (qs (T, C) int16, d (T, C / QK) fp32, s (T, C / QK) int32), as
+    kernels/quant.c computes them: d = max|x| / 32767, q = rint(x * (1 / d)) (ties to even)."""
     T, C = x.shape
     xb = x.astype(np.float32).reshape(T, C // QK, QK)
-    d = (np.abs(xb).max(axis=-1) / np.float32(127)).astype(np.float32)  # (T, nb)
+    d = (np.abs(xb).max(axis=-1) / np.float32(ACT_MAX)).astype(np.float32)  # (T, nb)
     with np.errstate(divide="ignore"):
         inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
     q = np.rint(xb * inv[..., None]).astype(np.int32)  # (T, nb, QK)
-    return q.astype(np.int8).reshape(T, C), d, q.sum(axis=-1).astype(np.int32)
+    return q.astype(np.int16).reshape(T, C), d, q.sum(axis=-1).astype(np.int32)
 
 
 def integer_dots_reference(w: QuantWeight, qa: np.ndarray) -> np.ndarray:

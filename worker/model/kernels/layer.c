@@ -100,7 +100,7 @@ static int check_step(const decode_step *st) {
 
 /* One layer; called by every thread of the region. */
 static void layer(int isa, const decode_layer_weights *w, const decode_step *st, int64_t l, float *h,
-                  float *qkv, float *attn, float *act, q8_act a, int *failed) {
+                  float *qkv, float *attn, float *act, q16_act a, int *failed) {
     const int64_t B = st->B, C = st->C, H = st->H, KH = st->KH, D = st->D, G = H / KH;
     const int64_t QKV = (H + 2 * KH) * D;
     char *k_cache = st->k_cache + l * st->layer_bytes, *v_cache = st->v_cache + l * st->layer_bytes;
@@ -165,12 +165,12 @@ int decode_layers(int isa, const decode_layer_weights *layers, int64_t num_layer
     const int64_t B = st->B, W = st->F > st->C ? (st->F > st->H * st->D ? st->F : st->H * st->D)
                                                : (st->C > st->H * st->D ? st->C : st->H * st->D);
     const int64_t nb = B * W / 32, floats = B * (st->C + (st->H + 2 * st->KH) * st->D + st->H * st->D + st->F);
-    float *h = malloc((size_t)(floats + 2 * nb) * sizeof(float) + (size_t)nb * sizeof(int32_t) + (size_t)(B * W));
+    float *h = malloc((size_t)(floats + 2 * nb) * sizeof(float) + (size_t)nb * sizeof(int32_t) + (size_t)(B * W) * sizeof(int16_t));
     if (h == NULL) return -1;
     float *qkv = h + B * st->C, *attn = qkv + B * (st->H + 2 * st->KH) * st->D, *act = attn + B * st->H * st->D;
     float *ad = act + B * st->F, *ads = ad + nb;
     int32_t *as = (int32_t *)(ads + nb);
-    const q8_act a = {(int8_t *)(as + nb), ad, as, ads, st->C}; /* sized for the widest input, W */
+    const q16_act a = {(int16_t *)(as + nb), ad, as, ads, st->C}; /* sized for the widest input, W */
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     for (int64_t l = 0; l < num_layers; ++l) layer(isa, layers + l, st, l, h, qkv, attn, act, a, &failed);

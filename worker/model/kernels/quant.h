@@ -16,30 +16,30 @@ typedef struct {
     int format;
 } quant_weight;
 
-/* Input rows quantized to q8 blocks: qs (T, C) int8; d, s, ds (T, C / 32): scale, integer
- * sum, scale * sum. */
+/* Input rows quantized to 16-bit blocks: qs (T, C) int16; d, s, ds (T, C / 32): scale,
+ * integer sum, scale * sum. */
 typedef struct {
-    int8_t *qs;
+    int16_t *qs;
     float *d;
     int32_t *s;
     float *ds;
     int64_t C;
-} q8_act;
+} q16_act;
 
-/* One block of 32 inputs as q8: d = max|x| / 127, q = rint(x / d) (ties to even, as
- * numpy's rint), s = sum(q) exactly, ds = d * s. */
-static inline void quantize_block(const float *x, int8_t *q, float *d, int32_t *s, float *ds) {
+/* One block of 32 inputs as 16-bit integers: d = max|x| / 32767, q = rint(x * (1 / d)) (ties
+ * to even, as numpy's rint), s = sum(q) exactly, ds = d * s. */
+static inline void quantize_block(const float *x, int16_t *q, float *d, int32_t *s, float *ds) {
     float amax = 0.0f;
     for (int j = 0; j < 32; ++j) {
         const float v = x[j] < 0 ? -x[j] : x[j];
         amax = v > amax ? v : amax;
     }
-    const float scale = amax / 127.0f, inv = scale != 0.0f ? 1.0f / scale : 0.0f;
+    const float scale = amax / 32767.0f, inv = scale != 0.0f ? 1.0f / scale : 0.0f;
     int32_t sum = 0;
 #pragma omp simd reduction(+ : sum)
     for (int j = 0; j < 32; ++j) {
         const int32_t v = (int32_t)__builtin_rintf(x[j] * inv);
-        q[j] = (int8_t)v;
+        q[j] = (int16_t)v;
         sum += v;
     }
     *d = scale;
@@ -49,7 +49,7 @@ static inline void quantize_block(const float *x, int8_t *q, float *d, int32_t *
 
 int quant_isa_supported(int isa);
 /* Worksharing loops (omp for): call them inside a parallel region. */
-void quantize_rows_body(const float *x, int64_t x_stride, int64_t T, int64_t C, q8_act a);
-void quant_matmul_body(int isa, quant_weight w, q8_act a, int64_t T, float *out, int64_t out_stride,
+void quantize_rows_body(const float *x, int64_t x_stride, int64_t T, int64_t C, q16_act a);
+void quant_matmul_body(int isa, quant_weight w, q16_act a, int64_t T, float *out, int64_t out_stride,
                        const float *bias, int mode);
 #endif

@@ -1,17 +1,16 @@
 /* One instruction set's quantized-matmul task, included by quant.c once per target with
- * SUFFIX set (and DOT_U8S8(u, s): the 8 s32 sums of 4 u8 x s8 products each, for the x86
- * ones). Without DOT_U8S8 it is portable C. */
+ * SUFFIX set (and DOT_S16(acc, w, a): acc plus the 8 s32 sums of 2 s16 x s16 products each,
+ * for the x86 ones). Without DOT_S16 it is portable C. */
 #define CAT_(a, b) a##_##b
 #define CAT(a, b) CAT_(a, b)
 
-#ifdef DOT_U8S8
+#ifdef DOT_S16
 static inline float CAT(hsum, SUFFIX)(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
-
 #endif
 
 /* res[r * RA + c] = row n + r of the weight . input row t + c, for r < RW, c < RA. Inlined
@@ -19,33 +18,36 @@ static inline float CAT(hsum, SUFFIX)(__m256 v) {
  * term, sum over blocks of m * (da * sa), is a plain fp32 dot product of two short rows,
  * done after the blocks: in the block loop its scalar maths took ~20% of a tile's time. */
 static inline __attribute__((always_inline)) void CAT(tile, SUFFIX)(
-    quant_weight w, q8_act a, int64_t n, int64_t t, const int FMT, const int RW, const int RA, float *res) {
+    quant_weight w, q16_act a, int64_t n, int64_t t, const int FMT, const int RW, const int RA, float *res) {
     const int64_t nb = w.C / 32;
-#ifdef DOT_U8S8
+#ifdef DOT_S16
     __m256 acc[4][4];
     for (int r = 0; r < RW; ++r)
         for (int c = 0; c < RA; ++c) acc[r][c] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
-        __m256i wv[4], sign[4];
+        __m256i lo[4], hi[4]; /* the block's weights 0..15 and 16..31 as s16 */
         __m256 dw[4];
         for (int r = 0; r < RW; ++r) {
             dw[r] = _mm256_broadcast_ss(w.d + (n + r) * nb + b);
             if (FMT == QUANT_Q4) {
                 const __m128i p = _mm_loadu_si128((const __m128i *)((const uint8_t *)w.qs + (n + r) * (w.C / 2) + b * 16));
-                const __m256i v = _mm256_set_m128i(_mm_srli_epi16(p, 4), p); /* elements 16..31 | 0..15 */
-                wv[r] = _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
+                const __m128i mask = _mm_set1_epi8(0x0F);
+                lo[r] = _mm256_cvtepu8_epi16(_mm_and_si128(p, mask));
+                hi[r] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(p, 4), mask));
             } else {
-                sign[r] = _mm256_loadu_si256((const __m256i *)((const int8_t *)w.qs + (n + r) * w.C + b * 32));
-                wv[r] = _mm256_sign_epi8(sign[r], sign[r]);
+                const int8_t *q = (const int8_t *)w.qs + (n + r) * w.C + b * 32;
+                lo[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)q));
+                hi[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 16)));
             }
         }
         for (int c = 0; c < RA; ++c) {
-            const __m256i av = _mm256_loadu_si256((const __m256i *)(a.qs + (t + c) * a.C + b * 32));
+            const int16_t *qa = a.qs + (t + c) * a.C + b * 32;
+            const __m256i alo = _mm256_loadu_si256((const __m256i *)qa);
+            const __m256i ahi = _mm256_loadu_si256((const __m256i *)(qa + 16));
             const __m256 da = _mm256_broadcast_ss(a.d + (t + c) * nb + b);
             for (int r = 0; r < RW; ++r) {
-                const __m256i s = FMT == QUANT_Q4 ? av : _mm256_sign_epi8(av, sign[r]);
-                const __m256 dot = _mm256_cvtepi32_ps(DOT_U8S8(wv[r], s));
-                acc[r][c] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dw[r], da), acc[r][c]);
+                const __m256i dot = DOT_S16(DOT_S16(_mm256_setzero_si256(), lo[r], alo), hi[r], ahi);
+                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw[r], da), acc[r][c]);
             }
         }
     }
@@ -54,13 +56,14 @@ static inline __attribute__((always_inline)) void CAT(tile, SUFFIX)(
 #else
     for (int r = 0; r < RW; ++r)
         for (int c = 0; c < RA; ++c) {
-            const int8_t *qa = a.qs + (t + c) * a.C;
+            const int16_t *qa = a.qs + (t + c) * a.C;
             float acc = 0.0f;
             for (int64_t b = 0; b < nb; ++b) {
                 int32_t dot = 0;
                 if (FMT == QUANT_Q4) {
                     const uint8_t *q = (const uint8_t *)w.qs + (n + r) * (w.C / 2) + b * 16;
-                    for (int j = 0; j < 16; ++j) dot += (q[j] & 0x0F) * qa[b * 32 + j] + (q[j] >> 4) * qa[b * 32 + j + 16];
+                    for (int j = 0; j < 16; ++j)
+                        dot += (q[j] & 0x0F) * qa[b * 32 + j] + (q[j] >> 4) * qa[b * 32 + j + 16];
                 } else {
                     const int8_t *q = (const int8_t *)w.qs + (n + r) * w.C + b * 32;
                     for (int j = 0; j < 32; ++j) dot += q[j] * qa[b * 32 + j];
@@ -101,7 +104,7 @@ static inline void CAT(write_tile, SUFFIX)(const float *res, int RW, int RA, int
 
 /* Output rows [n0, n1) x input rows [t0, t1). n0 is even and, for QUANT_SILU_MUL, so is n1. */
 static inline __attribute__((always_inline)) void CAT(task_fmt, SUFFIX)(
-    quant_weight w, q8_act a, int64_t n0, int64_t n1, int64_t t0, int64_t t1, float *out,
+    quant_weight w, q16_act a, int64_t n0, int64_t n1, int64_t t0, int64_t t1, float *out,
     int64_t out_stride, const float *bias, int mode, const int FMT) {
     float res[16];
     int64_t t = t0;
@@ -144,7 +147,7 @@ static inline __attribute__((always_inline)) void CAT(task_fmt, SUFFIX)(
         }
     }
 }
-static void CAT(quant_task, SUFFIX)(quant_weight w, q8_act a, int64_t n0, int64_t n1, int64_t t0,
+static void CAT(quant_task, SUFFIX)(quant_weight w, q16_act a, int64_t n0, int64_t n1, int64_t t0,
                                     int64_t t1, float *out, int64_t out_stride, const float *bias, int mode) {
     if (w.format == QUANT_Q4)
         CAT(task_fmt, SUFFIX)(w, a, n0, n1, t0, t1, out, out_stride, bias, mode, QUANT_Q4);
