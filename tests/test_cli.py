@@ -65,3 +65,24 @@ def test_worker_engine_switches_from_flags_and_env(argv: list[str], env: dict[st
         monkeypatch.setenv(name, value)
     config, _ = config_from_args(argv)
     assert (config.engine.enable_native_kernels, config.engine.enable_prefix_caching) == expected
+
+
+@pytest.mark.parametrize(("argv", "env", "expected"), [
+    ([], {}, "auto"),
+    (["--quantization", "q4_0"], {}, "q4_0"),
+    ([], {"TOKENRELAY_QUANTIZATION": "none"}, "none"),
+])
+def test_worker_quantization_from_flag_and_env(argv: list[str], env: dict[str, str], expected: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.__main__ import config_from_args
+
+    monkeypatch.delenv("TOKENRELAY_QUANTIZATION", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert config_from_args(argv)[0].engine.quantization == expected
+
+
+def test_an_unknown_quantization_is_a_usage_error() -> None:
+    proc = subprocess.run([sys.executable, "-m", "worker", "--quantization", "q2_k"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--quantization" in proc.stderr and "Traceback" not in proc.stderr

@@ -20,7 +20,7 @@ from protos.metrics import DEFAULT_WORKER_PORT
 from protos.observability import add_observability_args
 from protos.redis_conn import DEFAULT_REDIS_URL
 from worker.config import WorkerConfig
-from worker.engine.config import DTYPES, EngineConfig
+from worker.engine.config import DTYPES, QUANTIZATIONS, EngineConfig
 
 
 def _env(name: str, default: object = None) -> str | None:
@@ -78,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on CPU fp32, run decode attention and RMSNorm in C kernels built on first use "
                         "with the machine's compiler (falls back to torch when there is none) "
                         "[env TOKENRELAY_NATIVE_KERNELS=0 to disable]")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default=_env("TOKENRELAY_QUANTIZATION", "auto"),
+                   help="linear weights on CPU: auto runs a GGUF's own Q4_0/Q4_1/Q8_0 blocks in C kernels "
+                        "(other GGUF types become Q8_0; safetensors stay float); q8_0/q4_0 quantize any "
+                        "model at load; none dequantizes to --dtype [env TOKENRELAY_QUANTIZATION]")
     p.add_argument("--num-threads", type=int, default=_env("TOKENRELAY_NUM_THREADS"),
                    help="torch CPU threads; default torch's choice [env TOKENRELAY_NUM_THREADS]")
     p.add_argument("--drain-timeout", type=float, default=_env("TOKENRELAY_DRAIN_TIMEOUT_S", 30),
@@ -112,7 +116,7 @@ def config_from_args(argv: list[str] | None = None) -> tuple[WorkerConfig, str]:
                               kv_cache_dtype=args.kv_cache_dtype,
                               max_prefill_tokens=args.max_prefill_tokens, num_threads=args.num_threads,
                               enable_prefix_caching=args.prefix_caching,
-                              enable_native_kernels=args.native_kernels)
+                              enable_native_kernels=args.native_kernels, quantization=args.quantization)
         config = WorkerConfig(engine=engine, redis_url=args.redis_url, key_prefix=args.key_prefix,
                               worker_id=args.worker_id or default_instance_id(),
                               drain_timeout_s=args.drain_timeout, heartbeat_ttl_s=args.heartbeat_ttl,
