@@ -15,10 +15,14 @@ from worker.model.quant import QuantWeight, interleave_rows
 Weight = torch.Tensor | QuantWeight
 PACK_ROWS_HINT = 16  # oneDNN picks the blocked weight layout for this many rows (a decode batch)
 # From this many rows on, a quantized weight is dequantized into a scratch buffer and
-# multiplied in fp32 by oneDNN: prefill is bound by the maths, and on AVX2 the integer dot
-# product with its per-block scales does less per cycle than oneDNN's fp32 GEMM. Measured,
-# 1 thread on the AVX2-only EPYC, SmolLM2's gate/up (3072 x 576): 512 rows 42.6 ms int8
-# vs 25.9 ms fp32 (the dequantization, ~0.5 ms, included); 16 rows 1.5 vs 1.9 ms.
+# multiplied in fp32 by oneDNN (on the plain, unpacked weight): prefill is bound by the
+# maths, and the integer kernels, scaling every 32-value block, do less per cycle than
+# oneDNN's fp32 GEMM. Measured, 1 thread, AVX2-only EPYC, SmolLM2's gate/up (3072 x 576):
+# 512 rows 57 ms in the integer kernel vs 27 ms fp32; 16 rows 2.0 vs 2.1 ms. Through
+# F.linear (MKL) instead of oneDNN, a 512-token prefill ran at 73 vs 336 tok/s.
+# bf16 GEMMs (4.3x fp32 where the CPU has AVX512_BF16) are not used: bf16 keeps 8 bits of
+# mantissa, coarser than the 8-bit activation blocks that already broke greedy parity
+# (kernels/quant.c). An int16 VNNI GEMM might beat fp32 there; it is not measured yet.
 DEQUANTIZE_ROWS = 64
 
 
@@ -85,7 +89,7 @@ class Linears:
         if not isinstance(w, QuantWeight):
             return self._float.linear(x, w, b)
         if x.shape[0] >= DEQUANTIZE_ROWS:
-            return F.linear(x, self._dequantized(w), b)
+            return self._float.linear(x, self._dequantized(w), b)
         assert self.quant is not None
         return self.quant.linear(x, w, b)
 
@@ -95,7 +99,8 @@ class Linears:
             gate, up = self._float.linear(x, w).chunk(2, dim=-1)  # (T, F) each
             return F.silu(gate) * up
         if x.shape[0] >= DEQUANTIZE_ROWS:
-            both = F.linear(x, self._dequantized(w)).view(x.shape[0], -1, 2)  # (T, F, 2): rows interleaved
+            # rows were interleaved gate_i, up_i: (T, 2F) viewed as (T, F, 2)
+            both = self._float.linear(x, self._dequantized(w)).view(x.shape[0], -1, 2)
             return F.silu(both[..., 0]) * both[..., 1]
         assert self.quant is not None
         return self.quant.linear(x, w, mode="silu_mul")
