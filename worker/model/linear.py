@@ -3,6 +3,7 @@ weights through the C kernels (kernels/quant.c), one interface for both."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -98,17 +99,24 @@ class Linears:
         if not isinstance(w, QuantWeight):
             gate, up = self._float.linear(x, w).chunk(2, dim=-1)  # (T, F) each
             return F.silu(gate) * up
-        if x.shape[0] >= DEQUANTIZE_ROWS:
-            # rows were interleaved gate_i, up_i: (T, 2F) viewed as (T, F, 2)
-            both = self._float.linear(x, self._dequantized(w)).view(x.shape[0], -1, 2)
-            return F.silu(both[..., 0]) * both[..., 1]
+        if x.shape[0] >= DEQUANTIZE_ROWS:  # dequantized gate rows first, then up rows, as a float weight
+            gate, up = self._float.linear(x, self._dequantized(w, _gate_then_up(w.shape[0]))).chunk(2, dim=-1)
+            return F.silu(gate) * up
         assert self.quant is not None
         return self.quant.linear(x, w, mode="silu_mul")
 
-    def _dequantized(self, w: QuantWeight) -> torch.Tensor:
-        """w as fp32 (N, C) in a scratch buffer reused by every layer (the largest weight's size)."""
+    def _dequantized(self, w: QuantWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """w's `rows` (all by default) as fp32 (N, C) in a scratch buffer reused by every layer."""
         assert self.quant is not None
         N, C = w.shape
         if self._scratch.numel() < N * C:
             self._scratch = torch.empty(N * C, dtype=torch.float32)
-        return self.quant.dequantize_rows(w, out=self._scratch[:N * C].view(N, C))
+        return self.quant.dequantize_rows(w, rows, out=self._scratch[:N * C].view(N, C))
+
+
+@functools.cache
+def _gate_then_up(num_rows: int) -> torch.Tensor:
+    """Row order 0, 2, 4, ..., 1, 3, 5, ...: an interleaved gate/up weight's gates, then its ups.
+    Multiplying the interleaved rows and taking SiLU * up from strided views of the result
+    made a 512-token SmolLM2 prefill ~15% slower (367 vs 421-458 tok/s, 2 threads)."""
+    return torch.cat((torch.arange(0, num_rows, 2), torch.arange(1, num_rows, 2)))
