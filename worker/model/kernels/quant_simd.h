@@ -21,6 +21,13 @@ static inline __attribute__((always_inline)) void CAT(tile, SUFFIX)(
     quant_weight w, q16_act a, int64_t n, int64_t t, const int FMT, const int RW, const int RA, float *res) {
     const int64_t nb = w.C / 32;
 #ifdef DOT_S16
+    /* Rows are adjacent: one base pointer per operand, row r at r * stride. Indexing
+     * (n + r) * row bytes + b * 16 in the loop made the 4 x 1 tile 74 instructions a block,
+     * a third of them address arithmetic; a pointer per row spilled them to the stack. */
+    const int64_t row_bytes = FMT == QUANT_Q4 ? w.C / 2 : w.C, block_bytes = FMT == QUANT_Q4 ? 16 : 32;
+    const uint8_t *wq = (const uint8_t *)w.qs + n * row_bytes;
+    const float *wd = w.d + n * nb, *ad = a.d + t * nb;
+    const int16_t *aq = a.qs + t * a.C;
     __m256 acc[4][4];
     for (int r = 0; r < RW; ++r)
         for (int c = 0; c < RA; ++c) acc[r][c] = _mm256_setzero_ps();
@@ -28,23 +35,24 @@ static inline __attribute__((always_inline)) void CAT(tile, SUFFIX)(
         __m256i lo[4], hi[4]; /* the block's weights 0..15 and 16..31 as s16 */
         __m256 dw[4];
         for (int r = 0; r < RW; ++r) {
-            dw[r] = _mm256_broadcast_ss(w.d + (n + r) * nb + b);
-            if (FMT == QUANT_Q4) {
-                const __m128i p = _mm_loadu_si128((const __m128i *)((const uint8_t *)w.qs + (n + r) * (w.C / 2) + b * 16));
-                const __m128i mask = _mm_set1_epi8(0x0F);
-                lo[r] = _mm256_cvtepu8_epi16(_mm_and_si128(p, mask));
-                hi[r] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(p, 4), mask));
+            /* the next tile's rows: ~40% off a one-row LM head (49152 x 576 Q8_0, 5.9 -> 3.5 ms) */
+            _mm_prefetch((const char *)(wq + (RW + r) * row_bytes + b * block_bytes), _MM_HINT_T0);
+            dw[r] = _mm256_broadcast_ss(wd + r * nb + b);
+            const __m128i p = _mm_loadu_si128((const __m128i *)(wq + r * row_bytes + b * block_bytes));
+            if (FMT == QUANT_Q4) { /* byte j = u_j | u_{j+16} << 4, zero-extended to 16 bits */
+                const __m256i x = _mm256_cvtepu8_epi16(p);
+                lo[r] = _mm256_and_si256(x, _mm256_set1_epi16(0x0F));
+                hi[r] = _mm256_srli_epi16(x, 4);
             } else {
-                const int8_t *q = (const int8_t *)w.qs + (n + r) * w.C + b * 32;
-                lo[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)q));
-                hi[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 16)));
+                lo[r] = _mm256_cvtepi8_epi16(p);
+                hi[r] = _mm256_cvtepi8_epi16(
+                    _mm_loadu_si128((const __m128i *)(wq + r * row_bytes + b * block_bytes + 16)));
             }
         }
         for (int c = 0; c < RA; ++c) {
-            const int16_t *qa = a.qs + (t + c) * a.C + b * 32;
-            const __m256i alo = _mm256_loadu_si256((const __m256i *)qa);
-            const __m256i ahi = _mm256_loadu_si256((const __m256i *)(qa + 16));
-            const __m256 da = _mm256_broadcast_ss(a.d + (t + c) * nb + b);
+            const __m256i alo = _mm256_loadu_si256((const __m256i *)(aq + c * a.C + b * 32));
+            const __m256i ahi = _mm256_loadu_si256((const __m256i *)(aq + c * a.C + b * 32 + 16));
+            const __m256 da = _mm256_broadcast_ss(ad + c * nb + b);
             for (int r = 0; r < RW; ++r) {
                 const __m256i dot = DOT_S16(DOT_S16(_mm256_setzero_si256(), lo[r], alo), hi[r], ahi);
                 acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw[r], da), acc[r][c]);
