@@ -50,7 +50,8 @@ def ours_from_hf(hf: Any, dtype: torch.dtype = torch.float32, native: bool = Tru
         max_position_embeddings=c.max_position_embeddings,
         tie_word_embeddings=c.tie_word_embeddings, attention_bias=c.attention_bias,
     )
-    weights: dict[str, torch.Tensor | QuantWeight] = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    weights: dict[str, torch.Tensor | QuantWeight] = {
+        k: v.detach().clone() for k, v in hf.state_dict().items()}
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     if quantize_to is not None:

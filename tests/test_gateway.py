@@ -267,7 +267,8 @@ class IdleEngine:
 
 def idle_stats(**overrides: object) -> dict[str, object]:
     # num_waiting=0: with nothing to step, a waiting request would make the claim loop spin.
-    return dict(model_name="tiny", weights="Q4_1 weights, avx2 kernels", num_running=0, num_waiting=0, max_num_seqs=8, max_model_len=512,
+    return dict(model_name="tiny", weights="Q4_1 weights, avx2 kernels", num_running=0, num_waiting=0,
+                max_num_seqs=8, max_model_len=512,
                 block_size=16, num_blocks=640, num_free_blocks=640, kv_cache_usage=0.0,
                 num_prefix_cache_hit_tokens=0, num_prefix_cache_query_tokens=0, num_preemptions=0) | overrides
 

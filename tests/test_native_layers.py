@@ -63,7 +63,8 @@ def run(model: LlamaModel, step: Step, fused: bool) -> tuple[torch.Tensor, KVCac
 
 @pytest.fixture(scope="module", params=["q8_0", "q4_0"])
 def model(request: pytest.FixtureRequest) -> LlamaModel:
-    m = ours_from_hf(make_hf_model(num_heads=4, num_kv_heads=2, attention_bias=True), quantize_to=request.param)
+    hf = make_hf_model(num_heads=4, num_kv_heads=2, attention_bias=True)
+    m = ours_from_hf(hf, quantize_to=request.param)
     assert m.decode_layers is not None, "every weight is quantized: the fused path must be on"
     return m
 

@@ -55,20 +55,21 @@ def decode(model: LlamaModel, prompts: list[list[int]], forced: list[list[int]] 
     tokens: list[list[int]] = [[] for _ in prompts]
     margins: list[list[float]] = [[] for _ in prompts]
     last = []
-    for s, ids in enumerate(prompts):  # one prefill each (fewer rows than DEQUANTIZE_ROWS: int8 kernels)
+    for s, ids in enumerate(prompts):  # one prefill each, below DEQUANTIZE_ROWS: the integer kernels
         assert len(ids) < DEQUANTIZE_ROWS
         last.append(step(model, cache, tables[s:s + 1], ids, [0], [len(ids)], num_prefills=1)[-1])
+    logits = torch.stack(last)  # (S, V)
     lens = [len(p) for p in prompts]
     for i in range(NEW_TOKENS):
-        logits = torch.stack(last) if i == 0 else last_logits  # (S, V)
         top = logits.topk(2, dim=-1).values  # (S, 2)
         chosen = logits.argmax(dim=-1).tolist()
         for s in range(S):
             tokens[s].append(chosen[s])
             margins[s].append(float(top[s, 0] - top[s, 1]))
-        fed = [forced[s][i] for s in range(S)] if forced is not None else chosen
-        last_logits = step(model, cache, tables, fed, lens, [1] * S, num_prefills=0)
-        lens = [n + 1 for n in lens]
+        if i + 1 < NEW_TOKENS:
+            fed = [forced[s][i] for s in range(S)] if forced is not None else chosen
+            logits = step(model, cache, tables, fed, lens, [1] * S, num_prefills=0)  # (S, V)
+            lens = [n + 1 for n in lens]
     return Greedy(tokens, margins)
 
 
@@ -121,6 +122,6 @@ def test_quantized_perplexity_is_within_one_percent_of_fp32(smollm_engine: TextE
         return math.exp(float(nll))
 
     ref = perplexity(smollm_fp32_engine.engine.model, n)
-    ours = perplexity(smollm_engine.engine.model, 32)  # chunks below DEQUANTIZE_ROWS: int8 kernels
+    ours = perplexity(smollm_engine.engine.model, 32)  # chunks below DEQUANTIZE_ROWS: integer kernels
     print(f"perplexity fp32 {ref:.3f}, quantized {ours:.3f}")
     assert abs(ours / ref - 1) < 0.01, (ours, ref)

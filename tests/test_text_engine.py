@@ -45,7 +45,8 @@ def ids_of(outs: list[RequestOutput]) -> list[int]:
     return [t for o in outs for t in o.token_ids]
 
 
-def test_greedy_64_tokens_equal_transformers_generate(smollm_fp32_engine: TextEngine, hf_smollm2: Any) -> None:
+def test_greedy_64_tokens_equal_transformers_generate(smollm_fp32_engine: TextEngine,
+                                                       hf_smollm2: Any) -> None:
     """The fp32 path (--quantization none); tests/test_quant_parity.py holds the default,
     quantized one to this path."""
     import torch

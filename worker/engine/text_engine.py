@@ -116,7 +116,8 @@ class TextEngine:
     def stats(self) -> EngineStats:
         sched, kv = self.engine.scheduler, self.engine.kv
         return EngineStats(
-            model_name=self.model_name, weights=self.weights, num_running=sched.num_running, num_waiting=sched.num_waiting,
+            model_name=self.model_name, weights=self.weights, num_running=sched.num_running,
+            num_waiting=sched.num_waiting,
             max_num_seqs=sched.max_num_seqs, max_model_len=self.max_model_len, block_size=kv.block_size,
             num_blocks=kv.num_blocks, num_free_blocks=kv.num_free_blocks, kv_cache_usage=kv.usage,
             num_prefix_cache_hit_tokens=kv.num_prefix_hit_tokens,
