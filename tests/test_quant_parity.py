@@ -9,20 +9,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tests.test_text_engine import PROMPTS as TEXT_ENGINE_PROMPTS
 from worker.engine.text_engine import TextEngine
 from worker.model.linear import DEQUANTIZE_ROWS
 from worker.model.llama import ForwardBatch, KVCache, LlamaModel
 
-PROMPTS = [
-    "Once upon a time, there was a little girl named Lily who",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "The three primary colours are",
-    "Voici une recette simple de crêpes : ",
-    "1, 1, 2, 3, 5, 8, 13,",
-    "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
-    "The mitochondria is the powerhouse of the cell. It",
-    "SELECT name, age FROM users WHERE",
-]
+PROMPTS = [*TEXT_ENGINE_PROMPTS,
+           "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
+           "The mitochondria is the powerhouse of the cell. It",
+           "SELECT name, age FROM users WHERE"]
 NEW_TOKENS = 64
 MIN_MARGIN = 0.1  # fp32 top-2 logit gap under which a different argmax is a near-tie, not an error
 BLOCK = 16

@@ -98,6 +98,19 @@ static int check_step(const decode_step *st) {
     return failed;
 }
 
+/* RMSNorm of each row of x (B, C) into h, then h quantized into a (a worksharing loop). */
+static void norm_quantize(const float *x, const float *weight, int64_t B, int64_t C, float eps, float *h,
+                          q16_act a) {
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < B; ++b) {
+        rms_norm_row(x + b * C, weight, h + b * C, C, eps);
+        for (int64_t k = 0; k < C / 32; ++k) {
+            const int64_t i = b * (C / 32) + k;
+            quantize_block(h + b * C + k * 32, a.qs + b * C + k * 32, a.d + i, a.s + i, a.ds + i);
+        }
+    }
+}
+
 /* One layer; called by every thread of the region. */
 static void layer(int isa, const decode_layer_weights *w, const decode_step *st, int64_t l, float *h,
                   float *qkv, float *attn, float *act, q16_act a, int *failed) {
@@ -107,14 +120,7 @@ static void layer(int isa, const decode_layer_weights *w, const decode_step *st,
     const int64_t head_values = st->num_blocks * st->block_size * D; /* one kv head of one layer */
     const cache_format format = st->cache_dtype == 0 ? F32 : st->cache_dtype == 1 ? F16 : BF16;
     a.C = C;
-#pragma omp for schedule(static)
-    for (int64_t b = 0; b < B; ++b) {
-        rms_norm_row(st->x + b * C, w->attn_norm, h + b * C, C, st->eps);
-        for (int64_t k = 0; k < C / 32; ++k) {
-            const int64_t i = b * (C / 32) + k;
-            quantize_block(h + b * C + k * 32, a.qs + b * C + k * 32, a.d + i, a.s + i, a.ds + i);
-        }
-    }
+    norm_quantize(st->x, w->attn_norm, B, C, st->eps, h, a);
     quant_matmul_body(isa, w->wqkv, a, B, qkv, QKV, w->bqkv, QUANT_STORE);
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < B * (H + 2 * KH); ++i) { /* rotate q and k heads, store k and v */
@@ -140,14 +146,7 @@ static void layer(int isa, const decode_layer_weights *w, const decode_step *st,
     quantize_rows_body(attn, H * D, B, H * D, a);
     quant_matmul_body(isa, w->wo, a, B, st->x, C, w->bo, QUANT_ADD);
     a.C = C;
-#pragma omp for schedule(static)
-    for (int64_t b = 0; b < B; ++b) {
-        rms_norm_row(st->x + b * C, w->mlp_norm, h + b * C, C, st->eps);
-        for (int64_t k = 0; k < C / 32; ++k) {
-            const int64_t i = b * (C / 32) + k;
-            quantize_block(h + b * C + k * 32, a.qs + b * C + k * 32, a.d + i, a.s + i, a.ds + i);
-        }
-    }
+    norm_quantize(st->x, w->mlp_norm, B, C, st->eps, h, a);
     quant_matmul_body(isa, w->wgu, a, B, act, st->F, NULL, QUANT_SILU_MUL);
     a.C = st->F;
     quantize_rows_body(act, st->F, B, st->F, a);

@@ -110,51 +110,43 @@ static inline void CAT(write_tile, SUFFIX)(const float *res, int RW, int RA, int
         }
 }
 
-/* Output rows [n0, n1) x input rows [t0, t1). n0 is even and, for QUANT_SILU_MUL, so is n1. */
+/* Tiles of RW x RA over output rows [*n, n1) for input rows t.. t + RA - 1, *n advanced
+ * past the last whole tile. */
+static inline __attribute__((always_inline)) void CAT(tiles, SUFFIX)(
+    quant_weight w, q16_act a, int64_t *n, int64_t n1, int64_t t, float *out, int64_t out_stride,
+    const float *bias, int mode, const int FMT, const int RW, const int RA) {
+    float res[16];
+    for (; *n + RW <= n1; *n += RW) {
+        CAT(tile, SUFFIX)(w, a, *n, t, FMT, RW, RA, res);
+        CAT(write_tile, SUFFIX)(res, RW, RA, *n, t, out, out_stride, bias, mode);
+    }
+}
+
+/* Output rows [n0, n1) x input rows [t0, t1). n0 is even and, for QUANT_SILU_MUL, so is n1:
+ * one input row (decode at batch 1) runs 4 weight rows at a time, more run 2 x 4. */
 static inline __attribute__((always_inline)) void CAT(task_fmt, SUFFIX)(
     quant_weight w, q16_act a, int64_t n0, int64_t n1, int64_t t0, int64_t t1, float *out,
     int64_t out_stride, const float *bias, int mode, const int FMT) {
-    float res[16];
-    int64_t t = t0;
-    if (t1 - t0 == 1) { /* one input row: 4 weight rows at a time */
-        int64_t n = n0;
-        for (; n + 4 <= n1; n += 4) {
-            CAT(tile, SUFFIX)(w, a, n, t, FMT, 4, 1, res);
-            CAT(write_tile, SUFFIX)(res, 4, 1, n, t, out, out_stride, bias, mode);
-        }
-        for (; n + 2 <= n1; n += 2) {
-            CAT(tile, SUFFIX)(w, a, n, t, FMT, 2, 1, res);
-            CAT(write_tile, SUFFIX)(res, 2, 1, n, t, out, out_stride, bias, mode);
-        }
-        for (; n < n1; ++n) {
-            CAT(tile, SUFFIX)(w, a, n, t, FMT, 1, 1, res);
-            CAT(write_tile, SUFFIX)(res, 1, 1, n, t, out, out_stride, bias, mode);
-        }
+    int64_t n, t = t0;
+    if (t1 - t0 == 1) {
+        n = n0;
+        CAT(tiles, SUFFIX)(w, a, &n, n1, t, out, out_stride, bias, mode, FMT, 4, 1);
+        CAT(tiles, SUFFIX)(w, a, &n, n1, t, out, out_stride, bias, mode, FMT, 2, 1);
+        CAT(tiles, SUFFIX)(w, a, &n, n1, t, out, out_stride, bias, mode, FMT, 1, 1);
         return;
     }
-    for (; t + 4 <= t1; t += 4) { /* 2 weight rows x 4 input rows */
-        int64_t n = n0;
-        for (; n + 2 <= n1; n += 2) {
-            CAT(tile, SUFFIX)(w, a, n, t, FMT, 2, 4, res);
-            CAT(write_tile, SUFFIX)(res, 2, 4, n, t, out, out_stride, bias, mode);
-        }
-        for (; n < n1; ++n) {
-            CAT(tile, SUFFIX)(w, a, n, t, FMT, 1, 4, res);
-            CAT(write_tile, SUFFIX)(res, 1, 4, n, t, out, out_stride, bias, mode);
-        }
+    for (; t + 4 <= t1; t += 4) {
+        n = n0;
+        CAT(tiles, SUFFIX)(w, a, &n, n1, t, out, out_stride, bias, mode, FMT, 2, 4);
+        CAT(tiles, SUFFIX)(w, a, &n, n1, t, out, out_stride, bias, mode, FMT, 1, 4);
     }
     for (; t < t1; ++t) {
-        int64_t n = n0;
-        for (; n + 2 <= n1; n += 2) {
-            CAT(tile, SUFFIX)(w, a, n, t, FMT, 2, 1, res);
-            CAT(write_tile, SUFFIX)(res, 2, 1, n, t, out, out_stride, bias, mode);
-        }
-        for (; n < n1; ++n) {
-            CAT(tile, SUFFIX)(w, a, n, t, FMT, 1, 1, res);
-            CAT(write_tile, SUFFIX)(res, 1, 1, n, t, out, out_stride, bias, mode);
-        }
+        n = n0;
+        CAT(tiles, SUFFIX)(w, a, &n, n1, t, out, out_stride, bias, mode, FMT, 2, 1);
+        CAT(tiles, SUFFIX)(w, a, &n, n1, t, out, out_stride, bias, mode, FMT, 1, 1);
     }
 }
+
 static void CAT(quant_task, SUFFIX)(quant_weight w, q16_act a, int64_t n0, int64_t n1, int64_t t0,
                                     int64_t t1, float *out, int64_t out_stride, const float *bias, int mode) {
     if (w.format == QUANT_Q4)
