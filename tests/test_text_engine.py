@@ -183,3 +183,12 @@ def test_a_chat_follow_up_is_served_from_the_prefix_cache(engine: TextEngine) ->
     # the whole first prompt (and the answer, as far as it re-tokenizes the same) was not recomputed
     assert turn1[-1].usage.prompt_tokens <= usage.cached_prompt_tokens < usage.prompt_tokens
     assert "Rome" in text_of(turn2)
+
+
+def test_stats_say_which_weights_and_kernels_run(engine: TextEngine, smollm_fp32_engine: TextEngine) -> None:
+    from worker.model.native import load_native_kernels
+
+    kernels = load_native_kernels()
+    assert kernels is not None
+    assert engine.stats().weights == f"Q4_1, Q8_0 weights, {kernels.quant.isa} kernels"  # the GGUF's own
+    assert smollm_fp32_engine.stats().weights == "float32 weights"
