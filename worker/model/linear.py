@@ -21,9 +21,10 @@ PACK_ROWS_HINT = 16  # oneDNN picks the blocked weight layout for this many rows
 # oneDNN's fp32 GEMM. Measured, 1 thread, AVX2-only EPYC, SmolLM2's gate/up (3072 x 576):
 # 512 rows 57 ms in the integer kernel vs 27 ms fp32; 16 rows 2.0 vs 2.1 ms. Through
 # F.linear (MKL) instead of oneDNN, a 512-token prefill ran at 73 vs 336 tok/s.
-# bf16 GEMMs (4.3x fp32 where the CPU has AVX512_BF16) are not used: bf16 keeps 8 bits of
-# mantissa, coarser than the 8-bit activation blocks that already broke greedy parity
-# (kernels/quant.c). An int16 VNNI GEMM might beat fp32 there; it is not measured yet.
+# Not measured, so not used: bf16 GEMMs (4.3x fp32 where the CPU has AVX512_BF16; emulated
+# and slow on the AVX2 hosts) round each activation to 8 significant bits, an error of the
+# order that broke greedy parity with 8-bit activation blocks (kernels/quant.c), so they
+# need a parity run as well as a speed run on such a host; and an int16 VNNI GEMM.
 DEQUANTIZE_ROWS = 64
 
 
