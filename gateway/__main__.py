@@ -57,6 +57,23 @@ def build_parser() -> argparse.ArgumentParser:
                         "(new calls get UNAVAILABLE at once) [env TOKENRELAY_MAX_REDIS_OUTAGE_S]")
     p.add_argument("--shutdown-grace", type=float, default=_env("TOKENRELAY_SHUTDOWN_GRACE_S", 10),
                    help="seconds in-flight calls get to finish on SIGTERM [env TOKENRELAY_SHUTDOWN_GRACE_S]")
+    s = p.add_argument_group("security")
+    s.add_argument("--tls-cert", default=_env("TOKENRELAY_TLS_CERT", ""),
+                   help="PEM certificate (chain) of the gRPC port; with --tls-key the port speaks TLS only "
+                        "[env TOKENRELAY_TLS_CERT]")
+    s.add_argument("--tls-key", default=_env("TOKENRELAY_TLS_KEY", ""),
+                   help="PEM private key of --tls-cert (unencrypted) [env TOKENRELAY_TLS_KEY]")
+    s.add_argument("--tls-client-ca", default=_env("TOKENRELAY_TLS_CLIENT_CA", ""),
+                   help="mTLS: PEM CA(s); every client must present a certificate one of them signed "
+                        "[env TOKENRELAY_TLS_CLIENT_CA]")
+    s.add_argument("--auth-tokens-file", default=_env("TOKENRELAY_AUTH_TOKENS_FILE", ""),
+                   help='JSON {"tenants": {NAME: {"tokens": [...], "max_concurrent": N, '
+                        '"tokens_per_minute": N, "max_priority": N}}}: callers must send '
+                        "'authorization: Bearer <token>'; SIGHUP re-reads it; unset = no authentication "
+                        "[env TOKENRELAY_AUTH_TOKENS_FILE]")
+    s.add_argument("--quota-slot-ttl", type=float, default=_env("TOKENRELAY_QUOTA_SLOT_TTL_S", 30),
+                   help="seconds after which a max_concurrent slot of a gateway that died is free again "
+                        "[env TOKENRELAY_QUOTA_SLOT_TTL_S]")
     p.add_argument("--log-level", default=_env("TOKENRELAY_LOG_LEVEL", "INFO"),
                    help="DEBUG, INFO, WARNING or ERROR [env TOKENRELAY_LOG_LEVEL]")
     add_observability_args(p, default_metrics_port=DEFAULT_GATEWAY_PORT)
@@ -73,14 +90,17 @@ def config_from_args(argv: list[str] | None = None) -> tuple[GatewayConfig, str]
             retry_pushback_ms=args.retry_pushback_ms, result_ttl_s=args.result_ttl,
             max_redis_outage_s=args.max_redis_outage, metrics_port=args.metrics_port,
             metrics_compat=args.metrics_compat, shutdown_grace_s=args.shutdown_grace,
-            otlp_traces_endpoint=args.otlp_traces_endpoint, log_format=args.log_format)
+            otlp_traces_endpoint=args.otlp_traces_endpoint, log_format=args.log_format,
+            tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
+            auth_tokens_file=args.auth_tokens_file, quota_slot_ttl_s=args.quota_slot_ttl)
     except ValueError as e:
         parser.error(str(e))
     return config, args.log_level
 
 
 async def serve(config: GatewayConfig) -> None:
-    """Run until SIGTERM/SIGINT, then stop admitting and let calls finish."""
+    """Run until SIGTERM/SIGINT, then stop admitting and let calls finish; SIGHUP re-reads
+    the tenants file."""
     gateway = Gateway(config)
     port = await gateway.start()
     print(f"tokenrelay gateway listening on {config.listen.rpartition(':')[0]}:{port}", flush=True)
@@ -88,6 +108,7 @@ async def serve(config: GatewayConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, gateway.reload_auth)
     await stop.wait()
     logging.getLogger(__name__).info("shutting down (grace %.1fs)", config.shutdown_grace_s)
     await gateway.stop()

@@ -12,6 +12,10 @@ frequency_penalty, seed, stop, stop_token_ids, ignore_eos, logprobs,
 top_logprobs, truncate_prompt); unset ones take the server's defaults.
 Errors surface as `grpc.RpcError` with the status code and a message.
 
+TLS: `secure=True` (or a `ca`) connects with TLS, trusting `ca` or the system's
+roots; `cert` + `key` present a client certificate (mTLS). `token` is sent as
+`authorization: Bearer <token>` on every call (gateways with --auth-tokens-file).
+
 `resumable_stream` keeps a stream going across broken connections, gateway
 crashes and Redis restarts: it resends the request with its request_id and
 `resume_from_index` = the chunks it has, on the next gateway of a list.
@@ -30,6 +34,7 @@ from typing import Any
 
 import grpc
 
+from gateway.tls import channel_credentials
 from protos.convert import build_request, finish_reason_from_pb
 from protos.params import FinishReason
 from protos.tokenrelay.v1 import generate_pb2, generate_pb2_grpc
@@ -45,22 +50,24 @@ RESUMABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCEL
 def resumable_stream(targets: Sequence[str], request: generate_pb2.GenerateRequest, *, max_attempts: int = 10,
                      retry_delay_s: float = 0.2, attempt_timeout_s: float | None = None,
                      on_resume: Callable[[int, grpc.RpcError], Any] | None = None,
+                     credentials: grpc.ChannelCredentials | None = None, token: str | None = None,
                      ) -> Iterator[generate_pb2.GenerateResponse]:
     """Every chunk of `request` exactly once, then the final, resuming after any resumable error.
 
     The request gets a request_id if it has none (the resume needs one). Each try goes to
     the next target; after `max_attempts` tries the last error is raised. on_resume(k,
-    error) is called before each resend at chunk k.
+    error) is called before each resend at chunk k. credentials: TLS (tls.channel_credentials);
+    token: the bearer token.
     """
     request = _copy(request)
     request.request_id = request.request_id or uuid.uuid4().hex
     num_chunks = request.resume_from_index
     for attempt in range(max_attempts):
         request.resume_from_index = num_chunks
-        with grpc.insecure_channel(targets[attempt % len(targets)]) as channel:
+        with _channel(targets[attempt % len(targets)], credentials) as channel:
             stub = generate_pb2_grpc.TokenRelayStub(channel)
             try:
-                for response in stub.Generate(request, timeout=attempt_timeout_s):
+                for response in stub.Generate(request, timeout=attempt_timeout_s, metadata=bearer(token)):
                     if response.HasField("chunk"):
                         num_chunks += 1
                     yield response
@@ -71,6 +78,15 @@ def resumable_stream(targets: Sequence[str], request: generate_pb2.GenerateReque
                 if on_resume is not None:
                     on_resume(num_chunks, e)
         time.sleep(retry_delay_s)
+
+
+def bearer(token: str | None) -> tuple[tuple[str, str], ...]:
+    """The call metadata that carries `token` (none without one)."""
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+def _channel(target: str, credentials: grpc.ChannelCredentials | None) -> grpc.Channel:
+    return grpc.secure_channel(target, credentials) if credentials else grpc.insecure_channel(target)
 
 
 def _copy(request: generate_pb2.GenerateRequest) -> generate_pb2.GenerateRequest:
@@ -92,17 +108,19 @@ class Completion:
 
 
 class TokenRelayClient:
-    def __init__(self, target: str = DEFAULT_TARGET, *, secure: bool = False) -> None:
-        creds = grpc.ssl_channel_credentials() if secure else None
-        self.channel = grpc.secure_channel(target, creds) if creds else grpc.insecure_channel(target)
+    def __init__(self, target: str = DEFAULT_TARGET, *, secure: bool = False, ca: str | None = None,
+                 cert: str | None = None, key: str | None = None, token: str | None = None) -> None:
+        is_tls = secure or bool(ca or cert or key)
+        self.channel = _channel(target, channel_credentials(ca, cert, key) if is_tls else None)
         self.stub = generate_pb2_grpc.TokenRelayStub(self.channel)
+        self.metadata = bearer(token)
 
     def generate(self, prompt: str | None = None, messages: Iterable[tuple[str, str]] | None = None, *,
                  timeout_s: float | None = None, request_id: str = "",
                  **params: Any) -> Iterator[generate_pb2.GenerateResponse]:
         """The raw response stream: chunks, then one final message."""
         request = build_request(prompt, messages, request_id=request_id, **params)
-        return iter(self.stub.Generate(request, timeout=timeout_s))
+        return iter(self.stub.Generate(request, timeout=timeout_s, metadata=self.metadata))
 
     def stream_text(self, prompt: str | None = None, messages: Iterable[tuple[str, str]] | None = None,
                     **kwargs: Any) -> Iterator[str]:
@@ -127,7 +145,8 @@ class TokenRelayClient:
         return result
 
     def server_info(self, timeout_s: float = 5.0) -> generate_pb2.ServerInfo:
-        return self.stub.GetServerInfo(generate_pb2.GetServerInfoRequest(), timeout=timeout_s)
+        return self.stub.GetServerInfo(generate_pb2.GetServerInfoRequest(), timeout=timeout_s,
+                                       metadata=self.metadata)
 
     def close(self) -> None:
         self.channel.close()
@@ -155,6 +174,29 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ignore-eos", action="store_true", default=None, help="keep going past end-of-sequence")
 
 
+def add_connection_args(p: argparse.ArgumentParser) -> None:
+    """--target, TLS and token flags of a command that calls a gateway."""
+    p.add_argument("--target", default=os.environ.get("TOKENRELAY_TARGET", DEFAULT_TARGET),
+                   help=f"gateway host:port (env TOKENRELAY_TARGET, default {DEFAULT_TARGET})")
+    c = p.add_argument_group("security")
+    c.add_argument("--tls", action="store_true", help="connect with TLS (implied by --ca/--cert)")
+    c.add_argument("--ca", default=os.environ.get("TOKENRELAY_CA"),
+                   help="PEM CA that signed the gateway's certificate (default: the system's roots) "
+                        "[env TOKENRELAY_CA]")
+    c.add_argument("--cert", default=os.environ.get("TOKENRELAY_CERT"),
+                   help="PEM client certificate for mTLS, with --key [env TOKENRELAY_CERT]")
+    c.add_argument("--key", default=os.environ.get("TOKENRELAY_KEY"),
+                   help="PEM private key of --cert [env TOKENRELAY_KEY]")
+    c.add_argument("--token", default=os.environ.get("TOKENRELAY_TOKEN"),
+                   help="bearer token of a gateway with --auth-tokens-file [env TOKENRELAY_TOKEN]")
+
+
+def client_from_args(args: argparse.Namespace) -> TokenRelayClient:
+    """ValueError naming the problem (a --cert without --key, an unreadable file)."""
+    return TokenRelayClient(args.target, secure=args.tls, ca=args.ca, cert=args.cert, key=args.key,
+                            token=args.token)
+
+
 GENERATION_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                     "presence_penalty", "frequency_penalty", "seed", "stop", "ignore_eos")
 
@@ -173,9 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
                "  echo 'Tell me a joke' | tokenrelay-client --chat -",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("prompt", help="the text to complete, or the user message with --chat; - reads stdin")
-    p.add_argument("--target", default=os.environ.get("TOKENRELAY_TARGET", DEFAULT_TARGET),
-                   help=f"gateway host:port (env TOKENRELAY_TARGET, default {DEFAULT_TARGET})")
-    p.add_argument("--tls", action="store_true", help="connect with TLS")
+    add_connection_args(p)
     p.add_argument("--chat", action="store_true",
                    help="send the prompt as a user chat message (uses the model's chat template)")
     p.add_argument("--system", help="system message for --chat")
@@ -203,12 +243,17 @@ def print_stream(responses: Iterable[generate_pb2.GenerateResponse], *, quiet: b
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        client = client_from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     messages = None
     if args.chat:
         messages = ([("system", args.system)] if args.system else []) + [("user", text)]
-    with TokenRelayClient(args.target, secure=args.tls) as client:
+    with client:
         try:
             responses = client.generate(None if args.chat else text, messages, timeout_s=args.timeout,
                                         **generation_params(args))

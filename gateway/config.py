@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gateway.auth import load_tenants
+from gateway.tls import check_server_files
 from protos.keys import DEFAULT_PREFIX, Keys, check_name, default_instance_id
 from protos.logs import check_log_format
 from protos.metrics import check_metrics_options
@@ -54,6 +56,16 @@ class GatewayConfig:
     otlp_traces_endpoint: str = ""
     # "text" or "json" (one object per line, protos/logs.py).
     log_format: str = "text"
+    # PEM files of the gRPC port's TLS identity; "" = plaintext. With tls_client_ca (mTLS)
+    # every client must present a certificate that CA signed.
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    # Tenants and their tokens and limits (gateway/auth.py); "" = no authentication.
+    auth_tokens_file: str = ""
+    # A call's max_concurrent slot in Redis expires this long after its last refresh
+    # (gateway/quotas.py), so a gateway that died holding slots frees them.
+    quota_slot_ttl_s: float = 30.0
 
     def __post_init__(self) -> None:
         Keys(self.key_prefix)  # validates the prefix
@@ -68,12 +80,15 @@ class GatewayConfig:
         if self.depth_cache_ms < 0:
             raise ValueError(f"depth_cache_ms must be >= 0, got {self.depth_cache_ms}")
         for name in ("redis_timeout_s", "liveness_check_s", "max_backoff_s", "result_ttl_s",
-                     "max_redis_outage_s"):
+                     "max_redis_outage_s", "quota_slot_ttl_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         check_metrics_options(self.metrics_port, self.metrics_compat)
         check_otlp_endpoint(self.otlp_traces_endpoint)
         check_log_format(self.log_format)
+        check_server_files(self.tls_cert, self.tls_key, self.tls_client_ca)
+        if self.auth_tokens_file:
+            load_tenants(self.auth_tokens_file)  # the gateway loads it again; here only its errors count
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
 

@@ -2,7 +2,9 @@
 
 Per call: time to first token, the gaps between chunks, end-to-end latency and the
 worker-reported queue time, token counts, and how the call ended; calls refused before
-they got an answer are counted by reason. Queue gauges are read from Redis by a
+they got an answer are counted by reason. The counters carry the call's `tenant`
+(--auth-tokens-file; empty when authentication is off), the histograms do not (a label
+per tenant would multiply their buckets). Queue gauges are read from Redis by a
 background task once a second, never by a scrape. The `grpc_server_*` family comes from
 `GrpcMetricsInterceptor`, with the names and labels of go-grpc-prometheus.
 """
@@ -30,6 +32,7 @@ from gateway.errors import (
     Unavailable,
     WorkerError,
 )
+from gateway.quotas import QuotaExceeded
 from protos.metrics import ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS
 from protos.tokenrelay.v1 import generate_pb2
 
@@ -45,6 +48,8 @@ def rejection_reason(error: GatewayError) -> str:
     """The `reason` label of a call refused or failed before its final."""
     if isinstance(error, QueueFull):
         return "queue_full"
+    if isinstance(error, QuotaExceeded):
+        return "quota"
     if isinstance(error, InvalidArgument | FailedPrecondition | NotFound | OutOfRange):
         return "invalid"
     if isinstance(error, WorkerError) and error.code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -67,7 +72,7 @@ class GatewayMetrics:
             return Histogram(f"tokenrelay_{name}", doc, m, buckets=buckets, registry=registry)
 
         def counter(name: str, doc: str, *labels: str) -> Counter:
-            return Counter(f"tokenrelay_{name}", doc, [*m, *labels], registry=registry)
+            return Counter(f"tokenrelay_{name}", doc, [*m, "tenant", *labels], registry=registry)
 
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(f"tokenrelay_{name}", doc, m, registry=registry)
@@ -91,7 +96,7 @@ class GatewayMetrics:
                                       "Age of the oldest request not claimed yet (0 when none waits).")
 
     async def observe(self, responses: AsyncIterator[generate_pb2.GenerateResponse],
-                      time_remaining: Callable[[], float | None],
+                      time_remaining: Callable[[], float | None], tenant: str = "",
                       ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         """Pass a call's responses through, timing them; count how it ended (a cancel by the
         caller is no rejection; a cancel because the call's deadline passed is)."""
@@ -108,26 +113,29 @@ class GatewayMetrics:
                         self.itl.labels(self.model).observe(now - last)
                     last = now
                 else:
-                    self._observe_final(self.model, response.final, now - start)
+                    self._observe_final(self.model, tenant, response.final, now - start)
                 yield response
         except GatewayError as e:
-            self.rejected.labels(self.model, rejection_reason(e)).inc()
+            self.count_rejected(tenant, e)
             raise
         except asyncio.CancelledError:
             remaining = time_remaining()
             if remaining is not None and remaining <= 0:
-                self.rejected.labels(self.model, "deadline").inc()
+                self.rejected.labels(self.model, tenant, "deadline").inc()
             raise
         finally:
             inflight.dec()
 
-    def _observe_final(self, model: str, final: generate_pb2.Final, e2e_s: float) -> None:
+    def count_rejected(self, tenant: str, error: GatewayError) -> None:
+        self.rejected.labels(self.model, tenant, rejection_reason(error)).inc()
+
+    def _observe_final(self, model: str, tenant: str, final: generate_pb2.Final, e2e_s: float) -> None:
         self.e2e.labels(model).observe(e2e_s)
         self.queue_time.labels(model).observe(final.usage.queue_time_s)
-        self.prompt_tokens.labels(model).inc(final.usage.prompt_tokens)
-        self.generation_tokens.labels(model).inc(final.usage.completion_tokens)
+        self.prompt_tokens.labels(model, tenant).inc(final.usage.prompt_tokens)
+        self.generation_tokens.labels(model, tenant).inc(final.usage.completion_tokens)
         reason = _FINISH_REASONS.get(final.finish_reason, "unspecified")
-        self.success.labels(model, reason).inc()
+        self.success.labels(model, tenant, reason).inc()
 
     async def read_queue(self, read: Callable[[], Awaitable[tuple[int, int, float, str | None]]]) -> None:
         """Forever: every QUEUE_READ_INTERVAL_S, set the queue gauges from

@@ -1,7 +1,10 @@
 """The gRPC gateway: validate -> shed load -> enqueue -> relay the worker's tokens.
 
 Also serves `grpc.health.v1` (SERVING while the reply channel is subscribed,
-NOT_SERVING otherwise and during shutdown) and server reflection.
+NOT_SERVING otherwise and during shutdown) and server reflection; those two need no
+token. With --auth-tokens-file every TokenRelay call is authenticated (gateway/auth.py)
+and admitted against its tenant's quotas (gateway/quotas.py); with --tls-cert the port
+speaks TLS only (gateway/tls.py).
 """
 
 from __future__ import annotations
@@ -9,11 +12,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import importlib.metadata
+import ipaddress
 import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 
 import grpc
@@ -23,6 +27,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from redis.exceptions import RedisError
 
+from gateway.auth import ANONYMOUS, Authenticator, Tenant
 from gateway.config import GatewayConfig
 from gateway.errors import (
     FailedPrecondition,
@@ -36,8 +41,10 @@ from gateway.errors import (
 )
 from gateway.metrics import GatewayMetrics, GrpcMetricsInterceptor
 from gateway.queue import Attached, RequestQueue, connect
+from gateway.quotas import Quotas
 from gateway.relay import Follow, relay
 from gateway.replies import ReplyRouter
+from gateway.tls import server_credentials
 from gateway.tracing import CallTrace
 from protos.convert import check_request_id, params_from_pb
 from protos.logs import bind_request
@@ -90,21 +97,42 @@ def add_servicer(servicer: TokenRelayServicer, server: grpc.aio.Server) -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
 
 
-def request_digest(request: generate_pb2.GenerateRequest) -> str:
+def request_digest(request: generate_pb2.GenerateRequest, tenant: str = "") -> str:
     """What names a request's body: the same digest = the same request (request_id and
-    resume_from_index left out), so a resend attaches to its generation."""
+    resume_from_index left out), so a resend attaches to its generation. The tenant is part
+    of it: another tenant's call with the same request_id is refused, never attached."""
     body = generate_pb2.GenerateRequest()
     body.CopyFrom(request)
     body.ClearField("request_id")
     body.ClearField("resume_from_index")
-    return hashlib.sha256(body.SerializeToString(deterministic=True)).hexdigest()
+    digest = hashlib.sha256(body.SerializeToString(deterministic=True))
+    if tenant:
+        digest.update(b"\0tenant:" + tenant.encode())
+    return digest.hexdigest()
+
+
+def is_loopback(listen: str) -> bool:
+    host = listen.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
+    """Authentication happens here, not in a server interceptor: the rest of the call needs
+    the tenant (priority cap, quotas, Final.tenant, log lines, metric labels), which an
+    interceptor could only pass on through a contextvar or rewritten metadata; health and
+    reflection are other servicers, so they stay open without a list of exempt methods."""
+
     def __init__(self, config: GatewayConfig, queue: RequestQueue, router: ReplyRouter,
-                 metrics: GatewayMetrics | None = None, tracing: Tracing | None = None) -> None:
+                 metrics: GatewayMetrics | None = None, tracing: Tracing | None = None,
+                 auth: Authenticator | None = None, quotas: Quotas | None = None) -> None:
         self.config, self.queue, self.router, self.metrics = config, queue, router, metrics
         self.tracing = tracing or Tracing()
+        self.auth, self.quotas = auth, quotas
         self._background: set[asyncio.Task[None]] = set()
         self._max_sequence_tokens: int | None = None  # None: no live worker known
         self._limits_read_at = float("-inf")
@@ -112,9 +140,15 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
     async def Generate(self, request: generate_pb2.GenerateRequest | MalformedRequest,  # noqa: N802
                        context: grpc.aio.ServicerContext) -> AsyncIterator[generate_pb2.GenerateResponse]:
         call = CallTrace(self.tracing, context.invocation_metadata(), SERVICE_NAME)
-        responses = self._generate(request, context, call)
+        try:
+            tenant = self._authenticate(context)
+        except GatewayError as e:
+            if self.metrics is not None:
+                self.metrics.count_rejected("", e)
+            await context.abort(e.code, str(e), trailing_metadata=e.trailers)
+        responses = self._generate(request, context, call, tenant)
         if self.metrics is not None:
-            responses = self.metrics.observe(responses, context.time_remaining)
+            responses = self.metrics.observe(responses, context.time_remaining, tenant.name)
         responses = call.observe(responses)
         try:
             async for response in responses:
@@ -122,13 +156,17 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
         except GatewayError as e:
             await context.abort(e.code, str(e), trailing_metadata=e.trailers)
 
+    def _authenticate(self, context: grpc.aio.ServicerContext) -> Tenant:
+        return ANONYMOUS if self.auth is None else self.auth.authenticate(context.invocation_metadata())
+
     async def _generate(self, request: generate_pb2.GenerateRequest | MalformedRequest,
-                        context: grpc.aio.ServicerContext,
-                        call: CallTrace) -> AsyncIterator[generate_pb2.GenerateResponse]:
+                        context: grpc.aio.ServicerContext, call: CallTrace,
+                        tenant: Tenant) -> AsyncIterator[generate_pb2.GenerateResponse]:
         if isinstance(request, MalformedRequest):
             raise InvalidArgument(request.error)
         request_id = request.request_id or uuid.uuid4().hex
-        bind_request(request_id, trace_id=call.trace_id)  # this call's task: its log lines name it
+        # this call's task: its log lines name the request and the tenant
+        bind_request(request_id, trace_id=call.trace_id, tenant=tenant.name)
         resume_from = request.resume_from_index
         try:
             check_request_id(request_id)
@@ -138,15 +176,32 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
         call.describe(request_id, params)
         if resume_from and not request.request_id:
             raise InvalidArgument("resume_from_index needs the request_id of the stream to resume")
+        tenant.check_priority(request.priority)
         depth = await self._queue_depth()
         await self._check_fits(params.max_tokens)
+        slot = None
+        if self.quotas is not None:  # a resume follows a generation already paid for: no tokens
+            slot = await self.quotas.admit(tenant, params.max_tokens, reserve_tokens=not resume_from)
+        try:
+            async for response in self._follow(request, request_id, context, call, tenant.name, depth):
+                yield response
+        finally:
+            if slot is not None and self.quotas is not None:
+                self._in_background(self.quotas.release(slot))
+
+    async def _follow(self, request: generate_pb2.GenerateRequest, request_id: str,
+                      context: grpc.aio.ServicerContext, call: CallTrace, tenant: str,
+                      depth: int) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        """Attach to (or enqueue) the request and relay its events to the caller."""
+        resume_from = request.resume_from_index
         calls = await self.router.follow(request_id)  # before anything is read or enqueued: protos/keys.py
         follow: Follow | None = None
         is_done = False
         try:
             queued = self._queued(request_id, request, context)
             with call.enqueue(queued):
-                follow, is_new = await self._attach(queued, request_digest(request), depth, resume_from)
+                follow, is_new = await self._attach(queued, request_digest(request, tenant), depth,
+                                                    resume_from)
             log.debug("request %s: %s entry %s", request_id, "enqueued" if is_new else "following",
                       follow.entry_id.decode())
             follow.time_remaining = context.time_remaining
@@ -154,6 +209,8 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
             async for response in relay(follow, calls, self.queue, read_log=not is_new,
                                         liveness_check_s=liveness_s, max_outage_s=outage_s):
                 is_done = response.HasField("final")
+                if is_done:
+                    response.final.tenant = tenant
                 yield response
         except WorkerError:
             is_done = True  # the worker reported and dropped the attempt itself
@@ -255,6 +312,10 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
 
     async def GetServerInfo(self, request: generate_pb2.GetServerInfoRequest | MalformedRequest,  # noqa: N802
                             context: grpc.aio.ServicerContext) -> generate_pb2.ServerInfo:
+        try:
+            self._authenticate(context)
+        except GatewayError as e:
+            await context.abort(e.code, str(e))
         if isinstance(request, MalformedRequest):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
         try:
@@ -269,7 +330,10 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
 
     def abort_later(self, request_id: str, reason: str, entry_id: bytes) -> None:
         """Publish an abort without blocking (the caller may be a cancelled task)."""
-        task = asyncio.ensure_future(self._abort(request_id, reason, entry_id))
+        self._in_background(self._abort(request_id, reason, entry_id))
+
+    def _in_background(self, coro: Coroutine[object, object, None]) -> None:
+        task = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -297,7 +361,11 @@ class Gateway:
             interceptors.append(GrpcMetricsInterceptor(self.metrics_server.registry))
         self.server = grpc.aio.server(interceptors=interceptors)
         self.tracing = Tracing(config.otlp_traces_endpoint, GATEWAY_SERVICE, config.gateway_id)
-        self.servicer = TokenRelayServicer(config, self.queue, self.router, metrics, self.tracing)
+        self.auth = Authenticator(config.auth_tokens_file) if config.auth_tokens_file else None
+        self.quotas = None if self.auth is None else Quotas(
+            self.client, config.keys, config.gateway_id, config.quota_slot_ttl_s, config.retry_pushback_ms)
+        self.servicer = TokenRelayServicer(config, self.queue, self.router, metrics, self.tracing,
+                                           self.auth, self.quotas)
         add_servicer(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -306,6 +374,7 @@ class Gateway:
         self.port = 0
         self._health_tasks: set[asyncio.Task[None]] = set()
         self._queue_gauges: asyncio.Task[None] | None = None
+        self._quota_refresh: asyncio.Task[None] | None = None
 
     async def start(self, subscribe_timeout_s: float = 5.0) -> int:
         """Subscribe to the reply channel, then serve; returns the bound port.
@@ -314,9 +383,19 @@ class Gateway:
         UNAVAILABLE) and keeps reconnecting.
         """
         await self._set_health(False)
-        self.port = self.server.add_insecure_port(self.config.listen)
+        config = self.config
+        if config.tls_cert:
+            credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+            self.port = self.server.add_secure_port(config.listen, credentials)
+        else:
+            self.port = self.server.add_insecure_port(config.listen)
         if not self.port:
-            raise OSError(f"cannot listen on {self.config.listen}")
+            raise OSError(f"cannot listen on {config.listen}")
+        if self.auth is None and not is_loopback(config.listen):
+            log.warning("no --auth-tokens-file: the gateway accepts unauthenticated calls on %s",
+                        config.listen)
+        if not config.tls_cert and not is_loopback(config.listen):
+            log.warning("no --tls-cert: calls and tokens on %s travel in plaintext", config.listen)
         if not await self.router.start(timeout_s=subscribe_timeout_s):
             log.warning("Redis at %s is not reachable yet; serving UNAVAILABLE until it is",
                         self.config.redis_url)
@@ -324,6 +403,8 @@ class Gateway:
         self.metrics_server.start()
         if (metrics := self.servicer.metrics) is not None:
             self._queue_gauges = asyncio.create_task(metrics.read_queue(self.queue.queue_gauges))
+        if self.quotas is not None:
+            self._quota_refresh = asyncio.create_task(self.quotas.refresh_forever())
         log.info("gateway %s listening on port %d", self.config.gateway_id, self.port)
         return self.port
 
@@ -331,12 +412,18 @@ class Gateway:
         """Stop admitting (health NOT_SERVING), let calls finish for grace_s, close Redis."""
         await self.health.enter_graceful_shutdown()
         await self.server.stop(self.config.shutdown_grace_s if grace_s is None else grace_s)
-        if self._queue_gauges is not None:
-            self._queue_gauges.cancel()
+        for task in (self._queue_gauges, self._quota_refresh):
+            if task is not None:
+                task.cancel()
         self.metrics_server.stop()
         await asyncio.to_thread(self.tracing.shutdown)  # exports the last spans: may wait on the collector
         await self.router.close()
         await self.client.aclose()
+
+    def reload_auth(self) -> bool:
+        """Re-read the tenants file (SIGHUP); open calls keep their tenant. False: the file is
+        bad (logged) and the previous one stays, or authentication is off."""
+        return self.auth is not None and self.auth.reload()
 
     async def wait_for_termination(self) -> None:
         await self.server.wait_for_termination()

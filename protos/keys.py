@@ -12,7 +12,10 @@ or test runs can share one Redis. ``{p}`` below is that prefix.
 | {p}:aborts               | channel | -            | gateway PUBLISH           | every worker (SUBSCRIBE) |
 | {p}:gateway:{gateway_id} | channel | -            | (nobody yet)              | that gateway (SUBSCRIBE) |
 | {p}:worker:{worker_id}   | hash    | worker's TTL | worker HSET+PEXPIRE       | gateway (GetServerInfo)  |
+| {p}:tenant:{name}:calls  | zset    | slot TTL (+) | gateway scripts           | gateways (admission)     |
+| {p}:tenant:{name}:tokens | hash    | 60 s         | gateway script            | gateways (admission)     |
 (*) RECORD_LEASE_S from creation, then the request's result TTL once an attempt ended.
+(+) the gateway's --quota-slot-ttl, renewed with every admission and refresh.
 
 Requests (stream + consumer group)
   A gateway XADDs one entry per attempt at a request: ``data`` =
@@ -99,6 +102,17 @@ Aborts
   publishes ``queue.Abort`` on ``{p}:aborts`` naming its request and entry id:
   a hint, so the worker holding it parks it between two steps instead of one
   step later, after it checked that no other call follows the request.
+
+Tenant quotas (gateway/quotas.py; only with --auth-tokens-file)
+  ``{p}:tenant:{name}:calls``: one member per open call of the tenant (``{gateway_id}:{uuid}``),
+  scored by the Redis-clock unix ms at which its slot expires. A gateway refreshes the
+  scores of its open calls every third of the slot TTL and ZREMs a call's member when it
+  ends; a gateway that dies leaves members that stop being refreshed, and the next
+  admission drops every member past its score, so a crashed gateway's slots come back
+  after one slot TTL. ``{p}:tenant:{name}:tokens`` (fields: `Bucket`): the tenant's
+  tokens_per_minute token bucket, refilled continuously at tokens_per_minute / 60 s up to
+  tokens_per_minute; it expires after 60 s untouched, when it would be full anyway. One
+  script checks both and takes a slot and the tokens together, or neither.
 
 Worker heartbeat
   Each worker refreshes its hash (fields: `Heartbeat` below) about every half
@@ -187,6 +201,13 @@ class Record:
         return f"{Record.EVENT_PREFIX}{seq}"
 
 
+class Bucket:
+    """Field names of a tenant's token bucket ``{p}:tenant:{name}:tokens``."""
+
+    TOKENS = "tokens"  # tokens left at UPDATED_MS (a decimal, may be fractional)
+    UPDATED_MS = "updated_ms"  # Redis TIME in unix ms of the last change
+
+
 @dataclass(frozen=True)
 class Keys:
     """Names of every Redis key/stream/channel for one prefix."""
@@ -232,3 +253,11 @@ class Keys:
     def worker_pattern(self) -> str:
         """SCAN MATCH pattern of all worker heartbeat hashes."""
         return f"{self.prefix}{WORKER_KEY_MARK}*"
+
+    def tenant_calls(self, tenant: str) -> str:
+        """Sorted set: the tenant's open calls (max_concurrent slots), scored by expiry in unix ms."""
+        return f"{self.prefix}:tenant:{tenant}:calls"
+
+    def tenant_tokens(self, tenant: str) -> str:
+        """Hash (`Bucket`): the tenant's tokens_per_minute bucket."""
+        return f"{self.prefix}:tenant:{tenant}:tokens"

@@ -3,8 +3,8 @@
 A JSON line has `time` (UTC, ISO 8601), `level`, `logger`, `message`, the process's own
 fields (`process`, and its `gateway` or `worker` id), `exception` when there is one,
 and, on every line about a request, `request_id` and `trace_id` (when the request has
-a trace: the caller's traceparent or the gateway's span; see protos/tracing.py), and
-on a worker's lines `worker`.
+a trace: the caller's traceparent or the gateway's span; see protos/tracing.py), on a
+gateway's lines `tenant` (with --auth-tokens-file), and on a worker's lines `worker`.
 
 How a line learns its request differs by side:
 - The gateway is asyncio and grpc.aio runs each call in its own task: `bind_request`
@@ -24,7 +24,7 @@ from contextvars import ContextVar
 from datetime import UTC, datetime
 
 LOG_FORMATS = ("text", "json")
-REQUEST_FIELDS = ("request_id", "worker", "trace_id")
+REQUEST_FIELDS = ("request_id", "worker", "trace_id", "tenant")
 
 _bound: ContextVar[Mapping[str, str] | None] = ContextVar("tokenrelay_log_request", default=None)
 
@@ -35,16 +35,17 @@ def check_log_format(log_format: str) -> None:
         raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, got {log_format!r}")
 
 
-def request_fields(request_id: str, *, worker: str = "", trace_id: str = "") -> dict[str, str]:
+def request_fields(request_id: str, *, worker: str = "", trace_id: str = "",
+                   tenant: str = "") -> dict[str, str]:
     """The `extra=` of a line about one request (empty fields left out)."""
-    fields = {"request_id": request_id, "worker": worker, "trace_id": trace_id}
+    fields = {"request_id": request_id, "worker": worker, "trace_id": trace_id, "tenant": tenant}
     return {k: v for k, v in fields.items() if v}
 
 
-def bind_request(request_id: str, *, trace_id: str = "") -> None:
-    """Name the request in every line the current task logs from now on (see the module
-    docstring: meant for a gateway call's own task, which ends with the call)."""
-    _bound.set(request_fields(request_id, trace_id=trace_id))
+def bind_request(request_id: str, *, trace_id: str = "", tenant: str = "") -> None:
+    """Name the request (and its tenant) in every line the current task logs from now on (see
+    the module docstring: meant for a gateway call's own task, which ends with the call)."""
+    _bound.set(request_fields(request_id, trace_id=trace_id, tenant=tenant))
 
 
 class JsonFormatter(logging.Formatter):

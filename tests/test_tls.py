@@ -1,0 +1,145 @@
+"""gRPC TLS and mTLS on a real gateway, with a CA and certificates made in the test."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gateway.client import TokenRelayClient
+from gateway.tls import channel_credentials
+from protos.tokenrelay.v1 import generate_pb2, generate_pb2_grpc
+from tests.service import ROOT, GatewayThread
+
+
+@dataclass(frozen=True)
+class Identity:
+    cert: str  # paths of PEM files
+    key: str
+
+
+class CertFactory:
+    """A private CA in `folder` that signs server and client certificates."""
+
+    def __init__(self, folder: Path, name: str = "test-ca") -> None:
+        self.folder = folder
+        self.key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+        self.cert = (self._builder(subject, self.key.public_key()).issuer_name(subject)
+                     .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+                     .sign(self.key, hashes.SHA256()))
+        self.ca = self._write(f"{name}.pem", self.cert.public_bytes(serialization.Encoding.PEM))
+
+    @staticmethod
+    def _builder(subject: x509.Name, public_key: ec.EllipticCurvePublicKey) -> x509.CertificateBuilder:
+        now = datetime.datetime.now(datetime.UTC)
+        return (x509.CertificateBuilder().subject_name(subject).public_key(public_key)
+                .serial_number(x509.random_serial_number())
+                .not_valid_before(now - datetime.timedelta(minutes=5))
+                .not_valid_after(now + datetime.timedelta(days=1)))
+
+    def _write(self, name: str, data: bytes) -> str:
+        path = self.folder / name
+        path.write_bytes(data)
+        return str(path)
+
+    def issue(self, name: str, *, is_server: bool) -> Identity:
+        key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+        usage = ExtendedKeyUsageOID.SERVER_AUTH if is_server else ExtendedKeyUsageOID.CLIENT_AUTH
+        builder = (self._builder(subject, key.public_key()).issuer_name(self.cert.subject)
+                   .add_extension(x509.ExtendedKeyUsage([usage]), critical=False))
+        if is_server:
+            names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
+        cert = builder.sign(self.key, hashes.SHA256())
+        key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                    serialization.NoEncryption())
+        return Identity(self._write(f"{name}.crt", cert.public_bytes(serialization.Encoding.PEM)),
+                        self._write(f"{name}.key", key_pem))
+
+
+@pytest.fixture
+def certs(tmp_path: Path) -> CertFactory:
+    return CertFactory(tmp_path)
+
+
+def server_info(channel: grpc.Channel) -> generate_pb2.ServerInfo:
+    stub = generate_pb2_grpc.TokenRelayStub(channel)
+    return stub.GetServerInfo(generate_pb2.GetServerInfoRequest(), timeout=5)
+
+
+def test_tls_calls_work_and_plaintext_clients_are_refused(
+        certs: CertFactory, make_gateway: Callable[..., GatewayThread]) -> None:
+    server = certs.issue("gateway", is_server=True)
+    gateway = make_gateway(tls_cert=server.cert, tls_key=server.key)
+    with grpc.secure_channel(gateway.target, channel_credentials(certs.ca)) as channel:
+        assert server_info(channel).gateway_id == gateway.config.gateway_id
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+    with TokenRelayClient(gateway.target, ca=certs.ca) as client:  # the client class too
+        assert client.server_info().gateway_id == gateway.config.gateway_id
+    with grpc.insecure_channel(gateway.target) as channel, pytest.raises(grpc.RpcError) as e:
+        server_info(channel)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    other_ca = CertFactory(certs.folder, "other-ca")  # a server the client's CA did not sign
+    with grpc.secure_channel(gateway.target, channel_credentials(other_ca.ca)) as channel, \
+            pytest.raises(grpc.RpcError) as e:
+        server_info(channel)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_mtls_refuses_clients_without_a_certificate_of_its_ca(
+        certs: CertFactory, make_gateway: Callable[..., GatewayThread]) -> None:
+    server, client = certs.issue("gateway", is_server=True), certs.issue("backend", is_server=False)
+    gateway = make_gateway(tls_cert=server.cert, tls_key=server.key, tls_client_ca=certs.ca)
+    creds = channel_credentials(certs.ca, client.cert, client.key)
+    with grpc.secure_channel(gateway.target, creds) as channel:
+        assert server_info(channel).gateway_id == gateway.config.gateway_id
+    stranger = CertFactory(certs.folder, "stranger-ca").issue("intruder", is_server=False)
+    for creds in (channel_credentials(certs.ca), channel_credentials(certs.ca, stranger.cert, stranger.key)):
+        with grpc.secure_channel(gateway.target, creds) as channel, pytest.raises(grpc.RpcError) as e:
+            server_info(channel)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_bad_tls_files_are_clean_usage_errors(certs: CertFactory, capsys: pytest.CaptureFixture[str]) -> None:
+    from gateway.__main__ import config_from_args
+
+    server, other = certs.issue("gateway", is_server=True), certs.issue("other", is_server=True)
+    cases = [
+        (["--tls-cert", "/no/such.crt", "--tls-key", server.key], "tls_cert '/no/such.crt' cannot be read"),
+        (["--tls-cert", server.cert, "--tls-key", "/no/such.key"], "tls_key '/no/such.key' cannot be read"),
+        (["--tls-key", server.key], "tls_key is set but tls_cert is not"),
+        (["--tls-cert", server.cert], "tls_cert is set but tls_key is not"),
+        (["--tls-client-ca", certs.ca], "tls_client_ca (mTLS) needs tls_cert"),
+        (["--tls-cert", server.cert, "--tls-key", other.key], "are not a PEM certificate and its"),
+        (["--tls-cert", server.cert, "--tls-key", server.key, "--tls-client-ca", server.key],
+         "holds no PEM CA certificate"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as exit_:
+            config_from_args(argv)
+        assert exit_.value.code == 2 and message in capsys.readouterr().err, argv
+    argv = [sys.executable, "-m", "gateway", "--tls-cert", "/no/such.crt", "--tls-key", server.key]
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "cannot be read" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_client_command_checks_its_tls_flags(certs: CertFactory) -> None:
+    client = certs.issue("backend", is_server=False)
+    proc = subprocess.run([sys.executable, "-m", "gateway.client", "--cert", client.cert, "hi"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--cert with --key" in proc.stderr and "Traceback" not in proc.stderr
