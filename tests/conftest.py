@@ -29,18 +29,26 @@ TEST_MAX_MODEL_LEN = 512
 TEST_MAX_NUM_SEQS = 8
 
 
+# Like every Redis tokenrelay starts (gateway/redis_server.py): AOF fsynced every second, no RDB.
+CONTAINER_COMMAND = ["redis-server", "--appendonly", "yes", "--appendfsync", "everysec", "--save", ""]
+DOCKER_PING_TIMEOUT_S = 2  # no Docker engine: fall through to the binary at once
+
+
 @contextlib.contextmanager
 def _testcontainers_redis() -> Iterator[str | None]:
-    """A Redis container if testcontainers is installed and Docker answers, else None."""
+    """A `redis:7` container if testcontainers (4.x) is installed and Docker answers, else None."""
     try:
         import docker  # type: ignore[import-not-found]
-        from testcontainers.redis import RedisContainer  # type: ignore[import-not-found]
+        try:  # newer 4.x releases moved it; testcontainers.redis then warns (DeprecationWarning)
+            from testcontainers.community.redis import RedisContainer  # type: ignore[import-not-found]
+        except ImportError:
+            from testcontainers.redis import RedisContainer  # type: ignore[import-not-found]
 
-        docker.from_env().ping()
+        docker.from_env(timeout=DOCKER_PING_TIMEOUT_S).ping()
     except Exception:  # not installed, or no Docker daemon: fall through to the binary
         yield None
         return
-    with RedisContainer("redis:7") as container:
+    with RedisContainer("redis:7").with_command(CONTAINER_COMMAND) as container:
         yield f"redis://{container.get_container_host_ip()}:{container.get_exposed_port(6379)}/0"
 
 
