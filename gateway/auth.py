@@ -57,8 +57,8 @@ class Tenant:
 
     def check_priority(self, priority: int) -> None:
         if self.max_priority is not None and priority > self.max_priority:
-            raise PermissionDenied(f"priority {priority} is above tenant {self.name!r}'s max_priority "
-                                   f"({self.max_priority})")
+            raise PermissionDenied(f"priority {priority} is above the max_priority of tenant "
+                                   f"{self.name!r} ({self.max_priority})")
 
 
 ANONYMOUS = Tenant("")  # every call when authentication is off

@@ -1,0 +1,262 @@
+"""Bearer tokens and tenants: the file's checks, a real gateway's answers, SIGHUP reloads."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import signal
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from gateway.auth import Authenticator, Unauthenticated, load_tenants
+from gateway.client import TokenRelayClient
+from gateway.redis_server import free_port
+from gateway.server import is_loopback
+from protos.convert import build_request
+from protos.params import FinishReason, SamplingParams, Usage
+from protos.tokenrelay.v1 import generate_pb2, generate_pb2_grpc
+from tests.service import GatewayProcess, GatewayThread, WorkerThread, scrape_samples, stub_for, wait_until
+from worker.config import WorkerConfig
+from worker.engine.outputs import Admitted, RequestOutput
+
+
+def new_token() -> str:
+    return secrets.token_urlsafe(24)
+
+
+def write_tenants(path: Path, tenants: dict[str, dict[str, Any]]) -> str:
+    path.write_text(json.dumps({"tenants": tenants}))
+    return str(path)
+
+
+def bearer(token: str) -> tuple[tuple[str, str]]:
+    return (("authorization", f"Bearer {token}"),)
+
+
+class CountingEngine:
+    """Emits token 7 ("x") once per step per request until max_tokens: enough to stream."""
+
+    def __init__(self) -> None:
+        self._running: dict[str, tuple[int, int]] = {}  # request_id -> (max_tokens, generated)
+
+    def add_request(self, request_id: str, prompt: Any, params: SamplingParams, **kwargs: Any) -> Admitted:
+        self._running[request_id] = (params.max_tokens, 0)
+        return Admitted(seed=params.seed or 1)
+
+    def abort(self, request_id: str) -> None:
+        self._running.pop(request_id, None)
+
+    def step(self) -> list[RequestOutput]:
+        outputs = []
+        for request_id, (max_tokens, done) in list(self._running.items()):
+            out = RequestOutput(request_id, token_ids=[7], text="x")
+            self._running[request_id] = (max_tokens, done + 1)
+            if done + 1 == max_tokens:
+                out.finish_reason = FinishReason.LENGTH
+                out.usage = Usage(prompt_tokens=1, completion_tokens=max_tokens)
+                del self._running[request_id]
+            outputs.append(out)
+        return outputs
+
+    def has_unfinished(self) -> bool:
+        return bool(self._running)
+
+    def stats(self) -> SimpleNamespace:
+        return SimpleNamespace(model_name="counting", weights="none", num_running=len(self._running),
+                               num_waiting=0, max_num_seqs=8, max_model_len=512, block_size=16, num_blocks=64,
+                               num_free_blocks=64, kv_cache_usage=0.0, num_prefix_cache_hit_tokens=0,
+                               num_prefix_cache_query_tokens=0, num_preemptions=0)
+
+
+@pytest.fixture
+def counting_worker(redis_url: str, prefix: str) -> Iterator[WorkerThread]:
+    config = WorkerConfig(redis_url=redis_url, key_prefix=prefix, worker_id=f"w-{uuid.uuid4().hex[:6]}",
+                          drain_timeout_s=5.0, claim_block_ms=50)
+    worker = WorkerThread(CountingEngine(), config).start()
+    yield worker
+    worker.stop()
+
+
+# -- the tenants file -----------------------------------------------------------------------------------
+
+TOKEN = "t" * 16
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ("{not json", "is not valid JSON"),
+    ('{"tenants": {}, "extra": 1}', "must be one object"),
+    ('["tenants"]', "must be one object"),
+    ('{"tenants": {}}', "no tenants"),
+    (json.dumps({"tenants": {"a b": {"tokens": [TOKEN]}}}), "tenant name 'a b'"),
+    (json.dumps({"tenants": {"a": {"tokens": [TOKEN], "max_concurent": 1}}}),
+     "unknown key(s) 'max_concurent'"),
+    (json.dumps({"tenants": {"a": {"max_concurrent": 1}}}), '"tokens" must be a non-empty list'),
+    (json.dumps({"tenants": {"a": {"tokens": []}}}), '"tokens" must be a non-empty list'),
+    (json.dumps({"tenants": {"a": {"tokens": ["short"]}}}), "tokens[0] must be a string of at least 16"),
+    (json.dumps({"tenants": {"a": {"tokens": [TOKEN], "max_concurrent": 0}}}), "max_concurrent must be >= 1"),
+    (json.dumps({"tenants": {"a": {"tokens": [TOKEN], "tokens_per_minute": -5}}}),
+     "tokens_per_minute must be >= 1"),
+    (json.dumps({"tenants": {"a": {"tokens": [TOKEN], "max_concurrent": True}}}),
+     "max_concurrent must be an integer"),
+    (json.dumps({"tenants": {"a": {"tokens": [TOKEN], "max_priority": "high"}}}),
+     "max_priority must be an integer"),
+    (json.dumps({"tenants": {"a": {"tokens": [TOKEN]}, "b": {"tokens": ["u" * 16, TOKEN]}}}),
+     "tenant 'b' tokens[1] is also a token of tenant 'a'"),
+])
+def test_a_bad_tenants_file_is_refused_naming_the_problem(tmp_path: Path, content: str, message: str) -> None:
+    path = tmp_path / "tenants.json"
+    path.write_text(content)
+    with pytest.raises(ValueError) as e:
+        load_tenants(str(path))
+    assert message in str(e.value) and TOKEN not in str(e.value)
+
+
+def test_tokens_name_their_tenant_with_its_limits(tmp_path: Path) -> None:
+    a, b = new_token(), new_token()
+    path = write_tenants(tmp_path / "t.json", {
+        "acme": {"tokens": [a, "x" * 20], "max_concurrent": 2, "tokens_per_minute": 1000, "max_priority": -1},
+        "free": {"tokens": [b]}})
+    auth = Authenticator(path)
+    acme = auth.authenticate(bearer(a))
+    limits = (acme.max_concurrent, acme.tokens_per_minute, acme.max_priority)
+    assert (acme.name, limits) == ("acme", (2, 1000, -1))
+    assert auth.authenticate([("authorization", "bearer " + "x" * 20)]).name == "acme"  # scheme: any case
+    assert auth.authenticate(bearer(b)) == load_tenants(path).find(b)
+    for metadata in ([], bearer(a + "x"), [("authorization", a)], [*bearer(a), *bearer(b)]):
+        with pytest.raises(Unauthenticated):
+            auth.authenticate(metadata)
+
+
+def test_an_unreadable_tenants_file_is_a_clean_usage_error(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from gateway.__main__ import config_from_args
+
+    bad = tmp_path / "t.json"
+    bad.write_text('{"tenants": {"a": {"tokens": ["short"]}}}')
+    for path, message in ((str(tmp_path / "missing.json"), "cannot be read"), (str(bad), "tokens[0]")):
+        with pytest.raises(SystemExit) as exit_:
+            config_from_args(["--auth-tokens-file", path])
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+# -- a real gateway ---------------------------------------------------------------------------------------
+
+def test_calls_need_a_known_token_but_health_and_reflection_stay_open(
+        tmp_path: Path, make_gateway: Callable[..., GatewayThread]) -> None:
+    token = new_token()
+    gateway = make_gateway(auth_tokens_file=write_tenants(tmp_path / "t.json", {"acme": {"tokens": [token]}}))
+    channel, stub = stub_for(gateway.target)
+    with channel:
+        for metadata in ((), bearer(new_token())):
+            with pytest.raises(grpc.RpcError) as e:
+                stub.GetServerInfo(generate_pb2.GetServerInfoRequest(), timeout=5, metadata=metadata)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(build_request("hi"), timeout=5, metadata=metadata))
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert "authorization" in (e.value.details() or "") or "not valid" in (e.value.details() or "")
+        info = stub.GetServerInfo(generate_pb2.GetServerInfoRequest(), timeout=5, metadata=bearer(token))
+        assert info.gateway_id == gateway.config.gateway_id
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        assert "tokenrelay.v1.TokenRelay" in ProtoReflectionDescriptorDatabase(channel).get_services()
+
+
+def test_priority_above_the_tenants_max_is_permission_denied(
+        tmp_path: Path, make_gateway: Callable[..., GatewayThread]) -> None:
+    token = new_token()
+    path = write_tenants(tmp_path / "t.json", {"acme": {"tokens": [token], "max_priority": 2}})
+    channel, stub = stub_for(make_gateway(auth_tokens_file=path).target)
+    request = build_request("hi")
+    request.priority = 3
+    with channel, pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(request, timeout=5, metadata=bearer(token)))
+    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "priority 3 is above the max_priority of tenant 'acme' (2)" in (e.value.details() or "")
+
+
+def test_the_final_names_the_tenant_and_a_request_id_is_private_to_its_tenant(
+        tmp_path: Path, make_gateway: Callable[..., GatewayThread], counting_worker: WorkerThread) -> None:
+    a, b = new_token(), new_token()
+    path = write_tenants(tmp_path / "t.json", {"acme": {"tokens": [a], "max_priority": 5},
+                                               "other": {"tokens": [b]}})
+    metrics_port = free_port()
+    gateway = make_gateway(auth_tokens_file=path, metrics_port=metrics_port)
+    request = build_request("hi", max_tokens=3, request_id="shared-id")
+    request.priority = 5
+    with TokenRelayClient(gateway.target, token=a) as client:
+        responses = list(client.stub.Generate(request, timeout=10, metadata=client.metadata))
+    assert responses[-1].final.tenant == "acme" and responses[-1].final.text == "xxx"
+    with TokenRelayClient(gateway.target, token=b) as client, pytest.raises(grpc.RpcError) as e:
+        list(client.stub.Generate(request, timeout=10, metadata=client.metadata))
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    with grpc.insecure_channel(gateway.target) as channel, pytest.raises(grpc.RpcError):
+        list(generate_pb2_grpc.TokenRelayStub(channel).Generate(request, timeout=10))
+    samples = scrape_samples(metrics_port)
+    counts = {(s.name, s.labels.get("tenant"), s.labels.get("reason")): s.value for s in samples}
+    assert counts[("tokenrelay_request_success_total", "acme", None)] == 1
+    assert counts[("tokenrelay_requests_rejected_total", "other", "invalid")] == 1
+    assert counts[("tokenrelay_requests_rejected_total", "", "unauthenticated")] == 1
+    assert not any(s.name.startswith("tokenrelay_e2e") and "tenant" in s.labels for s in samples)
+
+
+@pytest.mark.parametrize(("listen", "expected"), [
+    ("127.0.0.1:1", True), ("localhost:1", True), ("[::1]:1", True), ("0.0.0.0:1", False),
+    ("10.0.0.5:1", False), ("gateway.internal:1", False),
+])
+def test_only_loopback_listeners_go_without_the_unauthenticated_warning(listen: str, expected: bool) -> None:
+    assert is_loopback(listen) is expected
+
+
+def test_sighup_reloads_the_tenants_file_without_dropping_calls(tmp_path: Path, redis_url: str,
+                                                                 prefix: str) -> None:
+    old, new = new_token(), new_token()
+    path = tmp_path / "t.json"
+    write_tenants(path, {"acme": {"tokens": [old]}})
+    gateway = GatewayProcess(redis_url, prefix, "--auth-tokens-file", str(path)).wait_serving()
+    channel, stub = stub_for(gateway.target)
+
+    def status(token: str) -> grpc.StatusCode:
+        try:
+            stub.GetServerInfo(generate_pb2.GetServerInfoRequest(), timeout=5, metadata=bearer(token))
+        except grpc.RpcError as e:
+            return e.code()
+        return grpc.StatusCode.OK
+
+    try:
+        # a call open across the reloads (no worker: it waits in the queue until its deadline)
+        open_call = stub.Generate(build_request("hi"), timeout=4, metadata=bearer(old))
+        ended: list[grpc.StatusCode] = []
+        reader = threading.Thread(target=lambda: ended.append(_code_of(open_call)))
+        reader.start()
+        write_tenants(path, {"acme": {"tokens": [new]}})
+        gateway.proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: status(new) == grpc.StatusCode.OK, timeout=10)
+        assert status(old) == grpc.StatusCode.UNAUTHENTICATED
+        path.write_text("{broken")
+        gateway.proc.send_signal(signal.SIGHUP)
+        assert status(new) == grpc.StatusCode.OK and gateway.proc.poll() is None  # the old file stays
+        reader.join(10)
+        assert ended == [grpc.StatusCode.DEADLINE_EXCEEDED]  # not cancelled by the reloads
+    finally:
+        channel.close()
+        gateway.kill()
+
+
+def _code_of(call: Any) -> grpc.StatusCode:
+    try:
+        list(call)
+    except grpc.RpcError as e:
+        return e.code()
+    return grpc.StatusCode.OK
+
+
