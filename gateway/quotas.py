@@ -115,8 +115,8 @@ class Quotas:
         tpm = tenant.tokens_per_minute or 0
         need = max_tokens if reserve_tokens and tpm else 0
         if need > tpm > 0:
-            raise InvalidArgument(f"stopping.max_tokens ({max_tokens}) is more than tenant {tenant.name!r}'s "
-                                  f"tokens_per_minute ({tpm}): the call could never be admitted")
+            raise InvalidArgument(f"stopping.max_tokens ({max_tokens}) is more than the tokens_per_minute of "
+                                  f"tenant {tenant.name!r} ({tpm}): the call could never be admitted")
         if not tenant.max_concurrent and not need:
             return None
         slot = Slot(self.keys.tenant_calls(tenant.name), f"{self.gateway_id}:{uuid.uuid4().hex}")

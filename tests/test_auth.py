@@ -14,6 +14,7 @@ from typing import Any
 
 import grpc
 import pytest
+import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
@@ -22,6 +23,7 @@ from gateway.client import TokenRelayClient
 from gateway.redis_server import free_port
 from gateway.server import is_loopback
 from protos.convert import build_request
+from protos.keys import Keys
 from protos.params import FinishReason, SamplingParams, Usage
 from protos.tokenrelay.v1 import generate_pb2, generate_pb2_grpc
 from tests.service import GatewayProcess, GatewayThread, WorkerThread, scrape_samples, stub_for, wait_until
@@ -238,6 +240,9 @@ def test_sighup_reloads_the_tenants_file_without_dropping_calls(tmp_path: Path, 
         ended: list[grpc.StatusCode] = []
         reader = threading.Thread(target=lambda: ended.append(_code_of(open_call)))
         reader.start()
+        queued = redis.Redis.from_url(redis_url)
+        wait_until(lambda: queued.xlen(Keys(prefix).requests) == 1, timeout=10)  # admitted: in the queue
+        queued.close()
         write_tenants(path, {"acme": {"tokens": [new]}})
         gateway.proc.send_signal(signal.SIGHUP)
         wait_until(lambda: status(new) == grpc.StatusCode.OK, timeout=10)

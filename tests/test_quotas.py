@@ -1,0 +1,138 @@
+"""Per-tenant quotas shared by gateways through Redis: max_concurrent slots and tokens_per_minute.
+
+No worker runs: an admitted call waits in the queue (holding its slot) until its deadline,
+so DEADLINE_EXCEEDED means "admitted" and RESOURCE_EXHAUSTED "refused at admission".
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import redis
+
+from gateway.errors import PUSHBACK_TRAILER
+from protos.convert import build_request
+from protos.keys import Keys
+from protos.tokenrelay.v1 import generate_pb2
+from tests.service import GatewayProcess, GatewayThread, stub_for, wait_until
+from tests.test_auth import bearer, new_token, write_tenants
+
+TENANT = "acme"
+MakeGateway = Callable[..., GatewayThread]
+ADMITTED, REFUSED = grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+@pytest.fixture
+def sync_redis(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
+
+
+def call(target: str, token: str, *, timeout: float, **params: Any) -> grpc.RpcError:
+    """The error a Generate call ends with (every call here ends with one: no worker runs)."""
+    request = params.pop("request", None) or build_request("hi", **params)
+    channel, stub = stub_for(target)
+    with channel, pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(request, timeout=timeout, metadata=bearer(token)))
+    return e.value
+
+
+def open_call(target: str, token: str, timeout: float = 10) -> tuple[grpc.Channel, Any]:
+    """A Generate call left open (waiting in the queue); close the channel to end it."""
+    channel, stub = stub_for(target)
+    return channel, stub.Generate(build_request("hi"), timeout=timeout, metadata=bearer(token))
+
+
+def pushback_ms(error: grpc.RpcError) -> int:
+    trailers = dict(error.trailing_metadata() or ())  # type: ignore[attr-defined]
+    return int(trailers[PUSHBACK_TRAILER])
+
+
+def test_two_gateways_share_one_max_concurrent_budget_and_a_call_frees_its_slot(
+        tmp_path: Path, make_gateway: MakeGateway, sync_redis: redis.Redis, prefix: str) -> None:
+    token = new_token()
+    path = write_tenants(tmp_path / "t.json", {TENANT: {"tokens": [token], "max_concurrent": 2}})
+    first = make_gateway(auth_tokens_file=path)
+    second = make_gateway(auth_tokens_file=path, retry_pushback_ms=250)
+    slots = Keys(prefix).tenant_calls(TENANT)
+    calls = [open_call(first.target, token), open_call(second.target, token)]
+    wait_until(lambda: sync_redis.zcard(slots) == 2, timeout=5)
+    for gateway in (first, second):
+        error = call(gateway.target, token, timeout=5)
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "tenant 'acme' is at its max_concurrent (2 calls open" in (error.details() or "")
+    assert pushback_ms(error) == 250
+    calls[0][1].cancel()  # a call that ends gives its slot back at once
+    calls[0][0].close()
+    wait_until(lambda: sync_redis.zcard(slots) == 1, timeout=5)
+    assert call(second.target, token, timeout=1).code() == grpc.StatusCode.DEADLINE_EXCEEDED  # admitted
+    wait_until(lambda: sync_redis.zcard(slots) == 1, timeout=5)  # and its slot went with its deadline
+    calls[1][0].close()
+    wait_until(lambda: sync_redis.zcard(slots) == 0, timeout=5)
+
+
+def test_a_dead_gateways_slots_expire_while_a_live_ones_are_renewed(
+        tmp_path: Path, make_gateway: MakeGateway, redis_url: str, prefix: str) -> None:
+    token, ttl_s = new_token(), 1.0
+    path = write_tenants(tmp_path / "t.json", {TENANT: {"tokens": [token], "max_concurrent": 1}})
+    doomed = GatewayProcess(redis_url, prefix, "--auth-tokens-file", path,
+                            "--quota-slot-ttl", str(ttl_s)).wait_serving()
+    survivor = make_gateway(auth_tokens_file=path, quota_slot_ttl_s=ttl_s)
+    try:
+        channel, _ = open_call(doomed.target, token, timeout=30)
+        wait_until(lambda: call(survivor.target, token, timeout=5).code() == REFUSED, timeout=5)
+        time.sleep(2 * ttl_s)  # past the TTL: the slot was renewed, so it still counts
+        assert call(survivor.target, token, timeout=5).code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        doomed.kill()  # SIGKILL: nothing is released
+        killed_at = time.monotonic()
+        wait_until(lambda: call(survivor.target, token, timeout=0.5).code() == ADMITTED,
+                   timeout=5 * ttl_s, interval=0.1)
+        assert time.monotonic() - killed_at < 3 * ttl_s + 1
+        channel.close()
+    finally:
+        doomed.kill()
+
+
+def test_tokens_per_minute_reserves_max_tokens_and_pushes_back_until_they_refill(
+        tmp_path: Path, make_gateway: MakeGateway) -> None:
+    token = new_token()
+    path = write_tenants(tmp_path / "t.json", {TENANT: {"tokens": [token], "tokens_per_minute": 100}})
+    target = make_gateway(auth_tokens_file=path).target
+    first = build_request("hi", max_tokens=60, request_id="first")
+    assert call(target, token, timeout=0.5, request=first).code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    error = call(target, token, timeout=5, max_tokens=60)
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    details = error.details() or ""
+    assert "over its tokens_per_minute (100)" in details
+    assert "stopping.max_tokens (60), 40 are left" in details
+    assert 11_000 <= pushback_ms(error) <= 12_000  # 20 tokens at 100 a minute
+    assert call(target, token, timeout=0.5, max_tokens=30).code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    first.resume_from_index = 1  # a resume follows a generation already paid for
+    assert call(target, token, timeout=0.5, request=first).code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    error = call(target, token, timeout=5, max_tokens=101)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    details = error.details() or ""
+    assert "max_tokens (101) is more than the tokens_per_minute of tenant 'acme' (100)" in details
+
+
+def test_tenants_without_limits_and_other_tenants_are_not_counted(
+        tmp_path: Path, make_gateway: MakeGateway, sync_redis: redis.Redis, prefix: str) -> None:
+    busy, free = new_token(), new_token()
+    path = write_tenants(tmp_path / "t.json", {TENANT: {"tokens": [busy], "max_concurrent": 1},
+                                               "free": {"tokens": [free]}})
+    target = make_gateway(auth_tokens_file=path).target
+    channel, _ = open_call(target, busy)
+    wait_until(lambda: sync_redis.zcard(Keys(prefix).tenant_calls(TENANT)) == 1, timeout=5)
+    assert call(target, free, timeout=0.5).code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert not sync_redis.exists(Keys(prefix).tenant_calls("free"), Keys(prefix).tenant_tokens("free"))
+    info_channel, stub = stub_for(target)
+    with info_channel:
+        info = stub.GetServerInfo(generate_pb2.GetServerInfoRequest(), timeout=5, metadata=bearer(busy))
+    assert info.gateway_id  # GetServerInfo takes no slot
+    channel.close()
