@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= What is the capital of France? Answer in one sentence.
 
-.PHONY: demo serve test lint bench-engine bench-kv bench-e2e bench-llamacpp chaos protos clean
+.PHONY: demo serve test lint deploy-check bench-engine bench-kv bench-e2e bench-llamacpp chaos protos clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,11 +32,17 @@ test: $(STAMP)
 	$(BIN)/ruff check protos gateway worker tests benchmarks
 	$(BIN)/mypy protos gateway worker
 	$(BIN)/lint-imports
+	$(BIN)/yamllint --strict -c deploy/.yamllint deploy
 
 lint: $(STAMP)
 	$(BIN)/ruff check protos gateway worker tests benchmarks
 	$(BIN)/mypy protos gateway worker
 	$(BIN)/lint-imports
+	$(BIN)/yamllint --strict -c deploy/.yamllint deploy
+
+# Also part of `make test` (its pytest run): kustomize render, kubernetes-validate, CRD schemas, yamllint.
+deploy-check: $(STAMP)  ## validate deploy/ offline (k8s overlays, KEDA/ServiceMonitor schemas, compose)
+	$(BIN)/python -m pytest -q -p no:logging tests/test_deploy_k8s.py
 
 bench-engine: $(STAMP)
 	$(BIN)/python benchmarks/engine.py
