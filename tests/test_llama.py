@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import dataclass, field
 
@@ -175,3 +176,26 @@ def test_shared_prefix_blocks_serve_two_sequences() -> None:
     got = seqs.step([("b", 12, tails["b"])], [("a", 14, 7)])
     assert (got[0] - hf_logits(hf, prefix + tails["b"])[-1]).abs().max() <= TOL
     assert (got[1] - hf_logits(hf, prefix + tails["a"])[-1]).abs().max() <= TOL
+
+
+def _resident_kb(t: torch.Tensor) -> int:
+    """Resident KB of the mapping holding t's memory (Linux /proc/self/smaps)."""
+    address, lines = t.data_ptr(), open("/proc/self/smaps").read().splitlines()
+    for i, line in enumerate(lines):
+        start, _, rest = line.partition("-")
+        if rest and all(c in "0123456789abcdef" for c in start):
+            end = int(rest.split()[0], 16)
+            if int(start, 16) <= address < end:
+                return next(int(ln.split()[1]) for ln in lines[i + 1:] if ln.startswith("Rss:"))
+    raise AssertionError("no mapping holds the tensor")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads /proc/self/smaps (Linux)")
+def test_a_cpu_kv_cache_takes_memory_block_by_block() -> None:
+    """Writing one block per (layer, kv head) makes ~4 KB resident each, not a 2 MB huge page."""
+    config = ours_from_hf(make_hf_model()).config  # 2 layers, 2 kv heads, head dim 16
+    cache = KVCache(config, num_blocks=4096, block_size=16, dtype=torch.float32, device=torch.device("cpu"))
+    before = _resident_kb(cache.k)
+    cache.k[:, :, 0] = 1.0  # block 0 of every (layer, kv head): 4 regions of 4 MB each
+    assert _resident_kb(cache.k) - before <= 4 * 8  # 4 KB pages (a huge page each would be 8 MB)
+    assert float(cache.k.sum()) == 4 * 16 * 16 and float(cache.v.abs().sum()) == 0.0

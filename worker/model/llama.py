@@ -12,6 +12,7 @@ block table, V vocab.
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -72,11 +73,16 @@ class KVCache:
     stretch per kv head: the decode kernel streams them as it streamed a slot
     per sequence (with (N, K, Bs, D) it read 4 KB pieces 12 KB apart and a
     SmolLM2 batch-16 step's attention took ~20% longer).
-    On CPU the memory comes from a zeroed mmap (numpy's calloc): pages cost RAM
-    only once written, so a large budget does not take the memory up front, and
+    On CPU the memory comes from an anonymous mmap: pages cost RAM only once
+    written, so a large budget does not take the memory up front, and
     never-written positions read as finite zeros (the torch decode path reads
     whole blocks and weights the positions past a row's end by 0, so those
-    must not be NaN).
+    must not be NaN). Its pages are 4 KB, not huge: numpy's zeros (the
+    allocator here before) asks for 2 MB pages, so the first block written in
+    each (layer, kv head) region took 2 MB, and SmolLM2's first request made
+    ~450 MB of a 640-block pool resident; with 4 KB pages it takes the 4 KB of
+    each block (one block of one kv head). The attention kernel's extra TLB
+    misses are a few thousand per step.
     """
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
@@ -97,7 +103,10 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     num_bytes = int(np.prod(shape)) * dtype.itemsize
-    return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)
+    buf = mmap.mmap(-1, max(num_bytes, 1))  # anonymous: zero-filled, each page on its first write
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # Linux; elsewhere pages are small anyway
+        buf.madvise(mmap.MADV_NOHUGEPAGE)
+    return torch.frombuffer(buf, dtype=torch.uint8)[:num_bytes].view(dtype).view(shape)
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
