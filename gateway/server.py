@@ -1,4 +1,4 @@
-"""The gRPC gateway: validate -> shed load -> enqueue -> relay the worker's tokens.
+"""The gRPC gateway: validate -> admit (gateway/admission.py) -> enqueue -> relay the worker's tokens.
 
 Also serves `grpc.health.v1` (SERVING while the reply channel is subscribed,
 NOT_SERVING otherwise and during shutdown) and server reflection; those two need no
@@ -27,6 +27,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from redis.exceptions import RedisError
 
+from gateway.admission import Admission
 from gateway.auth import ANONYMOUS, Authenticator, Tenant
 from gateway.config import GatewayConfig
 from gateway.errors import (
@@ -54,7 +55,6 @@ from protos.tracing import GATEWAY_SERVICE, Tracing
 
 log = logging.getLogger(__name__)
 
-WORKER_LIMITS_TTL_S = 1.0  # how long the largest sequence the live workers can hold is remembered
 MAX_ATTACH_RACES = 3  # new attempts started by other gateways in a row before giving up
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["TokenRelay"].full_name
@@ -133,9 +133,8 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
         self.config, self.queue, self.router, self.metrics = config, queue, router, metrics
         self.tracing = tracing or Tracing()
         self.auth, self.quotas = auth, quotas
+        self.admission = Admission(queue, router, metrics, quotas)
         self._background: set[asyncio.Task[None]] = set()
-        self._max_sequence_tokens: int | None = None  # None: no live worker known
-        self._limits_read_at = float("-inf")
 
     async def Generate(self, request: generate_pb2.GenerateRequest | MalformedRequest,  # noqa: N802
                        context: grpc.aio.ServicerContext) -> AsyncIterator[generate_pb2.GenerateResponse]:
@@ -176,18 +175,14 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
         call.describe(request_id, params)
         if resume_from and not request.request_id:
             raise InvalidArgument("resume_from_index needs the request_id of the stream to resume")
-        tenant.check_priority(request.priority)
-        depth = await self._queue_depth()
-        await self._check_fits(params.max_tokens)
-        slot = None
-        if self.quotas is not None:  # a resume follows a generation already paid for: no tokens
-            slot = await self.quotas.admit(tenant, params.max_tokens, reserve_tokens=not resume_from)
+        depth, slot = await self.admission.admit(tenant, request.priority, params.max_tokens,
+                                                 is_resume=bool(resume_from))
         try:
             async for response in self._follow(request, request_id, context, call, tenant.name, depth):
                 yield response
         finally:
-            if slot is not None and self.quotas is not None:
-                self._in_background(self.quotas.release(slot))
+            if slot is not None:
+                self._in_background(self.admission.release(slot))
 
     async def _follow(self, request: generate_pb2.GenerateRequest, request_id: str,
                       context: grpc.aio.ServicerContext, call: CallTrace, tenant: str,
@@ -220,15 +215,6 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
             if follow is not None and not is_done:
                 # Cancelled, disconnected, deadline passed or failed here: the worker parks it.
                 self.abort_later(request_id, "the caller went away", follow.entry_id)
-
-    async def _queue_depth(self) -> int:
-        """Requests waiting in the queue; UNAVAILABLE if the gateway cannot reach Redis."""
-        if not self.router.is_ready:
-            raise Unavailable("the gateway is not connected to the queue (Redis); retry later")
-        try:
-            return await self.queue.queue_depth()
-        except RedisError as e:
-            raise redis_unavailable(e) from e
 
     async def _attach(self, queued: queue_pb2.QueuedRequest, digest: str, depth: int,
                       resume_from: int) -> tuple[Follow, bool]:
@@ -273,28 +259,6 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
             if found.state != "ended":
                 return found
         raise Unavailable(f"request {queued.request_id}: attempts keep ending without an answer; retry")
-
-    async def _check_fits(self, max_tokens: int) -> None:
-        """Refuse what no live worker could ever hold: max_tokens plus a one-token prompt beyond
-        every worker's largest sequence (max_model_len, or its whole KV cache). Prompt lengths
-        are only known once tokenized, so the worker checks prompt + max_tokens itself."""
-        now = time.monotonic()
-        if now - self._limits_read_at > WORKER_LIMITS_TTL_S:
-            self._limits_read_at = now
-            try:
-                workers = await self.queue.workers()
-            except RedisError:
-                return  # _queue_depth has just reached Redis; a blip here only skips the check
-            limits = [min(w.max_model_len, w.num_blocks * w.block_size) for w in workers
-                      if w.max_model_len and w.num_blocks and w.block_size]
-            if workers and self.metrics is not None:
-                self.metrics.model = workers[0].model
-            self._max_sequence_tokens = max(limits) if limits else None
-        limit = self._max_sequence_tokens
-        if limit is not None and max_tokens + 1 > limit:
-            raise InvalidArgument(f"stopping.max_tokens ({max_tokens}) leaves no room for a prompt in the "
-                                  f"context of any live worker: the largest holds {limit} tokens "
-                                  "(its max_model_len or its whole KV cache)")
 
     def _queued(self, request_id: str, request: generate_pb2.GenerateRequest,
                 context: grpc.aio.ServicerContext) -> queue_pb2.QueuedRequest:
