@@ -32,7 +32,6 @@ import asyncio
 import contextlib
 import json
 import math
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -45,7 +44,8 @@ import grpc
 import numpy as np
 
 from gateway.bench_report import SLO_METRICS, RequestResult, compute_metrics, format_block, write_plots
-from gateway.client import DEFAULT_TARGET
+from gateway.client import DEFAULT_TARGET, add_connection_args, bearer
+from gateway.tls import channel_credentials
 from protos.convert import build_request
 from protos.tokenrelay.v1 import generate_pb2, generate_pb2_grpc
 
@@ -90,6 +90,12 @@ class BenchConfig:
     result_json: str | None = None
     plot_dir: str | None = None
     is_progress_enabled: bool = True
+    # TLS (implied by ca or cert) and the bearer token, as tokenrelay-client takes them
+    is_tls: bool = False
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    token: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_requests < 1:
@@ -177,7 +183,7 @@ async def send_one(stub: generate_pb2_grpc.TokenRelayStub, request: BenchRequest
     sent = time.perf_counter()
     result = RequestResult(start_s=sent - run_start)
     try:
-        async for response in stub.Generate(pb, timeout=config.timeout_s):
+        async for response in stub.Generate(pb, timeout=config.timeout_s, metadata=bearer(config.token)):
             if response.HasField("chunk"):
                 if response.chunk.token_ids:
                     result.chunk_times_s.append(time.perf_counter() - sent)
@@ -229,11 +235,13 @@ async def run_once(stub: generate_pb2_grpc.TokenRelayStub, requests: Sequence[Be
         return list(results), time.perf_counter() - start
 
 
-async def _server_info(stub: generate_pb2_grpc.TokenRelayStub, target: str) -> dict[str, Any]:
+async def _server_info(stub: generate_pb2_grpc.TokenRelayStub, config: BenchConfig) -> dict[str, Any]:
     try:
-        info = await stub.GetServerInfo(generate_pb2.GetServerInfoRequest(), timeout=10)
+        info = await stub.GetServerInfo(generate_pb2.GetServerInfoRequest(), timeout=10,
+                                        metadata=bearer(config.token))
     except grpc.aio.AioRpcError as e:
-        raise RuntimeError(f"cannot reach a gateway at {target}: {e.code().name}: {e.details()}") from e
+        raise RuntimeError(f"cannot reach a gateway at {config.target}: "
+                           f"{e.code().name}: {e.details()}") from e
     return {"version": info.version, "gateway_id": info.gateway_id,
             "workers": [{"worker_id": w.worker_id, "model": w.model} for w in info.workers]}
 
@@ -248,13 +256,19 @@ async def _measure(stub: generate_pb2_grpc.TokenRelayStub, requests: Sequence[Be
     return metrics
 
 
+def _channel(config: BenchConfig) -> grpc.aio.Channel:
+    if config.is_tls or config.ca or config.cert or config.key:
+        return grpc.aio.secure_channel(config.target, channel_credentials(config.ca, config.cert, config.key))
+    return grpc.aio.insecure_channel(config.target)
+
+
 async def run(config: BenchConfig) -> dict[str, Any]:
     """Every configured rate in turn against config.target; prints each run's block and
     returns the result document (also written to --result-json; plots to --plot-dir)."""
     rng = np.random.default_rng(config.seed)
-    async with grpc.aio.insecure_channel(config.target) as channel:
+    async with _channel(config) as channel:
         stub = generate_pb2_grpc.TokenRelayStub(channel)
-        server = await _server_info(stub, config.target)
+        server = await _server_info(stub, config)
         if not server["workers"]:
             print("warning: the gateway reports no workers; requests will wait in the queue", file=sys.stderr)
         # new synthetic prompts for each rate: repeats would hit the prefix cache of the run before
@@ -291,8 +305,7 @@ def _slo(text: str) -> tuple[str, float]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default=os.environ.get("TOKENRELAY_TARGET", DEFAULT_TARGET),
-                   help=f"gateway host:port (env TOKENRELAY_TARGET, default {DEFAULT_TARGET})")
+    add_connection_args(p)
     p.add_argument("--num-requests", type=int, default=100, help="requests per run (default 100)")
     p.add_argument("--request-rate", type=float, default=math.inf,
                    help="mean arrivals per second (default inf = all at once)")
@@ -332,7 +345,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         temperature=args.temperature, seed=args.seed, slos_ms=dict(args.goodput or []),
         percentiles=tuple(float(p) for p in args.metric_percentiles.split(",") if p.strip()),
         timeout_s=args.timeout, result_json=args.result_json, plot_dir=args.plot_dir,
-        is_progress_enabled=not args.no_progress)
+        is_progress_enabled=not args.no_progress, is_tls=args.tls, ca=args.ca, cert=args.cert,
+        key=args.key, token=args.token)
 
 
 def bench(args: argparse.Namespace) -> int:

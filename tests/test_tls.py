@@ -143,3 +143,27 @@ def test_the_client_command_checks_its_tls_flags(certs: CertFactory) -> None:
     proc = subprocess.run([sys.executable, "-m", "gateway.client", "--cert", client.cert, "hi"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--cert with --key" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_bench_connects_with_tls_and_a_token(certs: CertFactory, tmp_path: Path,
+                                                 make_gateway: Callable[..., GatewayThread]) -> None:
+    import asyncio
+    import json
+
+    from gateway import bench, cli
+
+    token = "bench-token-0123456789"
+    tenants = tmp_path / "tenants.json"
+    tenants.write_text(json.dumps({"tenants": {"load": {"tokens": [token]}}}))
+    server = certs.issue("gateway", is_server=True)
+    gateway = make_gateway(tls_cert=server.cert, tls_key=server.key, auth_tokens_file=str(tenants))
+
+    async def info(config: bench.BenchConfig) -> dict[str, object]:
+        async with bench._channel(config) as channel:
+            return await bench._server_info(generate_pb2_grpc.TokenRelayStub(channel), config)
+
+    args = cli.build_parser().parse_args(["bench", "--target", gateway.target, "--ca", certs.ca,
+                                          "--token", token])
+    assert asyncio.run(info(bench.config_from_args(args)))["gateway_id"] == gateway.config.gateway_id
+    with pytest.raises(RuntimeError, match="UNAUTHENTICATED"):
+        asyncio.run(info(bench.BenchConfig(target=gateway.target, ca=certs.ca)))
