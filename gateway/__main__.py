@@ -44,8 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="unique name of this gateway (in logs and GetServerInfo); default host-pid-random "
                         "[env TOKENRELAY_GATEWAY_ID]")
     p.add_argument("--max-queue-depth", type=int, default=_env("TOKENRELAY_MAX_QUEUE_DEPTH", 256),
-                   help="waiting requests beyond which calls get RESOURCE_EXHAUSTED "
-                        "[env TOKENRELAY_MAX_QUEUE_DEPTH]")
+                   help="waiting requests beyond which calls get RESOURCE_EXHAUSTED; low-priority "
+                        "calls at half of it, high-priority ones at 1.5x [env TOKENRELAY_MAX_QUEUE_DEPTH]")
     p.add_argument("--retry-pushback-ms", type=int, default=_env("TOKENRELAY_RETRY_PUSHBACK_MS", 1000),
                    help="grpc-retry-pushback-ms trailer sent with RESOURCE_EXHAUSTED "
                         "[env TOKENRELAY_RETRY_PUSHBACK_MS]")

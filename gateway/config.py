@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from gateway.auth import load_tenants
 from gateway.tls import check_server_files
-from protos.keys import DEFAULT_PREFIX, Keys, check_name, default_instance_id
+from protos.keys import DEFAULT_PREFIX, Keys, PriorityClass, check_name, default_instance_id
 from protos.logs import check_log_format
 from protos.metrics import check_metrics_options
 from protos.redis_conn import DEFAULT_REDIS_URL, check_redis_url
@@ -23,8 +23,11 @@ class GatewayConfig:
     key_prefix: str = DEFAULT_PREFIX
     # Names the gateway in logs, GetServerInfo and its own channel: unique per process.
     gateway_id: str = field(default_factory=default_instance_id)
-    # Requests waiting in the queue (not yet claimed by a worker) beyond which
-    # new calls get RESOURCE_EXHAUSTED instead of joining the queue.
+    # Requests waiting in the queue (not yet claimed by a worker, summed over the priority
+    # classes) beyond which new calls get RESOURCE_EXHAUSTED instead of joining the queue.
+    # The limit depends on the call's class (`max_queue_depth_of`): LOW calls are refused
+    # once half of it waits, NORMAL calls at max_queue_depth, HIGH calls at 1.5x, so at
+    # overload the low-priority calls are shed first and high-priority ones still get in.
     max_queue_depth: int = 256
     # Sent as the `grpc-retry-pushback-ms` trailer with RESOURCE_EXHAUSTED.
     retry_pushback_ms: int = 1000
@@ -91,6 +94,14 @@ class GatewayConfig:
             load_tenants(self.auth_tokens_file)  # the gateway loads it again; here only its errors count
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+
+    def max_queue_depth_of(self, priority_class: PriorityClass) -> int:
+        """The queue depth at which new calls of this class are refused (see max_queue_depth)."""
+        if priority_class is PriorityClass.LOW:
+            return max(1, self.max_queue_depth // 2)
+        if priority_class is PriorityClass.HIGH:
+            return self.max_queue_depth + max(1, self.max_queue_depth // 2)
+        return self.max_queue_depth
 
     @property
     def keys(self) -> Keys:

@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from gateway.config import GatewayConfig
-from protos.keys import RECORD_LEASE_S, STREAM_DATA_FIELD, Heartbeat, Record
+from protos.keys import RECORD_LEASE_S, STREAM_DATA_FIELD, Heartbeat, PriorityClass, Record
 from protos.redis_conn import async_client
 from protos.tokenrelay.v1 import generate_pb2, queue_pb2
 
@@ -39,9 +39,11 @@ class EntryState(enum.Enum):
 
 
 # Atomically: find the request's record, or (may_create) create it and XADD its first
-# attempt; with `expect` = the entry of an attempt that ended without a final, XADD the
-# next attempt (compare-and-set: two gateways never start two). Results: {"mismatch"} {"unknown"}
-# {"finished", entry} {"live", entry, seed} {"ended", entry, seed} {"created", entry, seed}.
+# attempt to the stream of its priority class (KEYS[2]: the class is part of the digest, so
+# a record's attempts all live in that stream); with `expect` = the entry of an attempt
+# that ended without a final, XADD the next attempt (compare-and-set: two gateways never
+# start two). Results: {"mismatch"} {"unknown"} {"finished", entry} {"live", entry, seed}
+# {"ended", entry, seed} {"created", entry, seed}.
 ATTACH_SCRIPT = f"""
 local rec, stream = KEYS[1], KEYS[2]
 local digest, data, seed, lease_ms, may_create, expect = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
@@ -56,10 +58,19 @@ elseif may_create ~= '1' then
   return {{'unknown'}}
 end
 local id = redis.call('XADD', stream, '*', '{STREAM_DATA_FIELD.decode()}', data)
-redis.call('HSET', rec, '{Record.DIGEST}', digest, '{Record.ENTRY}', id, '{Record.SEED}', seed)
+redis.call('HSET', rec, '{Record.DIGEST}', digest, '{Record.ENTRY}', id, '{Record.STREAM}', stream,
+           '{Record.SEED}', seed)
 redis.call('PEXPIRE', rec, lease_ms)
 return {{'created', id, seed}}
 """
+
+
+@dataclass(frozen=True)
+class _StreamDepth:
+    name: str
+    queued: int
+    pending: int
+    last_delivered: bytes  # b"": no group yet
 
 
 @dataclass(frozen=True)
@@ -83,7 +94,7 @@ class RequestQueue:
     async def attach(self, request: queue_pb2.QueuedRequest, digest: str, *, may_create: bool,
                      expect: bytes = b"") -> Attached:
         """Run ATTACH_SCRIPT for `request` (its seed is used only if the record is new)."""
-        keys = [self.keys.record(request.request_id), self.keys.requests]
+        keys = [self.keys.record(request.request_id), self.stream_of(request.request)]
         seed, lease_ms = str(request.request.sampling.seed), int(RECORD_LEASE_S * 1000)
         args: list[bytes | str | int] = [digest, request.SerializeToString(), seed, lease_ms,
                                          "1" if may_create else "0", expect]
@@ -116,43 +127,54 @@ class RequestQueue:
                     self._num_enqueued_since_read = 0
         return self._depth + self._num_enqueued_since_read
 
-    async def read_depth(self) -> tuple[int, int]:
-        """(queued, in flight): entries not yet claimed, and claimed but unfinished.
+    def stream_of(self, request: generate_pb2.GenerateRequest) -> str:
+        """The request stream of the request's priority class (protos/keys.py)."""
+        return self.keys.requests_of(PriorityClass.of(request.priority))
 
-        Finished entries are XDELed, so XLEN = queued + in flight, and in flight
-        is the group's pending count (Redis 6.2 has no XINFO `lag`).
-        """
-        pipe = self.client.pipeline(transaction=False)
-        pipe.xlen(self.keys.requests)
-        pipe.xinfo_groups(self.keys.requests)
-        length, groups = await pipe.execute(raise_on_error=False)
-        if isinstance(length, Exception):
-            raise length
-        pending = 0
-        if not isinstance(groups, Exception):  # no stream yet: no group either
-            name = self.keys.group.encode()
-            pending = next((int(g["pending"]) for g in groups if g["name"] == name), 0)
-        return max(0, int(length) - pending), pending
+    async def read_depth(self) -> tuple[int, int]:
+        """(queued, in flight) summed over the priority classes: entries not yet claimed, and
+        claimed but unfinished."""
+        queued = in_flight = 0
+        for stream in await self._read_streams():
+            queued, in_flight = queued + stream.queued, in_flight + stream.pending
+        return queued, in_flight
 
     async def queue_gauges(self) -> tuple[int, int, float, str | None]:
         """(queued, in flight, age in seconds of the oldest request not claimed yet, the model of
-        a live worker) for the metrics; the oldest waiting entry is the first after the group's
-        last-delivered id."""
+        a live worker) for the metrics; a stream's oldest waiting entry is the first after the
+        group's last-delivered id."""
+        streams = await self._read_streams()
         pipe = self.client.pipeline(transaction=False)
-        pipe.xlen(self.keys.requests)
-        pipe.xinfo_groups(self.keys.requests)
-        length, groups = await pipe.execute(raise_on_error=False)
-        if isinstance(length, Exception):
-            raise length
-        group = next((g for g in groups if g["name"] == self.keys.group.encode()), None) \
-            if not isinstance(groups, Exception) else None
-        pending = int(group["pending"]) if group else 0
-        after = b"(" + group["last-delivered-id"] if group else b"-"
-        oldest: Any = await self.client.xrange(self.keys.requests, min=after, max="+", count=1)
+        for s in streams:
+            pipe.xrange(s.name, min=b"(" + s.last_delivered if s.last_delivered else b"-", max="+", count=1)
+        oldest: list[Any] = [reply[0] for reply in await pipe.execute() if reply]
         # An entry id is "<unix ms>-<seq>".
-        age = max(0.0, time.time() - int(oldest[0][0].split(b"-")[0]) / 1000) if oldest else 0.0
+        first_ms = min((int(entry[0].split(b"-")[0]) for entry in oldest), default=None)
+        age = max(0.0, time.time() - first_ms / 1000) if first_ms is not None else 0.0
         workers = await self.workers()
-        return max(0, int(length) - pending), pending, age, workers[0].model if workers else None
+        return (sum(s.queued for s in streams), sum(s.pending for s in streams), age,
+                workers[0].model if workers else None)
+
+    async def _read_streams(self) -> list[_StreamDepth]:
+        """Per request stream: finished entries are XDELed, so XLEN = queued + in flight, and in
+        flight is the group's pending count (Redis 6.2 has no XINFO `lag`)."""
+        pipe = self.client.pipeline(transaction=False)
+        for stream in self.keys.request_streams:
+            pipe.xlen(stream)
+            pipe.xinfo_groups(stream)
+        replies = await pipe.execute(raise_on_error=False)
+        depths = []
+        name = self.keys.group.encode()
+        streams = self.keys.request_streams
+        for stream, length, groups in zip(streams, replies[::2], replies[1::2], strict=True):
+            if isinstance(length, Exception):
+                raise length
+            group = None if isinstance(groups, Exception) else next(  # no stream yet: no group either
+                (g for g in groups if g["name"] == name), None)
+            pending = int(group["pending"]) if group else 0
+            depths.append(_StreamDepth(stream, max(0, int(length) - pending), pending,
+                                       group["last-delivered-id"] if group else b""))
+        return depths
 
     async def abort(self, request_id: str, reason: str, entry_id: bytes) -> None:
         """Hint the worker holding the attempt that its caller left (it parks it if nobody else
@@ -160,10 +182,12 @@ class RequestQueue:
         message = queue_pb2.Abort(request_id=request_id, reason=reason, entry_id=entry_id)
         await self.client.publish(self.keys.aborts, message.SerializeToString())
 
-    async def entry_state(self, entry_id: bytes) -> EntryState:
+    async def entry_state(self, entry_id: bytes, stream: str = "") -> EntryState:
+        """Where the attempt is, in `stream` (default: the NORMAL class's)."""
+        stream = stream or self.keys.requests
         pipe = self.client.pipeline(transaction=False)
-        pipe.xpending_range(self.keys.requests, self.keys.group, min=entry_id, max=entry_id, count=1)
-        pipe.xrange(self.keys.requests, min=entry_id, max=entry_id, count=1)
+        pipe.xpending_range(stream, self.keys.group, min=entry_id, max=entry_id, count=1)
+        pipe.xrange(stream, min=entry_id, max=entry_id, count=1)
         pending, present = await pipe.execute(raise_on_error=False)
         if isinstance(present, Exception):
             raise present

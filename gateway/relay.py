@@ -47,6 +47,7 @@ class Follow:
     request_id: str
     entry_id: bytes  # the attempt whose errors count
     resume_from: int = 0  # chunks the caller already has: the first seq to relay
+    stream: str = ""  # the request stream of its priority class ("" = the NORMAL one)
     # Start the next attempt after `entry_id` ended without an answer; returns the entry to
     # follow, or None when the request turned out finished (its final is in the log).
     next_attempt: Callable[[bytes], Awaitable[bytes | None]] | None = None
@@ -78,7 +79,7 @@ async def relay(follow: Follow, calls: asyncio.Queue[CallItem], queue: RequestQu
             async with asyncio.timeout(liveness_check_s):
                 item = await calls.get()
         except TimeoutError:
-            if await checks.has_ended(follow.entry_id):
+            if await checks.has_ended(follow.entry_id, follow.stream):
                 await _start_next_attempt(follow, queue)
             continue
         if isinstance(item, GatewayError):
@@ -167,10 +168,10 @@ class _Liveness:
         if now - self._down_since > self._max_outage_s:
             raise redis_unavailable(e) from e
 
-    async def has_ended(self, entry_id: bytes) -> bool:
+    async def has_ended(self, entry_id: bytes, stream: str) -> bool:
         """True once the entry has been GONE MAX_BAD_CHECKS times in a row."""
         try:
-            state = await self._queue.entry_state(entry_id)
+            state = await self._queue.entry_state(entry_id, stream)
         except RedisError as e:
             self.failed(e)
             return False

@@ -48,6 +48,7 @@ from gateway.replies import ReplyRouter
 from gateway.tls import server_credentials
 from gateway.tracing import CallTrace
 from protos.convert import check_request_id, params_from_pb
+from protos.keys import PriorityClass
 from protos.logs import bind_request
 from protos.metrics import MetricsServer
 from protos.tokenrelay.v1 import generate_pb2, generate_pb2_grpc, queue_pb2
@@ -219,7 +220,8 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
     async def _attach(self, queued: queue_pb2.QueuedRequest, digest: str, depth: int,
                       resume_from: int) -> tuple[Follow, bool]:
         """The attempt to follow, and whether this call created the request (nothing logged yet)."""
-        has_room = depth < self.config.max_queue_depth
+        max_depth = self.config.max_queue_depth_of(PriorityClass.of(queued.request.priority))
+        has_room = depth < max_depth
         try:
             found = await self.queue.attach(queued, digest, may_create=has_room and not resume_from)
             is_new = found.state == "created"
@@ -236,7 +238,7 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
                            "has nothing to resume: it was never sent, or it ended more than the "
                            f"gateway's result TTL ({self.config.result_ttl_s:g} s) ago")
         if found.state == "unknown":
-            raise QueueFull(depth, self.config.max_queue_depth, self.config.retry_pushback_ms)
+            raise QueueFull(depth, max_depth, self.config.retry_pushback_ms)
         if found.seed is not None:  # every attempt samples with the record's seed
             queued.request.sampling.seed = found.seed
 
@@ -246,7 +248,8 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
                 raise FailedPrecondition(f"request_id {request_id!r} was taken by another request body")
             return again.entry_id if again.state in ("created", "live") else None
 
-        return Follow(request_id, found.entry_id, resume_from, next_attempt=next_attempt), is_new
+        stream = self.queue.stream_of(queued.request)
+        return Follow(request_id, found.entry_id, resume_from, stream, next_attempt=next_attempt), is_new
 
     async def _next_attempt(self, queued: queue_pb2.QueuedRequest, digest: str, found: Attached, *,
                             may_create: bool = False) -> Attached:

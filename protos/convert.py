@@ -30,7 +30,7 @@ REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                     "presence_penalty", "frequency_penalty", "seed")
 _STOPPING_FIELDS = ("max_tokens", "ignore_eos")
-_TOP_LEVEL_FIELDS = ("logprobs", "top_logprobs", "truncate_prompt")
+_TOP_LEVEL_FIELDS = ("logprobs", "top_logprobs", "truncate_prompt", "priority")
 _FIELD_PATHS = {
     **{f: f"sampling.{f}" for f in _SAMPLING_FIELDS},
     **{f: f"stopping.{f}" for f in (*_STOPPING_FIELDS, "stop", "stop_token_ids")},
@@ -150,7 +150,7 @@ def build_request(prompt: str | None = None, messages: Iterable[tuple[str, str]]
             setattr(req.stopping, name, value)
         elif name in ("stop", "stop_token_ids"):
             getattr(req.stopping, name).extend(value)
-        elif name in (*_TOP_LEVEL_FIELDS, "priority"):
+        elif name in _TOP_LEVEL_FIELDS:
             setattr(req, name, value)
         else:
             raise TypeError(f"unknown generation parameter {name!r}")

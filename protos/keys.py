@@ -6,7 +6,10 @@ or test runs can share one Redis. ``{p}`` below is that prefix.
 | name                     | type    | TTL          | written by                | read by                  |
 |--------------------------|---------|--------------|---------------------------|--------------------------|
 | {p}:requests             | stream  | none         | gateway XADD (``data``)   | workers XREADGROUP       |
-| {p}:workers              | group   | (on stream)  | worker XGROUP CREATE/XACK | gateway XINFO/XPENDING   |
+| {p}:requests:high        | stream  | none         | gateway XADD (``data``)   | workers XREADGROUP       |
+| {p}:requests:low         | stream  | none         | gateway XADD (``data``)   | workers XREADGROUP       |
+| {p}:workers              | group   | (on each     | worker XGROUP CREATE/XACK | gateway XINFO/XPENDING   |
+|                          |         |  stream)     |                           |                          |
 | {p}:request:{request_id} | hash    | lease (*)    | gateway script, worker    | gateways, workers        |
 | {p}:events:{request_id}  | channel | -            | worker PUBLISH            | gateways following it    |
 | {p}:aborts               | channel | -            | gateway PUBLISH           | every worker (SUBSCRIBE) |
@@ -17,14 +20,27 @@ or test runs can share one Redis. ``{p}`` below is that prefix.
 (*) RECORD_LEASE_S from creation, then the request's result TTL once an attempt ended.
 (+) the gateway's --quota-slot-ttl, renewed with every admission and refresh.
 
-Requests (stream + consumer group)
+Requests (one stream per priority class, each with the same consumer group)
+  GenerateRequest.priority picks the request's class (`PriorityClass.of`): < 0 LOW,
+  0 or unset NORMAL, > 0 HIGH. Each class has its own stream: NORMAL keeps the name
+  ``{p}:requests`` (deployments, dashboards and the KEDA trigger that know only it keep
+  working), HIGH is ``{p}:requests:high``, LOW ``{p}:requests:low``. Everything below
+  (pending entries, re-claims, XACK after the final) holds per stream: the group
+  ``{p}:workers`` exists on each. The priority is part of the body digest, so every
+  attempt at a request goes to the same stream, and an entry id names an attempt
+  together with its request's class. Queue depth is the sum over the classes.
   A gateway XADDs one entry per attempt at a request: ``data`` =
   ``queue.QueuedRequest`` bytes. Workers XREADGROUP ``>`` only as many entries
   as they can run now (room in their batch, and none while their engine has
   requests waiting for KV-cache blocks), so what stays in the stream is real
   queue depth and other workers can take it. The group is created at id 0 with
   MKSTREAM by whoever needs it first (and again after a Redis restart lost it),
-  so nothing added before the group existed is skipped.
+  so nothing added before the group existed is skipped. Claiming goes class by class,
+  HIGH first (worker/io/claim.py): a lower class is read only with capacity left, so a
+  queued high-priority request is claimed before every queued normal or low one (a
+  request already running is not displaced: its engine preempts the lowest priority
+  first only when KV blocks run out). An idle worker blocks on all the streams at once
+  and may wake with one entry of each class.
 
 The request record: one generation per request id
   ``{p}:request:{request_id}`` (fields: `Record` below) names the request's
@@ -58,7 +74,7 @@ Delivery guarantee: every chunk exactly once to a caller that keeps resending.
   UNAVAILABLE (Redis lost acknowledged writes), never silently.
   An entry is XACKed and XDELed in the pipeline after its final, so it leaves
   the stream only once the answer is in the record. Queue depth = XLEN - group
-  pending (entries claimed, not yet finished).
+  pending (entries claimed, not yet finished), summed over the request streams.
 
   Nobody listening: PUBLISH returns how many subscribers got the message. A
   worker whose PUBLISH for a request reached nobody (its caller cancelled or
@@ -123,6 +139,7 @@ Worker heartbeat
 
 from __future__ import annotations
 
+import enum
 import os
 import socket
 import uuid
@@ -146,6 +163,22 @@ def default_instance_id() -> str:
     """host-pid-random: unique per process (a gateway's reply channel, a worker's consumer
     name and heartbeat key) and readable in GetServerInfo."""
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class PriorityClass(enum.IntEnum):
+    """The request classes, one request stream each (see above); larger = claimed earlier."""
+
+    LOW = -1
+    NORMAL = 0
+    HIGH = 1
+
+    @classmethod
+    def of(cls, priority: int) -> PriorityClass:
+        """GenerateRequest.priority (unset = 0) -> its class."""
+        return cls.HIGH if priority > 0 else cls.LOW if priority < 0 else cls.NORMAL
+
+
+CLAIM_ORDER = (PriorityClass.HIGH, PriorityClass.NORMAL, PriorityClass.LOW)
 
 
 class Heartbeat:
@@ -191,7 +224,8 @@ class Record:
 
     DIGEST = "digest"  # sha256 hex of the caller's GenerateRequest (request_id, resume_from_index cleared)
     SEED = "seed"  # the sampling seed every attempt uses (decimal)
-    ENTRY = "entry"  # stream entry id of the current attempt
+    ENTRY = "entry"  # stream entry id of the current attempt, in the stream STREAM names
+    STREAM = "stream"  # the request stream of its priority class (set with every ENTRY)
     PROGRESS = "progress"  # queue.Progress of the workers
     FINAL = "final"  # seq of the final event, written with it: the request has finished
     EVENT_PREFIX = "e:"  # e:{seq} -> queue.TokenEvent (chunks and the final; errors are not logged)
@@ -219,8 +253,19 @@ class Keys:
 
     @property
     def requests(self) -> str:
-        """Stream of queued requests."""
+        """Stream of queued requests of the NORMAL class."""
         return f"{self.prefix}:requests"
+
+    def requests_of(self, priority_class: PriorityClass) -> str:
+        """Stream of queued requests of one priority class."""
+        if priority_class is PriorityClass.NORMAL:
+            return self.requests
+        return f"{self.requests}:{priority_class.name.lower()}"
+
+    @property
+    def request_streams(self) -> tuple[str, ...]:
+        """Every request stream, highest class first (CLAIM_ORDER)."""
+        return tuple(self.requests_of(c) for c in CLAIM_ORDER)
 
     @property
     def group(self) -> str:

@@ -38,7 +38,7 @@ def _check_range(name: str, value: float, lo: float, hi: float, *, lo_open: bool
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request samples and when it stops. Validated on construction."""
+    """How one request samples, when it stops, and how urgent it is. Validated on construction."""
 
     max_tokens: int = 256
     temperature: float = 1.0  # 0 = greedy
@@ -55,6 +55,9 @@ class SamplingParams:
     logprobs: bool = False  # logprob of each chosen token
     top_logprobs: int = 0  # and of the N most likely alternatives
     truncate_prompt: bool = False  # left-truncate the prompt to fit the context
+    # GenerateRequest.priority: larger = served earlier. Its class picks the request stream
+    # (protos/keys.py); the engine preempts the lowest priority first.
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -71,7 +71,7 @@ class FakeQueue:
                  log: dict[int, queue_pb2.TokenEvent] | None = None) -> None:
         self.states, self.log = states or [], log or {}
 
-    async def entry_state(self, entry_id: bytes) -> EntryState:
+    async def entry_state(self, entry_id: bytes, stream: str = "") -> EntryState:
         return self.states.pop(0) if self.states else EntryState.RUNNING
 
     async def read_log(self, request_id: str) -> dict[int, queue_pb2.TokenEvent]:

@@ -4,11 +4,12 @@ while KV blocks last, preempt when they run out (no torch).
 Each step, in this order:
 
 1. Every prefilled running sequence decodes one token. Crossing a block
-   boundary needs a new block; when the pool has none, the newest running
-   request is preempted (its blocks freed, its full blocks left cached) until
-   the older one fits. A preempted request goes back to the front of the
-   queue and later recomputes prompt + generated tokens, mostly from the
-   prefix cache, and goes on with the same seed: its stream only pauses.
+   boundary needs a new block; when the pool has none, a running request is
+   preempted (its blocks freed, its full blocks left cached) until the one
+   decoding fits: the lowest `params.priority` first, the newest among equals.
+   A preempted request goes back to the front of the queue and later
+   recomputes prompt + generated tokens, mostly from the prefix cache, and
+   goes on with the same seed: its stream only pauses.
 2. Up to `max_prefill_tokens` prompt tokens: first the next chunks of prompts
    already being prefilled (older first), then the prompts of newly admitted
    requests, FIFO. A prompt longer than what is left of the budget is
@@ -101,17 +102,23 @@ class Scheduler:
         return out
 
     def _schedule_decodes(self, out: SchedulerOutput) -> None:
-        for seq in list(self.running.values()):  # oldest first: the newest are preempted first
+        for seq in list(self.running.values()):  # oldest first
             if seq.request_id not in self.running or not seq.is_prefilled:
                 continue
             while not self.kv.grow(seq.request_id, seq.num_tokens):
-                victim = next(reversed(self.running.values()))
+                victim = self._victim()
                 self._preempt(victim)
                 out.preempted.append(victim)
+                if victim in out.decodes:  # an older one of lower priority, already scheduled
+                    out.decodes.remove(victim)
                 if victim is seq:
                     break
             else:
                 out.decodes.append(seq)
+
+    def _victim(self) -> Sequence:
+        """Who is preempted next: the lowest priority, the newest (last admitted) among equals."""
+        return min(reversed(self.running.values()), key=lambda s: s.params.priority)
 
     def _preempt(self, seq: Sequence) -> None:
         """Free the request's blocks; it recomputes prompt + generated tokens when readmitted."""

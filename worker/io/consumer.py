@@ -117,7 +117,7 @@ class Consumer:
         self._metrics_server.start()
         self._publisher.start()
         self._aborts.start()
-        log.info("worker %s consuming %s", self.config.worker_id, self.keys.requests)
+        log.info("worker %s consuming %s", self.config.worker_id, ", ".join(self.keys.request_streams))
         try:
             while not self._stopping.is_set():
                 self._run_once(can_claim=True)
@@ -182,7 +182,7 @@ class Consumer:
             self._step()
         for tracked in self._parked.take_all():
             if not handoff:  # else left pending for another worker, which parks it in turn
-                self._outbox.end(tracked.entry_id, tracked.record_key, tracked.result_ttl_ms)
+                self._outbox.end(tracked.stream, tracked.entry_id, tracked.record_key, tracked.result_ttl_ms)
         self._flush()
 
     def _other_workers_alive(self) -> bool:
@@ -219,9 +219,10 @@ class Consumer:
         for claimed in entries:
             entry_id, qr = claimed.entry_id, claimed.request
             if qr is None:
-                self._outbox.acks.append(entry_id)  # unreadable: nobody to answer, drop it
+                self._outbox.ack(claimed.stream, entry_id)  # unreadable: nobody to answer, drop it
                 continue
-            tracked = Tracked.of(self.keys, entry_id, qr, progress.get(entry_id))
+            stream = claimed.stream
+            tracked = Tracked.of(self.keys, stream, entry_id, qr, progress.get((stream, entry_id)))
             if claimed.num_deliveries > self.config.max_deliveries:
                 self._reject(tracked, ErrorCode.ERROR_CODE_UNAVAILABLE,
                              f"{claimed.num_deliveries - 1} workers stopped while running this request; "
@@ -263,7 +264,7 @@ class Consumer:
     def _reject(self, tracked: Tracked, code: queue_pb2.ErrorCode, message: str) -> None:
         self._spans.failed(tracked, code, message)
         self._outbox.add(tracked.channel, tracked.error_event(code, message))
-        self._outbox.end(tracked.entry_id, tracked.record_key, tracked.result_ttl_ms)
+        self._outbox.end(tracked.stream, tracked.entry_id, tracked.record_key, tracked.result_ttl_ms)
 
     # -- aborts and events ------------------------------------------------------------------------
 
@@ -303,11 +304,12 @@ class Consumer:
         for tracked in resumed:
             log.info("request %s is followed again: resuming it", tracked.request_id,
                      extra=self._spans.log_fields(tracked))
-            self._admit(Tracked.of(self.keys, tracked.entry_id, tracked.request, tracked.record))
+            self._admit(Tracked.of(self.keys, tracked.stream, tracked.entry_id, tracked.request,
+                                   tracked.record))
         for tracked in expired:
             log.info("request %s: nobody resumed it within %.1fs; abandoned", tracked.request_id,
                      self._parked.grace_s, extra=self._spans.log_fields(tracked))
-            self._outbox.end(tracked.entry_id, tracked.record_key, tracked.result_ttl_ms)
+            self._outbox.end(tracked.stream, tracked.entry_id, tracked.record_key, tracked.result_ttl_ms)
 
     def _emit(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -350,7 +352,7 @@ class Consumer:
         event = tracked.event(final=final)
         self._outbox.log(tracked.record_key, event, None)
         self._outbox.add(tracked.channel, event)
-        self._outbox.end(tracked.entry_id, tracked.record_key, tracked.result_ttl_ms)
+        self._outbox.end(tracked.stream, tracked.entry_id, tracked.record_key, tracked.result_ttl_ms)
 
     def _flush(self) -> None:
         stats = self.engine.stats()

@@ -1,7 +1,8 @@
 """Re-claiming the requests of workers that died (see protos/keys.py, "Delivery guarantee").
 
 Every worker calls `reclaim_dead_workers` about once a second while it has
-free slots: consumers of the group whose heartbeat key expired are dead; their
+free slots: consumers of the group (on every request stream, the highest priority
+class first) whose heartbeat key expired are dead; their
 entries idle longer than the heartbeat TTL are XCLAIMed together with the
 progress the dead worker recorded, so the consumer can resume each stream
 where it stopped. Dead consumers with nothing pending are deleted.
@@ -26,76 +27,88 @@ log = logging.getLogger(__name__)
 class Claimed:
     """A stream entry this worker just took: new (XREADGROUP) or re-claimed from a dead worker."""
 
+    stream: str  # the request stream of its priority class
     entry_id: bytes
     request: queue_pb2.QueuedRequest | None  # None: unreadable
     num_deliveries: int = 1
 
 
 def reclaim_dead_workers(client: redis.Redis, config: WorkerConfig, count: int) -> list[Claimed]:
-    """Re-claim up to `count` entries of dead workers (heartbeat expired).
+    """Re-claim up to `count` entries of dead workers (heartbeat expired), the highest
+    priority class first.
 
     XCLAIM's min-idle-time makes it safe against other workers sweeping at the
     same moment: once one of them claims an entry its idle time restarts, and
     the others' XCLAIM skips it.
     """
     keys, me = config.keys, config.worker_id
-    try:
-        consumers = client.xinfo_consumers(keys.requests, keys.group)
-    except redis.ResponseError:  # no stream or group yet: nothing was ever claimed
+    consumers: list[tuple[str, Any]] = []  # (stream, consumer) in claim order
+    for stream in keys.request_streams:
+        try:
+            consumers += [(stream, c) for c in client.xinfo_consumers(stream, keys.group)
+                          if _text(c["name"]) != me]
+        except redis.ResponseError:  # no stream or group yet: nothing was ever claimed there
+            continue
+    if not consumers:
         return []
-    others = [c for c in consumers if _text(c["name"]) != me]
-    if not others:
-        return []
+    names = sorted({_text(c["name"]) for _, c in consumers})
     pipe = client.pipeline(transaction=False)
-    for c in others:
-        pipe.exists(keys.worker(_text(c["name"])))
-    dead = [c for c, alive in zip(others, pipe.execute(), strict=True) if not alive]
+    for name in names:
+        pipe.exists(keys.worker(name))
+    alive = {name for name, is_alive in zip(names, pipe.execute(), strict=True) if is_alive}
     min_idle_ms = int(config.heartbeat_ttl_s * 1000)
     claimed: list[Claimed] = []
-    for c in dead:
+    for stream, c in consumers:
         name = _text(c["name"])
+        if name in alive:
+            continue
         if int(c["pending"]) == 0:
             if int(c["idle"]) > min_idle_ms:
-                client.xgroup_delconsumer(keys.requests, keys.group, name)  # tidy: nothing lost
+                client.xgroup_delconsumer(stream, keys.group, name)  # tidy: nothing lost
             continue
         if len(claimed) >= count:
             continue
-        live = _take_pending(client, config, name, count - len(claimed), min_idle_ms)
+        live = _take_pending(client, config, stream, name, count - len(claimed), min_idle_ms)
         claimed += live
         if live:
-            log.warning("re-claimed %d requests of stopped worker %s", len(live), name)
+            log.warning("re-claimed %d requests of stopped worker %s from %s", len(live), name, stream)
     return claimed
 
 
 def reclaim_own(client: redis.Redis, config: WorkerConfig, count: int) -> list[Claimed]:
     """At start-up: the entries still pending under this worker's own name, left by an earlier
     process with the same --worker-id that died (nobody else re-claims them: this heartbeat
-    is alive again)."""
-    try:
-        live = _take_pending(client, config, config.worker_id, count, min_idle_ms=0)
-    except redis.ResponseError:  # no stream or group yet
-        return []
+    is alive again), the highest priority class first."""
+    live: list[Claimed] = []
+    for stream in config.keys.request_streams:
+        if len(live) >= count:
+            break
+        try:
+            live += _take_pending(client, config, stream, config.worker_id, count - len(live), min_idle_ms=0)
+        except redis.ResponseError:  # no stream or group yet
+            continue
     if live:
         log.warning("resuming %d requests an earlier run of worker %s left unfinished", len(live),
                     config.worker_id)
     return live
 
 
-def _take_pending(client: redis.Redis, config: WorkerConfig, consumer: str, count: int,
+def _take_pending(client: redis.Redis, config: WorkerConfig, stream: str, consumer: str, count: int,
                   min_idle_ms: int) -> list[Claimed]:
-    """XCLAIM up to `count` of `consumer`'s pending entries idle for min_idle_ms, to this worker."""
-    keys = config.keys
-    pending = client.xpending_range(keys.requests, keys.group, min="-", max="+", count=count,
+    """XCLAIM up to `count` of `consumer`'s pending entries in `stream` idle for min_idle_ms,
+    to this worker."""
+    group = config.keys.group
+    pending = client.xpending_range(stream, group, min="-", max="+", count=count,
                                     consumername=consumer, idle=min_idle_ms)
     if not pending:
         return []
     deliveries = {p["message_id"]: int(p["times_delivered"]) for p in pending}
-    entries = client.xclaim(keys.requests, keys.group, config.worker_id, min_idle_ms, list(deliveries))
+    entries = client.xclaim(stream, group, config.worker_id, min_idle_ms, list(deliveries))
     taken = [(entry_id, fields) for entry_id, fields in cast(Any, entries) if entry_id is not None]
     gone = [entry_id for entry_id, fields in taken if not fields]  # deleted while pending
     if gone:
-        client.xack(keys.requests, keys.group, *gone)
-    return [Claimed(entry_id, parse_entry(entry_id, fields), deliveries.get(entry_id, 1) + 1)
+        client.xack(stream, group, *gone)
+    return [Claimed(stream, entry_id, parse_entry(entry_id, fields), deliveries.get(entry_id, 1) + 1)
             for entry_id, fields in taken if fields]
 
 

@@ -44,7 +44,7 @@ class Outbox:
 
     events: dict[str, list[queue_pb2.TokenEvent]] = field(default_factory=dict)  # channel -> events
     records: dict[str, dict[str, bytes]] = field(default_factory=dict)  # record key -> fields to set
-    acks: list[bytes] = field(default_factory=list)
+    acks: dict[str, list[bytes]] = field(default_factory=dict)  # request stream -> entry ids
     expires: dict[str, int] = field(default_factory=dict)  # record key -> TTL in ms
 
     def add(self, channel: str, event: queue_pb2.TokenEvent) -> None:
@@ -59,9 +59,12 @@ class Outbox:
         if event.HasField("final"):
             fields[Record.FINAL] = str(event.seq).encode()
 
-    def end(self, entry_id: bytes, record: str, ttl_ms: int) -> None:
+    def ack(self, stream: str, entry_id: bytes) -> None:
+        self.acks.setdefault(stream, []).append(entry_id)
+
+    def end(self, stream: str, entry_id: bytes, record: str, ttl_ms: int) -> None:
         """The attempt ended: acknowledge its entry, keep its record for ttl_ms."""
-        self.acks.append(entry_id)
+        self.ack(stream, entry_id)
         self.expires[record] = ttl_ms
 
     def merge(self, other: Outbox) -> None:
@@ -69,7 +72,8 @@ class Outbox:
             self.events.setdefault(channel, []).extend(events)
         for record, fields in other.records.items():
             self.records.setdefault(record, {}).update(fields)  # the later progress knows more
-        self.acks.extend(other.acks)
+        for stream, entry_ids in other.acks.items():
+            self.acks.setdefault(stream, []).extend(entry_ids)
         self.expires.update(other.expires)
 
     def __bool__(self) -> bool:
@@ -185,9 +189,9 @@ class Publisher:
         pipe = self._client.pipeline(transaction=False)
         for record, logged in outbox.records.items():
             pipe.hset(record, mapping=logged)  # type: ignore[arg-type]  # (narrow stub)
-        if outbox.acks:
-            pipe.xack(self._keys.requests, self._keys.group, *outbox.acks)
-            pipe.xdel(self._keys.requests, *outbox.acks)
+        for stream, entry_ids in outbox.acks.items():
+            pipe.xack(stream, self._keys.group, *entry_ids)
+            pipe.xdel(stream, *entry_ids)
         for record, ttl_ms in outbox.expires.items():
             pipe.pexpire(record, ttl_ms)
         worker_id = self._config.worker_id

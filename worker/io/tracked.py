@@ -13,9 +13,11 @@ DEFAULT_RESULT_TTL_S = 300.0  # for entries of gateways that did not say (Queued
 
 @dataclass
 class Tracked:
-    """The engine knows it by `key`, its stream entry id: one attempt per entry."""
+    """The engine knows it by `key`, stream and entry id (an id is unique in its stream only):
+    one attempt per entry."""
 
     request: queue_pb2.QueuedRequest
+    stream: str  # the request stream of its priority class
     entry_id: bytes
     channel: str  # the request's event channel
     record_key: str  # the request's record
@@ -34,16 +36,17 @@ class Tracked:
     span: Any = None
 
     @classmethod
-    def of(cls, keys: Keys, entry_id: bytes, request: queue_pb2.QueuedRequest,
+    def of(cls, keys: Keys, stream: str, entry_id: bytes, request: queue_pb2.QueuedRequest,
            progress: queue_pb2.Progress | None = None) -> Tracked:
-        tracked = cls(request, entry_id, keys.events(request.request_id), keys.record(request.request_id))
+        tracked = cls(request, stream, entry_id, keys.events(request.request_id),
+                      keys.record(request.request_id))
         if progress is not None:  # continue where the last worker's events stopped
             tracked.seq, tracked.num_chunks, tracked.record = progress.next_seq, progress.num_chunks, progress
         return tracked
 
     @property
     def key(self) -> str:
-        return self.entry_id.decode()
+        return f"{self.stream}/{self.entry_id.decode()}"
 
     @property
     def request_id(self) -> str:
