@@ -89,7 +89,7 @@ class Consumer:
             self._metrics = WorkerMetrics(self._metrics_server.registry, engine.stats().model_name,
                                           config.worker_id)
         self.tracing = Tracing(config.otlp_traces_endpoint, WORKER_SERVICE, config.worker_id)
-        self._spans = RequestSpans(self.tracing, config.worker_id, self.keys.requests)
+        self._spans = RequestSpans(self.tracing, config.worker_id)
         self._publisher = Publisher(self._client, config, on_error=self._redis_error)
         self._aborts = AbortListener(self._client, config)
         self._running: dict[str, Tracked] = {}

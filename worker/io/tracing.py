@@ -21,8 +21,8 @@ from worker.io.tracked import Tracked
 
 
 class RequestSpans:
-    def __init__(self, tracing: Tracing, worker_id: str, stream: str) -> None:
-        self.tracing, self.worker_id, self.stream = tracing, worker_id, stream
+    def __init__(self, tracing: Tracing, worker_id: str) -> None:
+        self.tracing, self.worker_id = tracing, worker_id
 
     def admitted(self, tracked: Tracked) -> None:
         if not self.tracing.is_enabled:
