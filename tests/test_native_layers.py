@@ -123,3 +123,26 @@ def test_bad_step_metadata_is_refused_before_anything_is_written(model: LlamaMod
 
 def test_a_float_model_runs_per_op() -> None:
     assert ours_from_hf(make_hf_model()).decode_layers is None
+
+
+def test_a_prompt_chunk_computes_what_its_tokens_decoded_one_by_one_compute(model: LlamaModel) -> None:
+    """Every token is a decode row of the fused layers, so chunking or batching changes no bit:
+    what lets a preempted or resumed request recompute exactly the K/V and logits it had."""
+    ids = torch.randint(0, model.config.vocab_size, (11,), generator=torch.Generator().manual_seed(5))
+    n, blocks = ids.shape[0], -(-ids.shape[0] // BLOCK)
+    tables = torch.tensor([[2, 0, 1][:blocks]], dtype=torch.int32)  # scattered blocks
+
+    def batch(a: int, b: int) -> ForwardBatch:
+        pos = torch.arange(a, b)
+        slots = tables[0, pos // BLOCK].long() * BLOCK + pos % BLOCK
+        return ForwardBatch(input_ids=ids[a:b], positions=pos, slot_mapping=slots, block_tables=tables,
+                            context_lens=torch.tensor([b], dtype=torch.int32), query_start_loc=(0, b - a),
+                            context_lens_host=(b,), num_prefills=1 if a == 0 else 0,
+                            logits_indices=torch.arange(b - a))
+
+    whole = KVCache(model.config, 3, BLOCK, torch.float32, torch.device("cpu"))
+    one_by_one = KVCache(model.config, 3, BLOCK, torch.float32, torch.device("cpu"))
+    chunk_logits = model.forward(batch(0, n), whole)  # (n, V)
+    step_logits = torch.cat([model.forward(batch(i, i + 1), one_by_one) for i in range(n)])
+    assert torch.equal(chunk_logits, step_logits)
+    assert torch.equal(whole.k, one_by_one.k) and torch.equal(whole.v, one_by_one.v)

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from worker.engine.config import EngineConfig
 from worker.factory import build_model, quantize_to
-from worker.model.linear import DEQUANTIZE_ROWS, Linears
+from worker.model.linear import Linears
 from worker.model.llama import ForwardBatch, KVCache, LlamaModel
 from worker.model.loader import default_model_path, expected_shapes, load_model, read_hf_config
 from worker.model.native import COMPILERS, load_native_kernels
@@ -501,10 +501,9 @@ def test_shapes_and_types_the_blocks_cannot_hold_are_refused() -> None:
 # ---------------------------------------------------------------- Linears
 
 
-@pytest.mark.parametrize("T", [5, DEQUANTIZE_ROWS + 6])  # the integer kernels, then dequantize + fp32
+@pytest.mark.parametrize("T", [5, 70])  # the one-row-tile remainders, then 2 x 4 tiles past one task
 @pytest.mark.parametrize("kind", KINDS)
-def test_linears_with_quantized_weights_below_and_above_the_dequantize_threshold(
-        quant: QuantKernels, kind: str, T: int) -> None:
+def test_linears_with_quantized_weights(quant: QuantKernels, kind: str, T: int) -> None:
     linears = Linears(CPU, torch.float32, quant)
     x = make_inputs(T, 4 * QK)
     w = make_weight(kind, 40, 4 * QK)
@@ -512,16 +511,13 @@ def test_linears_with_quantized_weights_below_and_above_the_dequantize_threshold
     want = float_linear(x, w) + bias.double()
     got = linears(x, linears.prepare(w), bias)
     assert got.shape == (T, 40) and nmse(got, want) < NMSE_MAX
-    if T >= DEQUANTIZE_ROWS:  # fp32 maths on the dequantized weight: no activation quantization error
-        assert_close_to_max(got, want)
     gate, up = make_weight(kind, 40, 4 * QK, seed=1), make_weight(kind, 40, 4 * QK, seed=2)
     fused = linears.fuse_gate_up(gate, up)
     got_mlp = linears.gate_up(x, fused)
     want_mlp = F.silu(float_linear(x, gate)) * float_linear(x, up)
     assert got_mlp.shape == (T, 40) and nmse(got_mlp, want_mlp) < NMSE_MAX
-    if T >= DEQUANTIZE_ROWS:
-        assert_close_to_max(got_mlp, want_mlp)
-        assert torch.equal(linears(x, w, bias), got)  # gate/up reused the shared scratch: no stale rows
+    # every row as it would be alone: the kernels are batch-invariant (resumes rely on it)
+    assert torch.equal(linears(x[3:4], w, bias), got[3:4])
 
 
 def test_linears_refuse_quantized_weights_without_kernels_or_mixed_pairs(quant: QuantKernels) -> None:

@@ -192,3 +192,19 @@ def test_stats_say_which_weights_and_kernels_run(engine: TextEngine, smollm_fp32
     assert kernels is not None
     assert engine.stats().weights == f"Q4_1, Q8_0 weights, {kernels.quant.isa} kernels"  # the GGUF's own
     assert smollm_fp32_engine.stats().weights == "float32 weights"
+
+
+def test_a_resumed_seeded_request_continues_with_the_same_tokens(engine: TextEngine) -> None:
+    """A resume prefills the prompt and the tokens already streamed, then samples on: with the
+    quantized default that recomputation is bit for bit the original one, so nothing changes."""
+    from worker.engine.outputs import Resume
+
+    params = SamplingParams(max_tokens=24, temperature=0.8, seed=1005, ignore_eos=True)
+    prompt = PromptInput(prompt="Tell me a story about the moon's day off.")
+    full = ids_of(run(engine, {"full": (prompt, params)})["full"])
+    for k in (5, 15, 19):
+        engine.add_request(f"resume-{k}", prompt, params, resume=Resume(tuple(full[:k]), 1005))
+        rest: list[int] = []
+        while engine.has_unfinished():
+            rest += [t for o in engine.step() for t in o.token_ids]
+        assert full[:k] + rest == full, k
