@@ -224,20 +224,21 @@ def test_keda_scales_the_workers_on_the_request_streams_group_lag(overlay: str) 
     scaled = find(docs, "ScaledObject", "tokenrelay-worker")
     assert scaled["spec"]["scaleTargetRef"]["name"] == "tokenrelay-worker"
     assert 1 <= scaled["spec"]["minReplicaCount"] < scaled["spec"]["maxReplicaCount"]
-    (trigger,) = scaled["spec"]["triggers"]
-    meta = trigger["metadata"]
-    assert trigger["type"] == "redis-streams" and set(meta) <= REDIS_STREAMS_KEYS
-    assert (meta["stream"], meta["consumerGroup"]) == (keys.requests, keys.group)
-    assert meta["username"] == "autoscaler"
-    # One more replica per worker's worth of waiting requests.
-    assert meta["lagCount"] == env_of(container(docs, "tokenrelay-worker"))["TOKENRELAY_MAX_NUM_SEQS"]
-    assert int(meta["activationLagCount"]) >= 0
+    triggers = scaled["spec"]["triggers"]
+    assert sorted(t["metadata"]["stream"] for t in triggers) == sorted(keys.request_streams)  # every class
     service, namespace = find(docs, "Service", "redis")["metadata"], scaled["metadata"]["namespace"]
-    assert meta["address"] == f"{service['name']}.{namespace}.svc.cluster.local:6379"  # KEDA's own namespace
-    auth = find(docs, "TriggerAuthentication", trigger["authenticationRef"]["name"])
-    (ref,) = auth["spec"]["secretTargetRef"]
-    assert ref["parameter"] == "password"
-    assert ref["key"] in find(docs, "Secret", ref["name"])["stringData"]
+    for trigger in triggers:
+        meta = trigger["metadata"]
+        assert trigger["type"] == "redis-streams" and set(meta) <= REDIS_STREAMS_KEYS
+        assert meta["consumerGroup"] == keys.group and meta["username"] == "autoscaler"
+        # One more replica per worker's worth of waiting requests.
+        assert meta["lagCount"] == env_of(container(docs, "tokenrelay-worker"))["TOKENRELAY_MAX_NUM_SEQS"]
+        assert int(meta["activationLagCount"]) >= 0
+        assert meta["address"] == f"{service['name']}.{namespace}.svc.cluster.local:6379"  # KEDA's namespace
+        auth = find(docs, "TriggerAuthentication", trigger["authenticationRef"]["name"])
+        (ref,) = auth["spec"]["secretTargetRef"]
+        assert ref["parameter"] == "password"
+        assert ref["key"] in find(docs, "Secret", ref["name"])["stringData"]
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

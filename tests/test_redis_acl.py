@@ -167,15 +167,16 @@ def test_gateway_and_worker_stream_tokens_each_with_its_own_user(
 def test_autoscaler_reads_what_kedas_redis_streams_scaler_reads(acl_redis: EmbeddedRedis,
                                                                  admin: redis.Redis) -> None:
     keys = Keys(PREFIX)
-    admin.xgroup_create(keys.requests, keys.group, id="0", mkstream=True)
-    admin.xadd(keys.requests, {"data": b""})
     scaler = as_user("autoscaler", acl_redis.port)
     try:
         assert scaler.ping()
-        assert scaler.xinfo_groups(keys.requests)[0]["lag"] == 1  # lagCount (Redis >= 7)
-        assert scaler.xinfo_stream(keys.requests)["length"] == 1
-        assert scaler.xlen(keys.requests) == 1  # streamLength
-        assert scaler.xpending(keys.requests, keys.group)["pending"] == 0  # pendingEntriesCount
+        for stream in keys.request_streams:  # one KEDA trigger per priority class
+            admin.xgroup_create(stream, keys.group, id="0", mkstream=True)
+            admin.xadd(stream, {"data": b""})
+            assert scaler.xinfo_groups(stream)[0]["lag"] == 1  # lagCount (Redis >= 7)
+            assert scaler.xinfo_stream(stream)["length"] == 1
+            assert scaler.xlen(stream) == 1  # streamLength
+            assert scaler.xpending(stream, keys.group)["pending"] == 0  # pendingEntriesCount
     finally:
         scaler.close()
 
