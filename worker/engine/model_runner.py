@@ -5,6 +5,12 @@ one decode token for every running sequence, flattened into one list of new
 tokens with vLLM-style attention metadata (`ForwardBatch`), so the weights are
 read once per step. Then one sampler call over the rows that get a token
 (completed prompts and decodes) and one host sync for the token ids.
+
+A decode with proposals runs as a chunk: its last token plus the k proposals,
+placed with the prompt chunks (multi-token queries, causal over the cached
+prefix). Each of its k + 1 positions is a sampling row whose history is the
+output plus the proposals before it, so row j draws the target's own output
+token len(output) + j with that index's noise and penalties.
 """
 
 from __future__ import annotations
@@ -35,21 +41,32 @@ class ModelRunner:
         self.device = model.device
         self.sampler = Sampler()
 
-    def run(self, prefills: list[PrefillChunk], decodes: list[Sequence]) -> list[SampledToken]:
+    def run(self, prefills: list[PrefillChunk], decodes: list[Sequence]) -> list[list[SampledToken]]:
         """Compute the chunks and decodes; sample the next token of every sequence whose
-        prompt completes this step, then of every decode: results in that order."""
+        prompt completes this step, then of every decode: results in that order, one token
+        each, or for a decode with k proposals the target's token at each of k + 1 positions."""
+        spec, plain = _split(decodes)
         logits = self.model.forward(self.prepare(prefills, decodes), self.cache)  # (R, V)
-        seqs = sampled_sequences(prefills, decodes)
-        if not seqs:
+        # the rows' order, each sequence with the proposals it verifies
+        order: list[tuple[Sequence, list[int]]] = [(c.seq, []) for c in prefills if c.is_last]
+        order += [(s, s.spec.draft_ids) for s in spec + plain]
+        if not order:
             return []  # only partial prompt chunks ran
         rows = [SamplingRow(params=s.params, seed=s.seed, prompt_token_ids=s.prompt_ids,
-                            output_token_ids=s.output_ids) for s in seqs]
+                            output_token_ids=s.output_ids + draft[:j])
+                for s, draft in order for j in range(1 + len(draft))]
         batch = build_sampling_batch(rows, logits.shape[-1], self.device)
-        return self._to_host(self.sampler(logits, batch))
+        flat = self._to_host(self.sampler(logits, batch))
+        by_id, i = {}, 0
+        for s, draft in order:
+            by_id[s.request_id], i = flat[i:i + 1 + len(draft)], i + 1 + len(draft)
+        return [by_id[s.request_id] for s in sampled_sequences(prefills, decodes)]
 
     def prepare(self, prefills: list[PrefillChunk], decodes: list[Sequence]) -> ForwardBatch:
-        """The flattened batch: every chunk's tokens, then each decode's last token."""
+        """The flattened batch: every chunk's tokens, each verified decode's last token and
+        proposals (chunks too), then each plain decode's last token."""
         bs = self.kv.block_size
+        spec, plain = _split(decodes)
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -58,7 +75,7 @@ class ModelRunner:
         query_start = [0]
         logits_indices: list[int] = []
 
-        def add(request_id: str, token_ids: list[int], start: int, wants_logits: bool) -> None:
+        def add(request_id: str, token_ids: list[int], start: int, num_logits: int) -> None:
             table = self.kv.block_table(request_id)
             span = range(start, start + len(token_ids))
             ids.extend(token_ids)
@@ -67,13 +84,13 @@ class ModelRunner:
             tables.append(table)
             context_lens.append(span.stop)
             query_start.append(query_start[-1] + len(token_ids))
-            if wants_logits:
-                logits_indices.append(query_start[-1] - 1)
+            logits_indices.extend(range(query_start[-1] - num_logits, query_start[-1]))
 
         for c in prefills:
-            add(c.seq.request_id, c.seq.prefill_ids[c.start:c.start + c.num_tokens], c.start, c.is_last)
-        for s in decodes:
-            add(s.request_id, s.output_ids[-1:], s.num_tokens - 1, True)
+            add(c.seq.request_id, c.seq.prefill_ids[c.start:c.start + c.num_tokens], c.start, int(c.is_last))
+        for s in spec + plain:  # the last token, then the proposals (if any)
+            run = s.output_ids[-1:] + s.spec.draft_ids
+            add(s.request_id, run, s.num_tokens - 1, len(run))
         width = max(map(len, tables))
         padded = [t + [0] * (width - len(t)) for t in tables]
 
@@ -86,7 +103,7 @@ class ModelRunner:
             block_tables=tensor(padded, torch.int32),  # (S, M)
             context_lens=tensor(context_lens, torch.int32),  # (S,)
             query_start_loc=tuple(query_start), context_lens_host=tuple(context_lens),
-            num_prefills=len(prefills), logits_indices=tensor(logits_indices),  # (R,)
+            num_prefills=len(prefills) + len(spec), logits_indices=tensor(logits_indices),  # (R,)
         )
 
     @staticmethod
@@ -102,3 +119,8 @@ class ModelRunner:
             tokens.append(SampledToken(tok, bool(finite[i]), lps[i] if lps else None, top))
         return tokens
 
+
+
+def _split(decodes: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
+    """Decodes with proposals (verified as chunks), then plain ones."""
+    return [s for s in decodes if s.spec.draft_ids], [s for s in decodes if not s.spec.draft_ids]
