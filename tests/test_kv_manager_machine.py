@@ -1,6 +1,7 @@
 """KVCacheManager under random sequences of the scheduler's operations (admit, prefill, decode,
-speculative decode with rollback, finish, preempt, eviction pressure), checked after every one against a model of which K/V
-each physical block holds; once more with a hash that collides all the time."""
+speculative decode with rollback, finish, preempt, eviction pressure), checked after every one
+against a model of which K/V each physical block holds; once more with a hash that collides all
+the time."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from protos.params import FinishReason, SamplingParams
+from protos.params import SamplingParams
 from tests.factories import VOCAB, greedy, make_engine, make_hf_model, make_prompts, ours_from_hf
 from worker.engine import core as core_module
 from worker.engine.core import EngineCore
@@ -101,7 +101,8 @@ def oracle(prompts: list[list[int]], refs: list[list[int]]) -> Proposer:
         for prompt, ref in zip(prompts, refs, strict=True):
             if list(token_ids[:len(prompt)]) == prompt:
                 done = len(token_ids) - len(prompt)
-                return [(t + 1) % VOCAB if (done + i) % 4 == 3 else t for i, t in enumerate(ref[done:done + k])]
+                wanted = ref[done:done + k]
+                return [(t + 1) % VOCAB if (done + i) % 4 == 3 else t for i, t in enumerate(wanted)]
         raise AssertionError("unknown sequence")
     return propose
 
@@ -135,7 +136,7 @@ PARAMS = {
 }
 
 
-@pytest.mark.parametrize("k", [1, 3, 6])
+@pytest.mark.parametrize("k", [1, 4])
 @pytest.mark.parametrize("name", list(PARAMS))
 def test_same_output_with_oracle_proposals(model: LlamaModel, monkeypatch: pytest.MonkeyPatch,
                                            name: str, k: int) -> None:
@@ -149,7 +150,7 @@ def test_same_output_with_oracle_proposals(model: LlamaModel, monkeypatch: pytes
     assert engine.num_spec_accepted_tokens < engine.num_spec_draft_tokens  # rejections too
 
 
-@pytest.mark.parametrize("k", [2, 4])
+@pytest.mark.parametrize("k", [3])
 def test_same_output_in_mixed_batches_with_ngram_proposals(model: LlamaModel, k: int) -> None:
     """Chunked prefills, plain decodes and verified runs in the same steps; more requests than
     slots; every sampling setting at once."""

@@ -111,13 +111,19 @@ class EngineCore:
         with self._lock:
             self._aborts.add(request_id)
 
-    def finish(self, request_id: str, reason: FinishReason, num_output_tokens: int | None = None) -> None:
-        """End a request now (e.g. a stop string matched); call between steps only.
-        `num_output_tokens` drops the tokens after a stop found inside a verified run."""
+    def finish(self, request_id: str, reason: FinishReason) -> None:
+        """End a request now (e.g. a stop string matched); call between steps only."""
         seq = self.scheduler.find(request_id)
         if seq is not None:
-            if num_output_tokens is not None:
-                del seq.output_ids[num_output_tokens:]
+            self.scheduler.finish(seq, reason)
+
+    def stop_at(self, seq: Sequence, num_output_tokens: int, reason: FinishReason) -> None:
+        """A stop string matched at output token `num_output_tokens` (maybe inside a verified run,
+        which the engine may already have ended later, e.g. at EOS): drop the tokens after it."""
+        del seq.output_ids[num_output_tokens:]
+        if seq.is_finished:
+            seq.finish_reason = reason
+        else:
             self.scheduler.finish(seq, reason)
 
     def has_unfinished(self) -> bool:

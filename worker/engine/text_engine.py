@@ -127,7 +127,8 @@ class TextEngine:
             num_prefix_cache_query_tokens=kv.num_prefix_query_tokens, num_preemptions=sched.num_preemptions,
             num_step_prefill_tokens=self.engine.num_step_prefill_tokens,
             num_step_decode_tokens=self.engine.num_step_decode_tokens,
-            num_spec_drafts=self.engine.num_spec_drafts, num_spec_draft_tokens=self.engine.num_spec_draft_tokens,
+            num_spec_drafts=self.engine.num_spec_drafts,
+            num_spec_draft_tokens=self.engine.num_spec_draft_tokens,
             num_spec_accepted_tokens=self.engine.num_spec_accepted_tokens)
 
     def step(self) -> list[RequestOutput]:
@@ -192,7 +193,7 @@ class TextEngine:
             delta, text_reason = self._advance_text(state, [o.token.token_id], reason)
             texts.append(delta)
             if text_reason is not None and reason is None:  # a stop string: end it before the next step
-                self.engine.finish(seq.request_id, text_reason, num_before + len(out.token_ids))
+                self.engine.stop_at(seq, num_before + len(out.token_ids), text_reason)
             reason = text_reason
             if reason is not None:
                 break
