@@ -6,11 +6,13 @@ tokens with vLLM-style attention metadata (`ForwardBatch`), so the weights are
 read once per step. Then one sampler call over the rows that get a token
 (completed prompts and decodes) and one host sync for the token ids.
 
-A decode with proposals runs as a chunk: its last token plus the k proposals,
-placed with the prompt chunks (multi-token queries, causal over the cached
-prefix). Each of its k + 1 positions is a sampling row whose history is the
-output plus the proposals before it, so row j draws the target's own output
-token len(output) + j with that index's noise and penalties.
+A decode with k proposals runs as k + 1 decode rows (its last token, then each
+proposal) that share its block table, row j attending over the context up to
+its own position. Every layer writes all new K/V before any row attends, so
+that is causal chunk attention, on the batched decode path (the fused C layers
+on CPU) that plain decodes take. Row j's sampling history is the output plus
+the proposals before it: it draws the target's own output token
+len(output) + j with that index's noise and penalties.
 """
 
 from __future__ import annotations
@@ -45,28 +47,26 @@ class ModelRunner:
         """Compute the chunks and decodes; sample the next token of every sequence whose
         prompt completes this step, then of every decode: results in that order, one token
         each, or for a decode with k proposals the target's token at each of k + 1 positions."""
-        spec, plain = _split(decodes)
         logits = self.model.forward(self.prepare(prefills, decodes), self.cache)  # (R, V)
-        # the rows' order, each sequence with the proposals it verifies
-        order: list[tuple[Sequence, list[int]]] = [(c.seq, []) for c in prefills if c.is_last]
-        order += [(s, s.spec.draft_ids) for s in spec + plain]
-        if not order:
+        seqs = sampled_sequences(prefills, decodes)
+        if not seqs:
             return []  # only partial prompt chunks ran
+        drafts: list[list[int]] = [[] for c in prefills if c.is_last] + [s.spec.draft_ids for s in decodes]
         rows = [SamplingRow(params=s.params, seed=s.seed, prompt_token_ids=s.prompt_ids,
                             output_token_ids=s.output_ids + draft[:j])
-                for s, draft in order for j in range(1 + len(draft))]
+                for s, draft in zip(seqs, drafts, strict=True) for j in range(1 + len(draft))]
         batch = build_sampling_batch(rows, logits.shape[-1], self.device)
         flat = self._to_host(self.sampler(logits, batch))
-        by_id, i = {}, 0
-        for s, draft in order:
-            by_id[s.request_id], i = flat[i:i + 1 + len(draft)], i + 1 + len(draft)
-        return [by_id[s.request_id] for s in sampled_sequences(prefills, decodes)]
+        out, i = [], 0
+        for draft in drafts:
+            out.append(flat[i:i + 1 + len(draft)])
+            i += 1 + len(draft)
+        return out
 
     def prepare(self, prefills: list[PrefillChunk], decodes: list[Sequence]) -> ForwardBatch:
-        """The flattened batch: every chunk's tokens, each verified decode's last token and
-        proposals (chunks too), then each plain decode's last token."""
+        """The flattened batch: every chunk's tokens, then each decode's last token and its
+        proposals, one row each."""
         bs = self.kv.block_size
-        spec, plain = _split(decodes)
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -88,9 +88,9 @@ class ModelRunner:
 
         for c in prefills:
             add(c.seq.request_id, c.seq.prefill_ids[c.start:c.start + c.num_tokens], c.start, int(c.is_last))
-        for s in spec + plain:  # the last token, then the proposals (if any)
-            run = s.output_ids[-1:] + s.spec.draft_ids
-            add(s.request_id, run, s.num_tokens - 1, len(run))
+        for s in decodes:  # the last token, then the proposals (if any)
+            for j, token_id in enumerate(s.output_ids[-1:] + s.spec.draft_ids):
+                add(s.request_id, [token_id], s.num_tokens - 1 + j, 1)
         width = max(map(len, tables))
         padded = [t + [0] * (width - len(t)) for t in tables]
 
@@ -103,7 +103,7 @@ class ModelRunner:
             block_tables=tensor(padded, torch.int32),  # (S, M)
             context_lens=tensor(context_lens, torch.int32),  # (S,)
             query_start_loc=tuple(query_start), context_lens_host=tuple(context_lens),
-            num_prefills=len(prefills) + len(spec), logits_indices=tensor(logits_indices),  # (R,)
+            num_prefills=len(prefills), logits_indices=tensor(logits_indices),  # (R,)
         )
 
     @staticmethod
@@ -120,7 +120,3 @@ class ModelRunner:
         return tokens
 
 
-
-def _split(decodes: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
-    """Decodes with proposals (verified as chunks), then plain ones."""
-    return [s for s in decodes if s.spec.draft_ids], [s for s in decodes if not s.spec.draft_ids]
