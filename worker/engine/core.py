@@ -150,11 +150,11 @@ class EngineCore:
         enabled = self.spec is not None and self.spec.is_step_enabled(len(decodes))
         for seq in decodes:
             seq.spec.draft_ids = []
-            if not enabled or self.spec is None or not self.spec.wants(seq.spec):
+            if not enabled or self.spec is None:
                 continue
             # Every emitted token counts against max_tokens: at most max_tokens - 1 proposals
             # plus the target's own token (which also keeps positions inside the context).
-            k = min(self.spec.k, seq.params.max_tokens - len(seq.output_ids) - 1)
+            k = min(self.spec.num_proposals(seq.spec), seq.params.max_tokens - len(seq.output_ids) - 1)
             if k > 0:
                 seq.spec.draft_ids = propose_ngram(seq.prompt_ids + seq.output_ids, k)
 

@@ -12,6 +12,7 @@ decoding would emit, greedy or seeded, at any k and in any batch (`num_accepted`
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 MAX_NGRAM = 4
@@ -47,61 +48,64 @@ def num_accepted(draft_ids: Sequence[int], target_ids: Sequence[int]) -> int:
 
 
 class SpeculationPolicy:
-    """Who speculates this step.
+    """Who speculates this step, and how many proposals.
 
-    A verify chunk of k + 1 tokens costs more than a one-token decode (k more rows through every
-    matmul, attention by chunk instead of the batched decode kernel). At batch 1 the matmuls
-    only read weights and compute is idle, so extra rows are almost free; with many running
-    decodes the batch already uses that compute and extra rows cost about their share. So:
+    Each proposal is one more row through every matmul and one more attention over the context.
+    At batch 1 on a memory-bound CPU the matmuls mostly read weights, so a verify step of k + 1
+    rows costs more than a one-token step but much less than k + 1 of them (measured with
+    SmolLM2 on 2 cores: ~1.5x for k = 4); with many running decodes the batch already uses the
+    compute and extra rows cost about their share. So:
 
-    - per step: no speculation when more than `max_batch` sequences decode; a busy worker
-      then runs exactly plain decoding and its aggregate throughput cannot get worse;
-    - per sequence: an exponential moving average of its acceptance rate (accepted / proposed,
-      weight `alpha` per verified step). Below `min_acceptance` the sequence stops proposing;
-      every `probe_interval` of its steps it proposes once more, so a sequence whose text turns
-      repetitive later (a quote, a code block) gets speculation back.
+    - per step: no speculation when more than `max_batch` sequences decode; a busy worker then
+      runs exactly plain decoding and its aggregate throughput cannot get worse;
+    - per sequence: an exponential moving average of the proposals it gets accepted per verify
+      step (weight `alpha`). A verify step pays off only when it yields clearly more than the one
+      token a plain step gives, so below `min_accepted` the sequence stops proposing; every
+      `probe_interval` of its steps it proposes once more, so a sequence whose text turns
+      repetitive later (a quote, a code block) gets speculation back. It proposes at most
+      1 + ceil(average) tokens: rows that would most likely be rejected are not computed.
     """
 
-    def __init__(self, k: int, max_batch: int = 4, min_acceptance: float = 0.3, alpha: float = 0.3,
+    def __init__(self, k: int, max_batch: int = 4, min_accepted: float = 0.7, alpha: float = 0.5,
                  probe_interval: int = 16) -> None:
         if k < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {k}")
         self.k = k
         self.max_batch = max_batch
-        self.min_acceptance = min_acceptance
+        self.min_accepted = min_accepted
         self.alpha = alpha
         self.probe_interval = probe_interval
 
     def is_step_enabled(self, num_decodes: int) -> bool:
         return num_decodes <= self.max_batch
 
-    def wants(self, state: SpecState) -> bool:
-        if state.acceptance >= self.min_acceptance:
-            return True
-        state.num_skipped += 1
-        if state.num_skipped >= self.probe_interval:
+    def num_proposals(self, state: SpecState) -> int:
+        """How many tokens this sequence should propose this step (0: a plain decode)."""
+        if state.mean_accepted < self.min_accepted:
+            state.num_skipped += 1
+            if state.num_skipped < self.probe_interval:
+                return 0
             state.num_skipped = 0
-            return True
-        return False
+            return 1
+        return min(self.k, 1 + math.ceil(state.mean_accepted))
 
     def update(self, state: SpecState, num_draft: int, num_accepted_: int) -> None:
         state.num_draft_tokens += num_draft
         state.num_accepted_tokens += num_accepted_
         state.num_drafts += 1
-        rate = num_accepted_ / num_draft
-        state.acceptance = (1 - self.alpha) * state.acceptance + self.alpha * rate
+        state.mean_accepted = (1 - self.alpha) * state.mean_accepted + self.alpha * num_accepted_
 
 
 class SpecState:
     """One sequence's speculation: this step's proposals and its counts."""
 
-    __slots__ = ("draft_ids", "acceptance", "num_skipped", "num_drafts", "num_draft_tokens",
+    __slots__ = ("draft_ids", "mean_accepted", "num_skipped", "num_drafts", "num_draft_tokens",
                  "num_accepted_tokens")
 
     def __init__(self) -> None:
         self.draft_ids: list[int] = []  # proposed for this step; [] = a plain decode
-        self.acceptance = 1.0  # moving average of accepted / proposed; optimistic at first
-        self.num_skipped = 0  # steps without proposals since the acceptance fell low
-        self.num_drafts = 0  # verified steps
+        self.mean_accepted = 1.0  # moving average of accepted proposals per verify step
+        self.num_skipped = 0  # steps without proposals since the average fell low
+        self.num_drafts = 0  # verify steps
         self.num_draft_tokens = 0  # proposed, over the request
         self.num_accepted_tokens = 0
