@@ -207,3 +207,31 @@ def test_preempted_and_resumed_requests_continue_identically(model: LlamaModel,
     got = run(resumed, [], [])
     for i in range(4):
         assert refs[i][:5] + [t for t, _, _ in got[f"r{i}"]] == refs[i]
+
+
+# -- reporting -------------------------------------------------------------------------------------
+
+
+def test_usage_and_metrics_report_proposed_and_accepted_tokens() -> None:
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry
+
+    from protos.convert import usage_from_pb, usage_to_pb
+    from protos.params import Usage
+    from worker.io.metrics import WorkerMetrics
+
+    usage = Usage(completion_tokens=9, num_draft_tokens=12, num_accepted_tokens=5)
+    pb = usage_to_pb(usage)
+    assert (pb.num_draft_tokens, pb.num_accepted_tokens) == (12, 5) and usage_from_pb(pb) == usage
+    registry = CollectorRegistry()
+    metrics = WorkerMetrics(registry, "m", "w")
+    stats = SimpleNamespace(num_running=1, num_waiting=0, kv_cache_usage=0.1, num_preemptions=0,
+                            num_prefix_cache_query_tokens=0, num_prefix_cache_hit_tokens=0,
+                            num_spec_drafts=3, num_spec_draft_tokens=12, num_spec_accepted_tokens=5)
+    metrics.update(stats, 0)
+    stats.num_spec_drafts, stats.num_spec_draft_tokens, stats.num_spec_accepted_tokens = 4, 16, 9
+    metrics.update(stats, 0)
+    labels = {"model": "m", "worker": "w"}
+    assert [registry.get_sample_value(f"tokenrelay_spec_decode_num_{name}_total", labels)
+            for name in ("drafts", "draft_tokens", "accepted_tokens")] == [4, 16, 9]
