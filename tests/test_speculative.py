@@ -166,6 +166,18 @@ def test_same_output_in_mixed_batches_with_ngram_proposals(model: LlamaModel, k:
     assert engine.num_spec_drafts > 0
 
 
+def test_same_output_on_the_torch_decode_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA path's attention (torch, no C kernels) for the verify rows, on CPU."""
+    torch_model = ours_from_hf(make_hf_model(), native=False)
+    prompts, params = make_prompts(4), [PARAMS["top-k-logprobs"]] * 4
+    want = run(make_engine(torch_model), prompts, params)
+    monkeypatch.setattr(core_module, "propose_ngram", oracle(prompts, [[t for t, _, _ in want[f"r{i}"]]
+                                                                        for i in range(4)]))
+    engine = spec_engine(torch_model, 3)
+    assert_same(run(engine, prompts, params), want)
+    assert engine.num_spec_accepted_tokens > 0
+
+
 def test_stops_inside_an_accepted_run(model: LlamaModel, monkeypatch: pytest.MonkeyPatch) -> None:
     """Stop ids, EOS and max_tokens hit in the middle of a run of accepted proposals: the
     rest is dropped, exactly as plain decoding stops."""
