@@ -2,12 +2,14 @@
 and when to bother (no torch).
 
 Proposals are cheap guesses of a running sequence's next tokens. A sequence with
-proposals runs its last sampled token plus the k proposals as one chunk of the step's
-batch (k + 1 query positions over its cached prefix); the target model's logits at
-position j give the token the target itself samples as output token `len(output) + j`,
+proposals adds its last sampled token plus the k proposals to the step's flattened batch
+(k + 1 query positions over its cached prefix, model_runner.py); the target model's logits
+at position j give the token the target itself samples as output token `len(output) + j`,
 with that index's counter-based noise and the history output + proposals[:j]. A proposal
-is accepted only while it equals that token, so the emitted tokens are exactly those plain
-decoding would emit, greedy or seeded, at any k and in any batch (`num_accepted`).
+is accepted only while it equals that token, so the emitted tokens are those plain decoding
+would emit, greedy or seeded, at any k and in any batch (`num_accepted`). After the first
+mismatch the target's token there is emitted; after k accepted ones the bonus token at
+position k. The rejected positions' K/V are never counted as computed (Scheduler.commit).
 """
 
 from __future__ import annotations
