@@ -4,6 +4,7 @@ tokens, text, stop strings and usage are those of plain decoding."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -57,3 +58,29 @@ def test_stop_string_inside_an_accepted_run(engine: TextEngine) -> None:
     assert [t for o in fast for t in o.token_ids] == [t for o in plain for t in o.token_ids]
     assert fast[-1].usage is not None and plain[-1].usage is not None
     assert fast[-1].usage.completion_tokens == plain[-1].usage.completion_tokens
+
+
+def test_stop_string_before_the_end_of_a_run_the_engine_ended(engine: TextEngine,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """max_tokens one past the stop string's token: the engine may end the request (LENGTH) in
+    the same verified run in which the text matches the stop one token earlier; the answer is
+    still the stop string's, with that token count."""
+    core, num_after_end = engine.engine, []
+    stop_at = core.stop_at
+
+    def counting_stop_at(seq: Any, num_output_tokens: int, reason: FinishReason) -> None:
+        num_after_end.append(seq.is_finished)
+        stop_at(seq, num_output_tokens, reason)
+
+    monkeypatch.setattr(core, "stop_at", counting_stop_at)
+    for stop in ("item 3", "cherry", "date"):
+        first = run(engine, SamplingParams(max_tokens=60, temperature=0.0, stop=(stop,)), False)
+        assert first[-1].usage is not None and first[-1].finish_reason == FinishReason.STOP
+        num_tokens = first[-1].usage.completion_tokens
+        params = SamplingParams(max_tokens=num_tokens + 1, temperature=0.0, stop=(stop,))
+        plain, fast = run(engine, params, False), run(engine, params, True)
+        for outs in (plain, fast):
+            assert outs[-1].finish_reason == FinishReason.STOP
+            assert outs[-1].usage is not None and outs[-1].usage.completion_tokens == num_tokens
+        assert "".join(o.text for o in fast) == "".join(o.text for o in plain)
+    assert any(num_after_end)  # the engine had ended one of them already (SmolLM2 on this prompt)
