@@ -206,6 +206,8 @@ class Heartbeat:
     NUM_PREFIX_CACHE_HIT_TOKENS = "num_prefix_cache_hit_tokens"
     NUM_PREFIX_CACHE_QUERY_TOKENS = "num_prefix_cache_query_tokens"
     NUM_PREEMPTIONS = "num_preemptions"
+    NUM_SPEC_DRAFT_TOKENS = "num_spec_draft_tokens"
+    NUM_SPEC_ACCEPTED_TOKENS = "num_spec_accepted_tokens"
     NUM_PARKED = "num_parked"  # the consumer's, not the engine's
 
     # A change of these is published with the next round; the others (block counts,
@@ -216,7 +218,7 @@ class Heartbeat:
     FLOAT = (HEARTBEAT_UNIX, KV_CACHE_USAGE)
     INT = (NUM_FINISHED, NUM_RUNNING, NUM_WAITING, MAX_NUM_SEQS, MAX_MODEL_LEN, BLOCK_SIZE, NUM_BLOCKS,
            NUM_FREE_BLOCKS, NUM_PREFIX_CACHE_HIT_TOKENS, NUM_PREFIX_CACHE_QUERY_TOKENS, NUM_PREEMPTIONS,
-           NUM_PARKED)
+           NUM_SPEC_DRAFT_TOKENS, NUM_SPEC_ACCEPTED_TOKENS, NUM_PARKED)
 
 
 class Record:

@@ -131,6 +131,8 @@ class Usage:
     seed: int = 0
     truncated_prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
+    num_draft_tokens: int = 0  # speculative decoding: tokens proposed for verification
+    num_accepted_tokens: int = 0  # of those, accepted (they equal the target's own tokens)
 
 
 @dataclass

@@ -76,7 +76,8 @@ class CountingEngine:
         return SimpleNamespace(model_name="counting", weights="none", num_running=len(self._running),
                                num_waiting=0, max_num_seqs=8, max_model_len=512, block_size=16, num_blocks=64,
                                num_free_blocks=64, kv_cache_usage=0.0, num_prefix_cache_hit_tokens=0,
-                               num_prefix_cache_query_tokens=0, num_preemptions=0)
+                               num_prefix_cache_query_tokens=0, num_preemptions=0,
+                               num_spec_drafts=0, num_spec_draft_tokens=0, num_spec_accepted_tokens=0)
 
 
 @pytest.fixture

@@ -28,7 +28,8 @@ def make_stats(running: int = 0, waiting: int = 0, max_num_seqs: int = 8,
     defaults: dict[str, object] = dict(
         model_name="fake", weights="float32 weights", max_model_len=256, block_size=16, num_blocks=64,
         num_free_blocks=64,
-        kv_cache_usage=0.0, num_prefix_cache_hit_tokens=0, num_prefix_cache_query_tokens=0, num_preemptions=0)
+        kv_cache_usage=0.0, num_prefix_cache_hit_tokens=0, num_prefix_cache_query_tokens=0, num_preemptions=0,
+        num_spec_drafts=0, num_spec_draft_tokens=0, num_spec_accepted_tokens=0)
     return SimpleNamespace(num_running=running, num_waiting=waiting, max_num_seqs=max_num_seqs,
                            **(defaults | fields))
 

@@ -270,7 +270,8 @@ def idle_stats(**overrides: object) -> dict[str, object]:
     return dict(model_name="tiny", weights="Q4_1 weights, avx2 kernels", num_running=0, num_waiting=0,
                 max_num_seqs=8, max_model_len=512,
                 block_size=16, num_blocks=640, num_free_blocks=640, kv_cache_usage=0.0,
-                num_prefix_cache_hit_tokens=0, num_prefix_cache_query_tokens=0, num_preemptions=0) | overrides
+                num_prefix_cache_hit_tokens=0, num_prefix_cache_query_tokens=0, num_preemptions=0,
+                num_spec_draft_tokens=0, num_spec_accepted_tokens=0) | overrides
 
 
 @contextlib.contextmanager
@@ -291,7 +292,8 @@ def gateway_with_idle_worker(make_gateway: Callable[..., GatewayThread], redis_u
 def test_server_info_shows_every_heartbeat_field_of_a_worker(
         make_gateway: Callable[..., GatewayThread], redis_url: str, prefix: str) -> None:
     stats = idle_stats(num_running=3, num_free_blocks=600, kv_cache_usage=0.0625,
-                       num_prefix_cache_hit_tokens=96, num_prefix_cache_query_tokens=400, num_preemptions=1)
+                       num_prefix_cache_hit_tokens=96, num_prefix_cache_query_tokens=400, num_preemptions=1,
+                       num_spec_draft_tokens=50, num_spec_accepted_tokens=31)
     with gateway_with_idle_worker(make_gateway, redis_url, prefix, stats) as stub:
         info = stub.GetServerInfo(generate_pb2.GetServerInfoRequest(), timeout=5).workers[0]
     expected = {k: v for k, v in stats.items() if k != "model_name"}

@@ -1,6 +1,7 @@
 """KVCacheManager under random sequences of the scheduler's operations (admit, prefill, decode,
-finish, preempt, eviction pressure), checked after every one against a model of which K/V
-each physical block holds; once more with a hash that collides all the time."""
+speculative decode with rollback, finish, preempt, eviction pressure), checked after every one
+against a model of which K/V each physical block holds; once more with a hash that collides all
+the time."""
 
 from __future__ import annotations
 
@@ -201,6 +202,33 @@ class KVCacheMachine(RuleBasedStateMachine):
             self.commit(rid, req)
             req.token_ids.append(token)
 
+    @precondition(lambda self: any(r.is_decoding for r in self.live.values()))
+    @rule(pick=st.integers(0, 99), draft=st.lists(st.sampled_from(ALPHABET), min_size=1, max_size=6),
+          num_accepted=st.integers(0, 6), token=st.sampled_from(ALPHABET))
+    def speculate(self, pick: int, draft: list[int], num_accepted: int, token: int) -> None:
+        """A verified decode as the scheduler and `Scheduler.commit` run it: room for the last
+        token and the proposals (or a plain decode when that does not fit), K/V written for all
+        of them, then only the accepted ones count as computed, the target's own token follows,
+        and the blocks past the kept tokens go back (`trim`)."""
+        num_operations[type(self).__name__] += 1
+        rid, req = self.pick(pick, lambda r: r.is_decoding)
+        kv, n = self.kv, len(req.token_ids)
+        if not self.grow(rid, req):
+            return  # the scheduler preempts someone
+        before = snapshot(kv)
+        if not kv.grow(rid, n + len(draft)):
+            assert snapshot(kv) == before
+            draft = []  # no room to speculate: a plain decode
+        for block_id in kv.block_table(rid)[kv.blocks_for(n):]:
+            self.content[block_id] = None  # positions n - 1 .. n - 1 + k written, the tail uncached
+        m = min(num_accepted, len(draft))
+        req.num_computed = n + m  # the last token and the accepted proposals
+        req.token_ids += [*draft[:m], token]
+        self.commit(rid, req)
+        table = list(kv.block_table(rid))
+        kv.trim(rid, len(req.token_ids))
+        assert kv.block_table(rid) == table[:kv.blocks_for(len(req.token_ids))]  # only the tail goes
+
     @precondition(lambda self: self.live)
     @rule(budget=st.integers(1, 24), token=st.sampled_from(ALPHABET))
     def engine_step(self, budget: int, token: int) -> None:
@@ -322,7 +350,9 @@ class KVCacheMachine(RuleBasedStateMachine):
         pool, bs = self.kv.pool, self.bs
         for rid, req in self.live.items():
             table = self.kv.block_table(rid)
-            assert len(table) == self.kv.blocks_for(max(req.num_prefill, req.num_computed))
+            # a speculative decode keeps room for its next position (its last, sampled token)
+            assert (self.kv.blocks_for(max(req.num_prefill, req.num_computed)) <= len(table)
+                    <= self.kv.blocks_for(max(req.num_prefill, len(req.token_ids))))
             assert len(set(table)) == len(table)
             for j, block_id in enumerate(table):
                 block = pool.blocks[block_id]

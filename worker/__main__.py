@@ -20,7 +20,7 @@ from protos.metrics import DEFAULT_WORKER_PORT
 from protos.observability import add_observability_args
 from protos.redis_conn import DEFAULT_REDIS_URL
 from worker.config import WorkerConfig
-from worker.engine.config import DTYPES, QUANTIZATIONS, EngineConfig
+from worker.engine.config import DTYPES, QUANTIZATIONS, SPECULATIVE, EngineConfig
 
 
 def _env(name: str, default: object = None) -> str | None:
@@ -82,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="linear weights on CPU: auto runs a GGUF's own Q4_0/Q4_1/Q8_0 blocks in C kernels "
                         "(other GGUF types become Q8_0; safetensors stay float); q8_0/q4_0 quantize any "
                         "model at load; none dequantizes to --dtype [env TOKENRELAY_QUANTIZATION]")
+    p.add_argument("--speculative", choices=SPECULATIVE, default=_env("TOKENRELAY_SPECULATIVE", "none"),
+                   help="speculative decoding: ngram proposes the tokens that followed the latest earlier "
+                        "occurrence of the last 1-4 tokens and verifies them in the running batch; the "
+                        "output is the same as without [env TOKENRELAY_SPECULATIVE]")
+    p.add_argument("--num-speculative-tokens", type=int, default=_env("TOKENRELAY_NUM_SPECULATIVE_TOKENS", 4),
+                   help="proposals verified per step and sequence [env TOKENRELAY_NUM_SPECULATIVE_TOKENS]")
     p.add_argument("--num-threads", type=int, default=_env("TOKENRELAY_NUM_THREADS"),
                    help="torch CPU threads; default torch's choice [env TOKENRELAY_NUM_THREADS]")
     p.add_argument("--drain-timeout", type=float, default=_env("TOKENRELAY_DRAIN_TIMEOUT_S", 30),
@@ -116,7 +122,9 @@ def config_from_args(argv: list[str] | None = None) -> tuple[WorkerConfig, str]:
                               kv_cache_dtype=args.kv_cache_dtype,
                               max_prefill_tokens=args.max_prefill_tokens, num_threads=args.num_threads,
                               enable_prefix_caching=args.prefix_caching,
-                              enable_native_kernels=args.native_kernels, quantization=args.quantization)
+                              enable_native_kernels=args.native_kernels, quantization=args.quantization,
+                              speculative=args.speculative,
+                              num_speculative_tokens=args.num_speculative_tokens)
         config = WorkerConfig(engine=engine, redis_url=args.redis_url, key_prefix=args.key_prefix,
                               worker_id=args.worker_id or default_instance_id(),
                               drain_timeout_s=args.drain_timeout, heartbeat_ttl_s=args.heartbeat_ttl,

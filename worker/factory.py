@@ -89,10 +89,12 @@ def build_text_engine(config: EngineConfig) -> TextEngine:
              plan.num_blocks * KVCache.bytes_per_block(model_config, plan.block_size, plan.dtype) / 2**20,
              plan.max_model_len, config.max_num_seqs)
     eos = frozenset(tokenizer.eos_token_ids) | frozenset(model_config.eos_token_ids)
+    num_spec = config.num_speculative_tokens if config.speculative != "none" else 0
     engine = EngineCore(model, num_blocks=plan.num_blocks, block_size=plan.block_size,
                         max_model_len=plan.max_model_len, max_num_seqs=config.max_num_seqs,
                         max_prefill_tokens=config.max_prefill_tokens, eos_token_ids=eos,
-                        kv_cache_dtype=plan.dtype, enable_prefix_caching=config.enable_prefix_caching)
+                        kv_cache_dtype=plan.dtype, enable_prefix_caching=config.enable_prefix_caching,
+                        num_speculative_tokens=num_spec)
     return TextEngine(engine, tokenizer, model_name=path.stem if path.is_file() else path.name,
                       weights=model.quantization_summary)
 

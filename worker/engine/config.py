@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0")
+SPECULATIVE = ("none", "ngram")
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,11 @@ class EngineConfig:
     # GGUF types become Q8_0) and runs the C kernels on them; a safetensors model stays fp32.
     # "q8_0"/"q4_0" quantize any model's linears at load; "none" is the fp32 path.
     quantization: str = "auto"
+    # Speculative decoding: "ngram" proposes the tokens that followed the latest earlier
+    # occurrence of the last 1-4 tokens (prompt lookup) and verifies them in the running
+    # batch; the output is token for token that of plain decoding (worker/engine/speculative.py).
+    speculative: str = "none"
+    num_speculative_tokens: int = 4  # proposals verified per step and sequence
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -57,6 +63,10 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, "
                              f"got {self.quantization!r}")
+        if self.speculative not in SPECULATIVE:
+            raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE)}, got {self.speculative!r}")
+        if not 1 <= self.num_speculative_tokens <= 64:
+            raise ValueError(f"num_speculative_tokens must be in [1, 64], got {self.num_speculative_tokens}")
         if not 1 <= self.block_size <= 1024:
             raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
         if self.max_num_seqs < 1:

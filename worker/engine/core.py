@@ -5,6 +5,14 @@ collected between steps (thread-safe) and applied at the start of the next, so
 an aborted request frees its KV blocks within one step. Only after the model
 has run does the scheduler count the step's tokens as computed and hash the
 blocks they filled (`Scheduler.commit`: a failed step caches nothing).
+
+With speculation on (`num_speculative_tokens` > 0), a running sequence may get
+n-gram proposals before scheduling; the runner returns the target's token at
+each of its k + 1 positions, postprocess emits the accepted proposals plus the
+target's next token (one EngineOutput per token, a stop inside the run drops
+the rest), and only then does commit count them: the computed-token count
+advances by what was accepted and the blocks reserved past it go back
+(speculative.py explains why the output is the same as without).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from worker.engine.kv_manager import KVCacheManager
 from worker.engine.model_runner import ModelRunner, SampledToken
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence, sampled_sequences
+from worker.engine.speculative import SpeculationPolicy, num_accepted, propose_ngram
 from worker.engine.stopping import StoppingCriteria
 from worker.model.llama import KVCache, LlamaModel
 
@@ -33,7 +42,7 @@ def context_overflow(prompt_tokens: int, max_tokens: int, context: int) -> Value
 
 @dataclass
 class EngineOutput:
-    """What one step produced for one request."""
+    """One token one step produced for one request (a verified run gives several, in order)."""
 
     seq: Sequence
     token: SampledToken | None  # None when the request ended without a new token (abort)
@@ -43,7 +52,8 @@ class EngineOutput:
 class EngineCore:
     def __init__(self, model: LlamaModel, *, num_blocks: int, block_size: int, max_model_len: int,
                  max_num_seqs: int, max_prefill_tokens: int, eos_token_ids: frozenset[int],
-                 kv_cache_dtype: torch.dtype | None = None, enable_prefix_caching: bool = True) -> None:
+                 kv_cache_dtype: torch.dtype | None = None, enable_prefix_caching: bool = True,
+                 num_speculative_tokens: int = 0) -> None:
         self.model = model
         self.max_len = max_model_len
         self.eos_token_ids = eos_token_ids
@@ -52,6 +62,9 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_prefill_tokens)
         self.runner = ModelRunner(model, cache, self.kv)
         self.num_step_prefill_tokens = self.num_step_decode_tokens = 0  # what the last step computed
+        # None: no speculation. Counts since start: verified runs, proposed and accepted tokens.
+        self.spec = SpeculationPolicy(num_speculative_tokens) if num_speculative_tokens > 0 else None
+        self.num_spec_drafts = self.num_spec_draft_tokens = self.num_spec_accepted_tokens = 0
         self._aborts: set[str] = set()
         self._lock = threading.Lock()
 
@@ -104,20 +117,46 @@ class EngineCore:
         if seq is not None:
             self.scheduler.finish(seq, reason)
 
+    def stop_at(self, seq: Sequence, num_output_tokens: int, reason: FinishReason) -> None:
+        """A stop string matched at output token `num_output_tokens` (maybe inside a verified run,
+        which the engine may already have ended later, e.g. at EOS): drop the tokens after it."""
+        del seq.output_ids[num_output_tokens:]
+        if seq.is_finished:
+            seq.finish_reason = reason
+        else:
+            self.scheduler.finish(seq, reason)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._aborts)
 
     def step(self) -> list[EngineOutput]:
         outputs = self._apply_aborts()
+        self._propose()
         sched = self.scheduler.schedule()
         self.num_step_prefill_tokens = sum(c.num_tokens for c in sched.prefills)
-        self.num_step_decode_tokens = len(sched.decodes)
+        self.num_step_decode_tokens = sum(1 + len(s.spec.draft_ids) for s in sched.decodes)
         if sched.is_empty:
             return outputs
-        tokens = self.runner.run(sched.prefills, sched.decodes)
-        self.scheduler.commit(sched)
-        sampled = sampled_sequences(sched.prefills, sched.decodes)
-        return outputs + self._postprocess(sampled, tokens)
+        targets = self.runner.run(sched.prefills, sched.decodes)
+        new, finished = self._postprocess(sampled_sequences(sched.prefills, sched.decodes), targets)
+        self.scheduler.commit(sched)  # after the accepted tokens joined output_ids
+        for seq, reason, error in finished:
+            self.scheduler.finish(seq, reason, error)
+        return outputs + new
+
+    def _propose(self) -> None:
+        """This step's proposals for the running decodes (see SpeculationPolicy for who gets any)."""
+        decodes = [s for s in self.scheduler.running.values() if s.is_prefilled]
+        enabled = self.spec is not None and self.spec.is_step_enabled(len(decodes))
+        for seq in decodes:
+            seq.spec.draft_ids = []
+            if not enabled or self.spec is None:
+                continue
+            # Every emitted token counts against max_tokens: at most max_tokens - 1 proposals
+            # plus the target's own token (which also keeps positions inside the context).
+            k = min(self.spec.num_proposals(seq.spec), seq.params.max_tokens - len(seq.output_ids) - 1)
+            if k > 0:
+                seq.spec.draft_ids = propose_ngram(seq.prompt_ids + seq.output_ids, k)
 
     def _apply_aborts(self) -> list[EngineOutput]:
         with self._lock:
@@ -130,19 +169,32 @@ class EngineCore:
                 outputs.append(EngineOutput(seq, None, FinishReason.ABORT))
         return outputs
 
-    def _postprocess(self, seqs: list[Sequence], tokens: list[SampledToken]) -> list[EngineOutput]:
+    def _postprocess(self, seqs: list[Sequence], targets: list[list[SampledToken]]
+                     ) -> tuple[list[EngineOutput], list[tuple[Sequence, FinishReason, str | None]]]:
+        """Append each sequence's accepted tokens; a stop ends its run. Returns the outputs and
+        who finishes (after commit, so the blocks this step filled are cached first)."""
         now = time.time()
-        outputs = []
-        for seq, tok in zip(seqs, tokens, strict=True):
-            if not tok.is_finite:
-                self.scheduler.finish(seq, FinishReason.ERROR, "the model produced non-finite logits")
-                outputs.append(EngineOutput(seq, None, FinishReason.ERROR))
-                continue
-            seq.output_ids.append(tok.token_id)
-            seq.first_token_time = seq.first_token_time or now
-            seq.last_token_time = now
-            reason = seq.stopping(tok.token_id, len(seq.output_ids))
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-            outputs.append(EngineOutput(seq, tok, reason))
-        return outputs
+        outputs: list[EngineOutput] = []
+        finished: list[tuple[Sequence, FinishReason, str | None]] = []
+        for seq, toks in zip(seqs, targets, strict=True):
+            draft, seq.spec.draft_ids = seq.spec.draft_ids, []
+            n = num_accepted(draft, [t.token_id for t in toks]) if draft else 0
+            if draft and self.spec is not None:
+                self.spec.update(seq.spec, len(draft), n)
+                self.num_spec_drafts += 1
+                self.num_spec_draft_tokens += len(draft)
+                self.num_spec_accepted_tokens += n
+            for tok in toks[:n + 1]:  # the accepted proposals, then the target's own token
+                if not tok.is_finite:
+                    finished.append((seq, FinishReason.ERROR, "the model produced non-finite logits"))
+                    outputs.append(EngineOutput(seq, None, FinishReason.ERROR))
+                    break
+                seq.output_ids.append(tok.token_id)
+                seq.first_token_time = seq.first_token_time or now
+                seq.last_token_time = now
+                reason = seq.stopping(tok.token_id, len(seq.output_ids))
+                outputs.append(EngineOutput(seq, tok, reason))
+                if reason is not None:
+                    finished.append((seq, reason, None))
+                    break  # a stop inside an accepted run drops the rest
+        return outputs, finished

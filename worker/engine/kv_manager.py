@@ -132,6 +132,17 @@ class KVCacheManager:
         table.block_ids += self.pool.allocate(num_new)
         return True
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Keep blocks for `num_tokens` positions only: give back those a speculative step reserved
+        past what it accepted (tail first). Never a hashed block: those hold computed tokens."""
+        table = self._tables.get(request_id)
+        if table is None:
+            return
+        keep = max(self.blocks_for(num_tokens), table.num_hashed)
+        if keep < len(table.block_ids):
+            tail, table.block_ids = table.block_ids[keep:], table.block_ids[:keep]
+            self.pool.release(reversed(tail))
+
     def commit(self, request_id: str, num_computed: int, prompt_ids: Sequence[int],
                output_ids: Sequence[int] = ()) -> None:
         """The K/V of the first `num_computed` tokens of prompt + output are now written:

@@ -5,6 +5,14 @@ one decode token for every running sequence, flattened into one list of new
 tokens with vLLM-style attention metadata (`ForwardBatch`), so the weights are
 read once per step. Then one sampler call over the rows that get a token
 (completed prompts and decodes) and one host sync for the token ids.
+
+A decode with k proposals runs as k + 1 decode rows (its last token, then each
+proposal) that share its block table, row j attending over the context up to
+its own position. Every layer writes all new K/V before any row attends, so
+that is causal chunk attention, on the batched decode path (the fused C layers
+on CPU) that plain decodes take. Row j's sampling history is the output plus
+the proposals before it: it draws the target's own output token
+len(output) + j with that index's noise and penalties.
 """
 
 from __future__ import annotations
@@ -35,20 +43,29 @@ class ModelRunner:
         self.device = model.device
         self.sampler = Sampler()
 
-    def run(self, prefills: list[PrefillChunk], decodes: list[Sequence]) -> list[SampledToken]:
+    def run(self, prefills: list[PrefillChunk], decodes: list[Sequence]) -> list[list[SampledToken]]:
         """Compute the chunks and decodes; sample the next token of every sequence whose
-        prompt completes this step, then of every decode: results in that order."""
+        prompt completes this step, then of every decode: results in that order, one token
+        each, or for a decode with k proposals the target's token at each of k + 1 positions."""
         logits = self.model.forward(self.prepare(prefills, decodes), self.cache)  # (R, V)
         seqs = sampled_sequences(prefills, decodes)
         if not seqs:
             return []  # only partial prompt chunks ran
+        drafts: list[list[int]] = [[] for c in prefills if c.is_last] + [s.spec.draft_ids for s in decodes]
         rows = [SamplingRow(params=s.params, seed=s.seed, prompt_token_ids=s.prompt_ids,
-                            output_token_ids=s.output_ids) for s in seqs]
+                            output_token_ids=s.output_ids + draft[:j])
+                for s, draft in zip(seqs, drafts, strict=True) for j in range(1 + len(draft))]
         batch = build_sampling_batch(rows, logits.shape[-1], self.device)
-        return self._to_host(self.sampler(logits, batch))
+        flat = self._to_host(self.sampler(logits, batch))
+        out, i = [], 0
+        for draft in drafts:
+            out.append(flat[i:i + 1 + len(draft)])
+            i += 1 + len(draft)
+        return out
 
     def prepare(self, prefills: list[PrefillChunk], decodes: list[Sequence]) -> ForwardBatch:
-        """The flattened batch: every chunk's tokens, then each decode's last token."""
+        """The flattened batch: every chunk's tokens, then each decode's last token and its
+        proposals, one row each."""
         bs = self.kv.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -58,7 +75,7 @@ class ModelRunner:
         query_start = [0]
         logits_indices: list[int] = []
 
-        def add(request_id: str, token_ids: list[int], start: int, wants_logits: bool) -> None:
+        def add(request_id: str, token_ids: list[int], start: int, num_logits: int) -> None:
             table = self.kv.block_table(request_id)
             span = range(start, start + len(token_ids))
             ids.extend(token_ids)
@@ -67,13 +84,13 @@ class ModelRunner:
             tables.append(table)
             context_lens.append(span.stop)
             query_start.append(query_start[-1] + len(token_ids))
-            if wants_logits:
-                logits_indices.append(query_start[-1] - 1)
+            logits_indices.extend(range(query_start[-1] - num_logits, query_start[-1]))
 
         for c in prefills:
-            add(c.seq.request_id, c.seq.prefill_ids[c.start:c.start + c.num_tokens], c.start, c.is_last)
-        for s in decodes:
-            add(s.request_id, s.output_ids[-1:], s.num_tokens - 1, True)
+            add(c.seq.request_id, c.seq.prefill_ids[c.start:c.start + c.num_tokens], c.start, int(c.is_last))
+        for s in decodes:  # the last token, then the proposals (if any)
+            for j, token_id in enumerate(s.output_ids[-1:] + s.spec.draft_ids):
+                add(s.request_id, [token_id], s.num_tokens - 1 + j, 1)
         width = max(map(len, tables))
         padded = [t + [0] * (width - len(t)) for t in tables]
 
@@ -101,4 +118,5 @@ class ModelRunner:
             top = list(zip(top_ids[i], top_lps[i], strict=True)) if top_ids and top_lps else None
             tokens.append(SampledToken(tok, bool(finite[i]), lps[i] if lps else None, top))
         return tokens
+
 

@@ -20,6 +20,11 @@ Each step, in this order:
    (it would take back the blocks just freed). A request never fits only if it
    is larger than the pool, and `Engine` refuses those up front: nothing waits
    forever.
+4. Speculation (after the decodes above, so it never preempts anyone): a
+   decode with proposals also gets the blocks for its k proposal positions,
+   or, when the pool has none to spare, drops its proposals and runs as a
+   plain decode. `commit` then counts only the accepted tokens as computed and
+   hands the blocks past them back (`KVCacheManager.trim`).
 """
 
 from __future__ import annotations
@@ -115,6 +120,10 @@ class Scheduler:
                     break
             else:
                 out.decodes.append(seq)
+        for seq in out.decodes:
+            num_draft = len(seq.spec.draft_ids)
+            if num_draft and not self.kv.grow(seq.request_id, seq.num_tokens + num_draft):
+                seq.spec.draft_ids = []
 
     def _victim(self) -> Sequence:
         """Who is preempted next: the lowest priority, the newest (last admitted) among equals."""
@@ -126,6 +135,7 @@ class Scheduler:
         self.kv.free(seq.request_id)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
+        seq.spec.draft_ids = []
         seq.num_resumed = len(seq.output_ids)  # prefilled next time, then decoding goes on
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -133,12 +143,16 @@ class Scheduler:
                  seq.request_id, seq.num_tokens, self.num_preemptions)
 
     def commit(self, out: SchedulerOutput) -> None:
-        """The step `out` ran: its tokens' K/V are in the cache, and the blocks they filled
-        become findable (after the model ran, so a failed step caches nothing)."""
+        """The step `out` ran and its new tokens joined output_ids: their K/V are in the cache,
+        and the blocks they filled become findable (after the model ran, so a failed step caches
+        nothing). A decode's last output token is never computed yet (the next step feeds it),
+        so a verified run counts exactly its accepted proposals, and the blocks reserved for
+        rejected ones are released: hashes only ever cover tokens the sequence keeps."""
         for c in out.prefills:
             c.seq.num_computed_tokens = c.start + c.num_tokens
         for s in out.decodes:
-            s.num_computed_tokens = s.num_tokens
+            s.num_computed_tokens = s.num_tokens - 1
+            self.kv.trim(s.request_id, s.num_tokens)
         for seq in [c.seq for c in out.prefills] + out.decodes:
             self.kv.commit(seq.request_id, seq.num_computed_tokens, seq.prompt_ids, seq.output_ids)
 

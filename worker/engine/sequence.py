@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from protos.params import FinishReason, SamplingParams
+from worker.engine.speculative import SpecState
 from worker.engine.stopping import StoppingCriteria
 
 
@@ -37,6 +38,7 @@ class Sequence:
     admitted_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
+    spec: SpecState = field(default_factory=SpecState)  # proposals and their counts
 
     @property
     def num_tokens(self) -> int:

@@ -45,7 +45,10 @@ class EngineStats:
     num_prefix_cache_query_tokens: int
     num_preemptions: int
     num_step_prefill_tokens: int  # prompt tokens the last step computed
-    num_step_decode_tokens: int  # decode tokens the last step computed
+    num_step_decode_tokens: int  # decode tokens the last step computed (proposals included)
+    num_spec_drafts: int = 0  # since start: decodes that verified proposals
+    num_spec_draft_tokens: int = 0  # proposed tokens verified
+    num_spec_accepted_tokens: int = 0  # of those, accepted
 
 
 @dataclass
@@ -123,11 +126,18 @@ class TextEngine:
             num_prefix_cache_hit_tokens=kv.num_prefix_hit_tokens,
             num_prefix_cache_query_tokens=kv.num_prefix_query_tokens, num_preemptions=sched.num_preemptions,
             num_step_prefill_tokens=self.engine.num_step_prefill_tokens,
-            num_step_decode_tokens=self.engine.num_step_decode_tokens)
+            num_step_decode_tokens=self.engine.num_step_decode_tokens,
+            num_spec_drafts=self.engine.num_spec_drafts,
+            num_spec_draft_tokens=self.engine.num_spec_draft_tokens,
+            num_spec_accepted_tokens=self.engine.num_spec_accepted_tokens)
 
     def step(self) -> list[RequestOutput]:
         ready, self._ready = self._ready, []
-        return ready + [self._to_output(o) for o in self.engine.step() if o.seq.request_id in self._states]
+        runs: dict[str, list[EngineOutput]] = {}  # a verified run gives several tokens, in order
+        for o in self.engine.step():
+            if o.seq.request_id in self._states:
+                runs.setdefault(o.seq.request_id, []).append(o)
+        return ready + [self._to_output(run) for run in runs.values()]
 
     # -- prompt -------------------------------------------------------------
     def _encode(self, prompt: PromptInput, params: SamplingParams) -> tuple[list[int], int]:
@@ -164,19 +174,30 @@ class TextEngine:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     # -- outputs ------------------------------------------------------------
-    def _to_output(self, o: EngineOutput) -> RequestOutput:
-        seq = o.seq
+    def _to_output(self, run: list[EngineOutput]) -> RequestOutput:
+        """One request's tokens from one step; a stop string matched inside them ends the request
+        there (the engine drops the tokens after it)."""
+        seq = run[0].seq
         state = self._states[seq.request_id]
         out = RequestOutput(seq.request_id)
-        reason = o.finish_reason
-        if o.token is not None:
-            out.token_ids = [o.token.token_id]
-            out.logprobs = self._logprobs(o) if seq.params.num_logprobs is not None else None
-            delta, text_reason = self._advance_text(state, out.token_ids, reason)
+        reason: FinishReason | None = None
+        texts: list[str] = []
+        num_before = len(seq.output_ids) - sum(o.token is not None for o in run)
+        for o in run:
+            reason = o.finish_reason
+            if o.token is None:
+                break
+            out.token_ids.append(o.token.token_id)
+            if seq.params.num_logprobs is not None:
+                out.logprobs = (out.logprobs or []) + self._logprobs(o)
+            delta, text_reason = self._advance_text(state, [o.token.token_id], reason)
+            texts.append(delta)
             if text_reason is not None and reason is None:  # a stop string: end it before the next step
-                self.engine.finish(seq.request_id, text_reason)
+                self.engine.stop_at(seq, num_before + len(out.token_ids), text_reason)
             reason = text_reason
-            out.text = delta
+            if reason is not None:
+                break
+        out.text = "".join(texts)
         if reason is not None:
             out.finish_reason = reason
             out.error = seq.error
@@ -219,6 +240,7 @@ class TextEngine:
             time_to_first_token_s=max(0.0, first - seq.arrival_time) if first else 0.0,
             decode_time_s=(seq.last_token_time or now) - first if first else 0.0,
             seed=seq.seed, truncated_prompt_tokens=state.truncated_prompt_tokens,
-            cached_prompt_tokens=seq.num_cached_tokens,
+            cached_prompt_tokens=seq.num_cached_tokens, num_draft_tokens=seq.spec.num_draft_tokens,
+            num_accepted_tokens=seq.spec.num_accepted_tokens,
         )
 

@@ -376,5 +376,7 @@ class Consumer:
             H.NUM_PREFIX_CACHE_HIT_TOKENS: s.num_prefix_cache_hit_tokens,
             H.NUM_PREFIX_CACHE_QUERY_TOKENS: s.num_prefix_cache_query_tokens,
             H.NUM_PREEMPTIONS: s.num_preemptions, H.NUM_PARKED: len(self._parked),
+            H.NUM_SPEC_DRAFT_TOKENS: s.num_spec_draft_tokens,
+            H.NUM_SPEC_ACCEPTED_TOKENS: s.num_spec_accepted_tokens,
         }
         return {k: str(v) for k, v in fields.items()}

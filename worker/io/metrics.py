@@ -38,6 +38,11 @@ class WorkerMetrics:
         self.preemptions = counter("num_preemptions", "Requests preempted for lack of KV blocks.")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        # vLLM's names (spec_decode_*), in our tokenrelay_ namespace
+        self.spec_drafts = counter("spec_decode_num_drafts", "Decodes that verified speculative proposals.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative tokens proposed.")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens",
+                                            "Speculative tokens accepted (equal to the model's own).")
         self.reclaimed = counter("requests_reclaimed", "Requests of dead workers this worker re-claimed.")
         self.redis_errors = counter("redis_errors", "Redis commands or pipelines that failed.")
         self._step = Histogram("tokenrelay_engine_step_seconds", "Time of one engine step, by what it ran.",
@@ -49,7 +54,8 @@ class WorkerMetrics:
                                       "token.", REQUEST_LATENCY_BUCKETS)
         self.decode_time = histogram("request_decode_time_seconds", "Time from the first to the last token.",
                                      REQUEST_LATENCY_BUCKETS)
-        self._totals = {"preemptions": 0, "queries": 0, "hits": 0}
+        self._totals = {"preemptions": 0, "queries": 0, "hits": 0, "drafts": 0, "draft_tokens": 0,
+                        "accepted_tokens": 0}
 
     def update(self, stats: Any, num_parked: int) -> None:
         """From the engine's `EngineStats`: gauges, and the growth of its cumulative counts."""
@@ -59,7 +65,11 @@ class WorkerMetrics:
         self.kv_usage.set(stats.kv_cache_usage)
         for key, counter, total in (("preemptions", self.preemptions, stats.num_preemptions),
                                     ("queries", self.prefix_queries, stats.num_prefix_cache_query_tokens),
-                                    ("hits", self.prefix_hits, stats.num_prefix_cache_hit_tokens)):
+                                    ("hits", self.prefix_hits, stats.num_prefix_cache_hit_tokens),
+                                    ("drafts", self.spec_drafts, stats.num_spec_drafts),
+                                    ("draft_tokens", self.spec_draft_tokens, stats.num_spec_draft_tokens),
+                                    ("accepted_tokens", self.spec_accepted_tokens,
+                                     stats.num_spec_accepted_tokens)):
             if total > self._totals[key]:
                 counter.inc(total - self._totals[key])
                 self._totals[key] = total
