@@ -8,6 +8,7 @@ import torch
 
 from protos.params import SamplingParams
 from worker.engine.core import EngineCore
+from worker.engine.text_engine import EngineStats
 from worker.model.config import ModelConfig
 from worker.model.llama import LlamaModel
 from worker.model.native import load_native_kernels
@@ -100,3 +101,13 @@ def run_to_completion(engine: EngineCore, max_steps: int = 1000) -> dict[str, li
             if o.token is not None:
                 out.setdefault(o.seq.request_id, []).append(o.token.token_id)
     raise AssertionError("engine did not finish")
+
+
+def make_stats(**fields: Any) -> EngineStats:
+    """What `TextEngine.stats()` returns, for an idle engine of 64 blocks of 16 tokens; fields override."""
+    defaults: dict[str, Any] = dict(
+        model_name="fake", weights="float32 weights", num_running=0, num_waiting=0, max_num_seqs=8,
+        max_model_len=256, block_size=16, num_blocks=64, num_free_blocks=64, kv_cache_usage=0.0,
+        num_prefix_cache_hit_tokens=0, num_prefix_cache_query_tokens=0, num_preemptions=0,
+        num_step_prefill_tokens=0, num_step_decode_tokens=0)
+    return EngineStats(**(defaults | fields))

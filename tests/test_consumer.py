@@ -16,22 +16,16 @@ from gateway.redis_server import EmbeddedRedis
 from protos.convert import build_request
 from protos.keys import STREAM_DATA_FIELD, Heartbeat, Keys, Record
 from protos.tokenrelay.v1 import queue_pb2
+from tests import factories
 from tests.service import WorkerThread, wait_until
 from worker.config import WorkerConfig
 from worker.engine.outputs import Admitted
+from worker.engine.text_engine import EngineStats
 from worker.io.consumer import Consumer, claim_capacity
 
 
-def make_stats(running: int = 0, waiting: int = 0, max_num_seqs: int = 8,
-               **fields: object) -> SimpleNamespace:
-    """What `TextEngine.stats()` returns, for an engine with 64 blocks of 16 tokens."""
-    defaults: dict[str, object] = dict(
-        model_name="fake", weights="float32 weights", max_model_len=256, block_size=16, num_blocks=64,
-        num_free_blocks=64,
-        kv_cache_usage=0.0, num_prefix_cache_hit_tokens=0, num_prefix_cache_query_tokens=0, num_preemptions=0,
-        num_spec_drafts=0, num_spec_draft_tokens=0, num_spec_accepted_tokens=0)
-    return SimpleNamespace(num_running=running, num_waiting=waiting, max_num_seqs=max_num_seqs,
-                           **(defaults | fields))
+def make_stats(running: int = 0, waiting: int = 0, max_num_seqs: int = 8, **fields: object) -> EngineStats:
+    return factories.make_stats(num_running=running, num_waiting=waiting, max_num_seqs=max_num_seqs, **fields)
 
 
 @pytest.mark.parametrize(("engine_stats", "expected"), [

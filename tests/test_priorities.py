@@ -7,7 +7,6 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
-from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -18,12 +17,14 @@ from protos.convert import build_request
 from protos.keys import Keys, PriorityClass
 from protos.params import FinishReason, SamplingParams
 from protos.tokenrelay.v1 import generate_pb2, generate_pb2_grpc
+from tests.factories import make_stats
 from tests.service import GatewayThread, WorkerThread, stub_for, wait_until, workers_ready
 from tests.test_scheduler import make_scheduler, run
 from worker.config import WorkerConfig
 from worker.engine.outputs import Admitted, RequestOutput
 from worker.engine.sequence import Sequence
 from worker.engine.stopping import StoppingCriteria
+from worker.engine.text_engine import EngineStats
 
 HIGH, NORMAL, LOW = 5, 0, -3  # GenerateRequest.priority of each class
 
@@ -65,12 +66,9 @@ class SlowEngine:
             outputs.append(RequestOutput(key, token_ids=[7], text="x", finish_reason=reason))
         return outputs
 
-    def stats(self) -> SimpleNamespace:
-        return SimpleNamespace(
-            model_name="slow", weights="none", num_running=len(self.left), num_waiting=0,
-            max_num_seqs=self.max_num_seqs, max_model_len=512, block_size=16, num_blocks=64,
-            num_free_blocks=64, kv_cache_usage=0.0, num_prefix_cache_hit_tokens=0,
-            num_prefix_cache_query_tokens=0, num_preemptions=0)
+    def stats(self) -> EngineStats:
+        return make_stats(model_name="slow", num_running=len(self.left), max_num_seqs=self.max_num_seqs,
+                          max_model_len=512)
 
 
 def request(priority: int, request_id: str = "") -> generate_pb2.GenerateRequest:
