@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= What is the capital of France? Answer in one sentence.
 
-.PHONY: demo serve test lint deploy-check bench-engine bench-kv bench-e2e bench-llamacpp chaos protos clean
+.PHONY: demo serve test lint deploy-check bench-engine bench-kv bench-e2e bench-llamacpp bench-speculative chaos protos clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -55,6 +55,9 @@ bench-e2e: $(STAMP)
 
 bench-llamacpp: $(STAMP)  ## vs llama.cpp on the same GGUF; needs the llamacpp extra (it says how to install it)
 	$(BIN)/python benchmarks/llamacpp.py
+
+bench-speculative: $(STAMP)  ## --speculative ngram vs plain decoding on SmolLM2 (repetitive, open, 16 concurrent)
+	$(BIN)/python benchmarks/speculative.py
 
 MINUTES ?= 5
 chaos: $(STAMP)  ## kill workers/gateways and restart Redis under streaming load for $(MINUTES) min; prints JSON
