@@ -47,7 +47,7 @@ def test_policy_turns_off_for_large_batches_and_low_acceptance() -> None:
     assert policy.num_proposals(state) == 2  # 1 + ceil(1.0): optimistic at first
     policy.update(state, 2, 0)  # the average falls to 0.5
     assert (state.num_drafts, state.num_draft_tokens, state.num_accepted_tokens) == (1, 2, 0)
-    assert [policy.num_proposals(state) for _ in range(6)] == [0, 0, 1, 0, 0, 1]  # probes
+    assert [policy.num_proposals(state) for _ in range(6)] == [0, 0, 4, 0, 0, 4]  # full probes
     for _ in range(4):
         policy.update(state, 4, 4)
     assert policy.num_proposals(state) == 4  # capped at k
