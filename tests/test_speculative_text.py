@@ -26,7 +26,8 @@ def engine(smollm_engine: TextEngine) -> Iterator[TextEngine]:
 
 
 def run(engine: TextEngine, params: SamplingParams, speculative: bool) -> list[RequestOutput]:
-    engine.engine.spec = SpeculationPolicy(4) if speculative else None
+    # always speculating: these tests are about what verification does, not about when to speculate
+    engine.engine.spec = SpeculationPolicy(4, min_accepted=-1.0) if speculative else None
     engine.add_request("r", PromptInput(prompt=PROMPT), params)
     outs = []
     while engine.has_unfinished():
