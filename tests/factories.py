@@ -6,8 +6,9 @@ from typing import Any
 
 import torch
 
-from protos.params import SamplingParams
+from protos.params import FinishReason, SamplingParams, Usage
 from worker.engine.core import EngineCore
+from worker.engine.outputs import Admitted, RequestOutput
 from worker.engine.text_engine import EngineStats
 from worker.model.config import ModelConfig
 from worker.model.llama import LlamaModel
@@ -111,3 +112,35 @@ def make_stats(**fields: Any) -> EngineStats:
         num_prefix_cache_hit_tokens=0, num_prefix_cache_query_tokens=0, num_preemptions=0,
         num_step_prefill_tokens=0, num_step_decode_tokens=0)
     return EngineStats(**(defaults | fields))
+
+
+class CountingEngine:
+    """Emits token 7 ("x") once per step per request until max_tokens: enough to stream."""
+
+    def __init__(self) -> None:
+        self._running: dict[str, tuple[int, int]] = {}  # request_id -> (max_tokens, generated)
+
+    def add_request(self, request_id: str, prompt: Any, params: SamplingParams, **kwargs: Any) -> Admitted:
+        self._running[request_id] = (params.max_tokens, 0)
+        return Admitted(seed=params.seed or 1)
+
+    def abort(self, request_id: str) -> None:
+        self._running.pop(request_id, None)
+
+    def step(self) -> list[RequestOutput]:
+        outputs = []
+        for request_id, (max_tokens, done) in list(self._running.items()):
+            out = RequestOutput(request_id, token_ids=[7], text="x")
+            self._running[request_id] = (max_tokens, done + 1)
+            if done + 1 == max_tokens:
+                out.finish_reason = FinishReason.LENGTH
+                out.usage = Usage(prompt_tokens=1, completion_tokens=max_tokens)
+                del self._running[request_id]
+            outputs.append(out)
+        return outputs
+
+    def has_unfinished(self) -> bool:
+        return bool(self._running)
+
+    def stats(self) -> EngineStats:
+        return make_stats(model_name="counting", num_running=len(self._running), max_model_len=512)

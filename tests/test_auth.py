@@ -9,7 +9,6 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -24,11 +23,10 @@ from gateway.redis_server import free_port
 from gateway.server import is_loopback
 from protos.convert import build_request
 from protos.keys import Keys
-from protos.params import FinishReason, SamplingParams, Usage
 from protos.tokenrelay.v1 import generate_pb2, generate_pb2_grpc
+from tests.factories import CountingEngine
 from tests.service import GatewayProcess, GatewayThread, WorkerThread, scrape_samples, stub_for, wait_until
 from worker.config import WorkerConfig
-from worker.engine.outputs import Admitted, RequestOutput
 
 
 def new_token() -> str:
@@ -42,42 +40,6 @@ def write_tenants(path: Path, tenants: dict[str, dict[str, Any]]) -> str:
 
 def bearer(token: str) -> tuple[tuple[str, str]]:
     return (("authorization", f"Bearer {token}"),)
-
-
-class CountingEngine:
-    """Emits token 7 ("x") once per step per request until max_tokens: enough to stream."""
-
-    def __init__(self) -> None:
-        self._running: dict[str, tuple[int, int]] = {}  # request_id -> (max_tokens, generated)
-
-    def add_request(self, request_id: str, prompt: Any, params: SamplingParams, **kwargs: Any) -> Admitted:
-        self._running[request_id] = (params.max_tokens, 0)
-        return Admitted(seed=params.seed or 1)
-
-    def abort(self, request_id: str) -> None:
-        self._running.pop(request_id, None)
-
-    def step(self) -> list[RequestOutput]:
-        outputs = []
-        for request_id, (max_tokens, done) in list(self._running.items()):
-            out = RequestOutput(request_id, token_ids=[7], text="x")
-            self._running[request_id] = (max_tokens, done + 1)
-            if done + 1 == max_tokens:
-                out.finish_reason = FinishReason.LENGTH
-                out.usage = Usage(prompt_tokens=1, completion_tokens=max_tokens)
-                del self._running[request_id]
-            outputs.append(out)
-        return outputs
-
-    def has_unfinished(self) -> bool:
-        return bool(self._running)
-
-    def stats(self) -> SimpleNamespace:
-        return SimpleNamespace(model_name="counting", weights="none", num_running=len(self._running),
-                               num_waiting=0, max_num_seqs=8, max_model_len=512, block_size=16, num_blocks=64,
-                               num_free_blocks=64, kv_cache_usage=0.0, num_prefix_cache_hit_tokens=0,
-                               num_prefix_cache_query_tokens=0, num_preemptions=0,
-                               num_spec_drafts=0, num_spec_draft_tokens=0, num_spec_accepted_tokens=0)
 
 
 @pytest.fixture

@@ -16,7 +16,6 @@ import subprocess
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -26,11 +25,10 @@ from gateway.config import GatewayConfig
 from gateway.redis_server import EmbeddedRedis, free_port
 from protos.convert import build_request
 from protos.keys import Keys
-from protos.params import FinishReason, SamplingParams, Usage
 from protos.redis_conn import async_client, sync_client
+from tests.factories import CountingEngine
 from tests.service import GatewayThread, WorkerThread, stub_for, wait_until, workers_ready
 from worker.config import WorkerConfig
-from worker.engine.outputs import Admitted, RequestOutput
 
 ROOT = Path(__file__).resolve().parents[1]
 USERS_ACL = ROOT / "deploy" / "redis" / "users.acl"
@@ -91,42 +89,6 @@ def admin(acl_redis: EmbeddedRedis) -> Iterator[redis.Redis]:
 
 def as_user(user: str, port: int) -> redis.Redis:
     return redis.Redis.from_url(url(user, port))
-
-
-class CountingEngine:
-    """Emits token id 7 ("x") once per step per request until max_tokens: enough to stream."""
-
-    def __init__(self) -> None:
-        self._running: dict[str, tuple[int, int]] = {}  # request_id -> (max_tokens, generated)
-
-    def add_request(self, request_id: str, prompt: Any, params: SamplingParams, **kwargs: Any) -> Admitted:
-        self._running[request_id] = (params.max_tokens, 0)
-        return Admitted(seed=params.seed or 1)
-
-    def abort(self, request_id: str) -> None:
-        self._running.pop(request_id, None)
-
-    def step(self) -> list[RequestOutput]:
-        outputs = []
-        for request_id, (max_tokens, done) in list(self._running.items()):
-            out = RequestOutput(request_id, token_ids=[7], text="x")
-            self._running[request_id] = (max_tokens, done + 1)
-            if done + 1 == max_tokens:
-                out.finish_reason = FinishReason.LENGTH
-                out.usage = Usage(prompt_tokens=1, completion_tokens=max_tokens)
-                del self._running[request_id]
-            outputs.append(out)
-        return outputs
-
-    def has_unfinished(self) -> bool:
-        return bool(self._running)
-
-    def stats(self) -> SimpleNamespace:
-        return SimpleNamespace(model_name="counting", weights="none", num_running=len(self._running),
-                               num_waiting=0, max_num_seqs=8, max_model_len=512, block_size=16, num_blocks=64,
-                               num_free_blocks=64, kv_cache_usage=0.0, num_prefix_cache_hit_tokens=0,
-                               num_prefix_cache_query_tokens=0, num_preemptions=0,
-                               num_spec_drafts=0, num_spec_draft_tokens=0, num_spec_accepted_tokens=0)
 
 
 @pytest.fixture
