@@ -170,7 +170,7 @@ class LlamaModel:
         self.decode_layers = self._fused_decode_layers()
 
     def _fused_decode_layers(self) -> DecodeLayers | None:
-        """All layers of a decode-only step in one C call (kernels/layer.c), where every matmul
+        """All layers of a step in one C call (kernels/layer.c), where every matmul
         weight is quantized and the shapes are ones the C code takes; else None (per op)."""
         cfg = self.config
         weights = [w for layer in self.layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]

@@ -1,4 +1,5 @@
-"""The Python side of kernels/layer.c: all decoder layers of a decode step in one C call."""
+"""The Python side of kernels/layer.c: all decoder layers of a step in one C call, every new
+token a decode row (prompt tokens too: LlamaModel._rows_as_decodes)."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 class DecodeLayers:
-    """Every layer of one model over a decode-only step, on the quantized weights it was built
+    """Every layer of one model over a step of decode rows, on the quantized weights it was built
     with (which must stay alive: the C side keeps their addresses)."""
 
     def __init__(self, lib: ctypes.CDLL, quant: QuantKernels, layers: list[Any], *, hidden: int, heads: int,

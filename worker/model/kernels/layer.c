@@ -1,4 +1,5 @@
-/* Every decoder layer of one decode step in one call, on quantized weights (loaded by
+/* Every decoder layer of one step in one call, on quantized weights, each new token a decode
+ * row (a prompt chunk's tokens too: worker/model/llama.py _rows_as_decodes says why) (loaded by
  * worker/model/native_layers.py).
  *
  * A decode step of SmolLM2 at batch 1 has ~210 matmuls and, through torch, ~14 ops per
