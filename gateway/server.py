@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import importlib.metadata
-import ipaddress
 import logging
 import secrets
 import time
@@ -45,7 +44,7 @@ from gateway.queue import Attached, RequestQueue, connect
 from gateway.quotas import Quotas
 from gateway.relay import Follow, relay
 from gateway.replies import ReplyRouter
-from gateway.tls import server_credentials
+from gateway.tls import bind
 from gateway.tracing import CallTrace
 from protos.convert import check_request_id, params_from_pb
 from protos.keys import PriorityClass
@@ -110,16 +109,6 @@ def request_digest(request: generate_pb2.GenerateRequest, tenant: str = "") -> s
     if tenant:
         digest.update(b"\0tenant:" + tenant.encode())
     return digest.hexdigest()
-
-
-def is_loopback(listen: str) -> bool:
-    host = listen.rpartition(":")[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
@@ -351,18 +340,8 @@ class Gateway:
         """
         await self._set_health(False)
         config = self.config
-        if config.tls_cert:
-            credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
-            self.port = self.server.add_secure_port(config.listen, credentials)
-        else:
-            self.port = self.server.add_insecure_port(config.listen)
-        if not self.port:
-            raise OSError(f"cannot listen on {config.listen}")
-        if self.auth is None and not is_loopback(config.listen):
-            log.warning("no --auth-tokens-file: the gateway accepts unauthenticated calls on %s",
-                        config.listen)
-        if not config.tls_cert and not is_loopback(config.listen):
-            log.warning("no --tls-cert: calls and tokens on %s travel in plaintext", config.listen)
+        self.port = bind(self.server, config.listen, config.tls_cert, config.tls_key, config.tls_client_ca,
+                         is_authenticated=self.auth is not None)
         if not await self.router.start(timeout_s=subscribe_timeout_s):
             log.warning("Redis at %s is not reachable yet; serving UNAVAILABLE until it is",
                         self.config.redis_url)

@@ -1,4 +1,5 @@
-"""gRPC TLS and mTLS: start-up checks of the PEM files, and credentials for server and client.
+"""gRPC TLS and mTLS: start-up checks of the PEM files, credentials for server and client, and
+the gateway's port (secure or not, with a warning where that exposes calls).
 
 The files are checked with the standard library's `ssl` (a key that does not match its
 certificate, a file that is no PEM, an encrypted key) so a bad file stops the process at
@@ -7,9 +8,13 @@ start-up with a message naming it, instead of gRPC failing to bind with a bare e
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 import ssl
 
 import grpc
+
+log = logging.getLogger(__name__)
 
 
 def _read(name: str, path: str) -> bytes:
@@ -64,3 +69,31 @@ def channel_credentials(ca: str | None = None, cert: str | None = None,
         root_certificates=_read("ca", ca) if ca else None,
         private_key=_read("key", key) if key else None,
         certificate_chain=_read("cert", cert) if cert else None)
+
+
+def is_loopback(listen: str) -> bool:
+    host = listen.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def bind(server: grpc.aio.Server, listen: str, cert: str, key: str, client_ca: str, *,
+         is_authenticated: bool) -> int:
+    """The bound port: TLS with a cert, plaintext without; warns where an address other hosts
+    reach takes unauthenticated or plaintext calls. OSError if nothing could be bound."""
+    if cert:
+        port = server.add_secure_port(listen, server_credentials(cert, key, client_ca))
+    else:
+        port = server.add_insecure_port(listen)
+    if not port:
+        raise OSError(f"cannot listen on {listen}")
+    if not is_loopback(listen):
+        if not is_authenticated:
+            log.warning("no --auth-tokens-file: the gateway accepts unauthenticated calls on %s", listen)
+        if not cert:
+            log.warning("no --tls-cert: calls and tokens on %s travel in plaintext", listen)
+    return port

@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from gateway.auth import Authenticator, Unauthenticated, load_tenants
 from gateway.client import TokenRelayClient
 from gateway.redis_server import free_port
-from gateway.server import is_loopback
+from gateway.tls import is_loopback
 from protos.convert import build_request
 from protos.keys import Keys
 from protos.tokenrelay.v1 import generate_pb2, generate_pb2_grpc
