@@ -1,14 +1,11 @@
-"""Block-quantized CPU linears (worker/model/quant.py, native_quant.py, kernels/quant.c): the C kernels
-against NumPy references and fp32 maths, every instruction set, Linears, the loader and the factory."""
+"""Block-quantized weights (worker/model/quant.py): GGUF blocks, dequantization, Linears, the
+real SmolLM2 GGUF's load, and the factory's --quantization choices."""
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 import shutil
-from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,36 +16,33 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from tests.quant_factories import (
+    CPU,
+    KINDS,
+    NMSE_16BIT,
+    NMSE_MAX,
+    float_linear,
+    make_inputs,
+    make_weight,
+    nmse,
+    pack_blocks,
+)
 from worker.engine.config import EngineConfig
 from worker.factory import build_model, quantize_to
 from worker.model.linear import Linears
 from worker.model.llama import ForwardBatch, KVCache, LlamaModel
 from worker.model.loader import default_model_path, expected_shapes, load_model, read_hf_config
 from worker.model.native import COMPILERS, load_native_kernels
-from worker.model.native_quant import ISAS, QuantKernels
+from worker.model.native_quant import QuantKernels
 from worker.model.quant import (
-    ACT_MAX,
     QK,
     QuantWeight,
-    cat_rows,
     from_blocks,
-    integer_dots_reference,
-    interleave_rows,
-    linear_reference,
     quantize,
-    quantize_activations_reference,
 )
 
 if not any(shutil.which(c) for c in COMPILERS):
     pytest.skip("no C compiler on this machine: quantized weights cannot run", allow_module_level=True)
-
-Q = gguf.GGMLQuantizationType
-KINDS = {"q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q8_0": Q.Q8_0}  # GGUF block types the kernels run as they are
-NMSE_MAX = 5e-4  # llama.cpp's test-backend-ops threshold for a quantized matmul
-# What 16-bit activations promise: rounding to steps of max|x| / 32767 gives an NMSE of ~4e-10 on Gaussian
-# inputs (8-bit ones, steps 258 times coarser, gave 1e-5 and more)
-NMSE_16BIT = 1e-6
-CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
@@ -56,281 +50,6 @@ def quant() -> QuantKernels:
     kernels = load_native_kernels()
     assert kernels is not None, "a C compiler is present, so the kernels must build and load"
     return kernels.quant
-
-
-@pytest.fixture(params=list(ISAS))
-def isa(request: pytest.FixtureRequest, quant: QuantKernels) -> str:
-    if request.param not in quant.supported_isas:
-        pytest.skip(f"this CPU has no {request.param} (it has {', '.join(quant.supported_isas)})")
-    return str(request.param)
-
-
-# ---------------------------------------------------------------- factories
-
-
-def pack_blocks(kind: str, ints: np.ndarray, d: np.ndarray, m: np.ndarray | None = None) -> np.ndarray:
-    """GGUF raw blocks (N, C / 32 * block bytes) uint8 of integers (N, C) (q8_0: q in [-128, 127];
-    q4: u in [0, 15], q4_0 meaning d * (u - 8)), scales d (N, C / 32) and, for q4_1, offsets m."""
-    N, C = ints.shape
-    nb = C // QK
-    parts: list[np.ndarray] = [d.astype(np.float16).reshape(N, nb, 1).view(np.uint8)]  # (N, nb, 2)
-    if kind == "q4_1":
-        assert m is not None
-        parts.append(m.astype(np.float16).reshape(N, nb, 1).view(np.uint8))
-    if kind == "q8_0":
-        parts.append(ints.astype(np.int8).reshape(N, nb, QK).view(np.uint8))  # (N, nb, 32)
-    else:
-        u = ints.astype(np.uint8).reshape(N, nb, QK)
-        parts.append(u[..., :QK // 2] | (u[..., QK // 2:] << 4))  # (N, nb, 16): byte j = u_j | u_{j+16} << 4
-    return np.concatenate(parts, axis=-1).reshape(N, -1)
-
-
-WEIGHT_MAX = {"q8_0": 128, "q4_0": 15, "q4_1": 15}  # the largest |integer| in a block (q8: -128, q4: u = 15)
-FP32_EXACT = 2**24  # every integer of magnitude up to this is an fp32
-
-
-def integer_weight(kind: str, ints: np.ndarray) -> QuantWeight:
-    """Integers (N, C) (q8_0: q; q4: u) as a weight of scale 1 and offset 0 (q4_0: -8, as always)."""
-    N, C = ints.shape
-    nb = C // QK
-    return from_blocks(pack_blocks(kind, ints, np.ones((N, nb)), np.zeros((N, nb))), KINDS[kind], (N, C))
-
-
-def make_integer_weight(kind: str, N: int, C: int, seed: int = 0) -> QuantWeight:
-    """Scale 1, offset 0 (q4_0: -8), random integers over the whole range; row 0 all at the extreme
-    (u = 15, q = -128)."""
-    rng = np.random.default_rng(seed)
-    low, high = (-128, 128) if kind == "q8_0" else (0, 16)
-    ints = rng.integers(low, high, size=(N, C))
-    ints[0] = -128 if kind == "q8_0" else 15
-    return integer_weight(kind, ints)
-
-
-def make_integer_inputs(T: int, C: int, seed: int = 0, small: int = 300) -> torch.Tensor:
-    """Integers with |x| = ACT_MAX (32767) once per block, at a random place and sign, and in
-    [-small, small] elsewhere: the activation scale is exactly 1 and quantization keeps x as it is.
-    With small = 300 and 3 blocks, sum |x| over a row stays below 2^24 / 128: see
-    test_integer_dot_products_are_exact."""
-    rng = np.random.default_rng(seed + 1)
-    nb = C // QK
-    x = rng.integers(-small, small + 1, size=(T, nb, QK))
-    at = rng.integers(0, QK, size=(T, nb))  # where each block's extreme sits
-    np.put_along_axis(x, at[..., None], rng.choice([-ACT_MAX, ACT_MAX], size=(T, nb, 1)), axis=-1)
-    return torch.from_numpy(x.reshape(T, C).astype(np.float32))
-
-
-@functools.cache
-def make_weight(kind: str, N: int, C: int, seed: int = 0) -> QuantWeight:
-    """A random weight (scaled like a trained linear's) in kind's blocks, from llama.cpp's quantizer."""
-    w = torch.randn(N, C, generator=torch.Generator().manual_seed(seed)) * 0.05
-    if kind == "q4_1":  # not one of quantize()'s targets, but what GGUF files (SmolLM2's) hold
-        return from_blocks(gguf.quants.quantize(w.numpy(), Q.Q4_1), Q.Q4_1, (N, C))
-    return quantize(w, kind)
-
-
-def make_inputs(T: int, C: int, seed: int = 0) -> torch.Tensor:
-    return torch.randn(T, C, generator=torch.Generator().manual_seed(seed + 100))  # (T, C)
-
-
-def float_linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
-    """x (T, C) @ w^T with the dequantized weight in float64: what the quantized activations approximate."""
-    return x.double() @ w.dequantize().double().T  # (T, N)
-
-
-def nmse(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float(((got.double() - want) ** 2).sum() / (want**2).sum())
-
-
-def assert_close_to_max(got: torch.Tensor, want: np.ndarray | torch.Tensor, rtol: float = 1e-5) -> None:
-    want = torch.as_tensor(want, dtype=torch.float64)
-    err = (got.double() - want).abs().max()
-    assert err <= rtol * want.abs().max(), f"max error {err:.3g} vs max |ref| {want.abs().max():.3g}"
-
-
-# ---------------------------------------------------------------- activation quantization
-
-
-def test_activation_quantization_equals_the_reference_with_zero_blocks_and_ties(quant: QuantKernels) -> None:
-    x = make_inputs(5, 4 * QK) * 3  # (T, C)
-    x[1, :QK] = 0  # an all-zero block: d = 0, q = 0
-    x[2] = 0  # an all-zero row
-    ties = (torch.arange(-16, 16) * 2047 + 0.5) / 8  # x / d = k + 1/2 exactly when d = 1/8, k across int16
-    ties[5] = ACT_MAX / 8  # max |x| = 32767 / 8: d = 1/8 exactly
-    x[3, QK:2 * QK] = ties
-    x[4, 2 * QK:3 * QK] = -ties
-    qs, d, s, ds = quant.quantize_activations(x)
-    want_qs, want_d, want_s = quantize_activations_reference(x.numpy())
-    assert qs.dtype == torch.int16 and want_qs.dtype == np.int16 and qs.shape == (5, 4 * QK)
-    assert (want_qs[3, QK:2 * QK][np.arange(QK) != 5] % 2 == 0).all()  # every tie went to its even neighbour
-    assert (want_d[1, 0], want_d[3, 1]) == (0.0, 0.125) and not want_qs[2].any()
-    assert want_qs[3, QK + 5] == ACT_MAX and want_qs[3, QK] == -16 * 2047  # -32751.5: to the even -32752
-    nonzero = np.abs(want_qs.reshape(5, 4, QK)).max(-1)[want_d != 0]  # (blocks,)
-    assert (nonzero == ACT_MAX).all()  # each block's largest |x| becomes +-32767: 16 bits, not 8
-    np.testing.assert_array_equal(qs.numpy(), want_qs)
-    np.testing.assert_array_equal(d.numpy(), want_d)
-    np.testing.assert_array_equal(s.numpy(), want_s)
-    np.testing.assert_array_equal(ds.numpy(), want_d * want_s.astype(np.float32))
-
-
-# ---------------------------------------------------------------- the kernels' maths, per instruction set
-
-
-def exact_integer_result(w: QuantWeight, kind: str, x: torch.Tensor) -> np.ndarray:
-    """(T, N) int64: x @ w^T for an integer weight of scale 1 and inputs whose activation scale is 1."""
-    qa, da, s = quantize_activations_reference(x.numpy())
-    assert (da == 1).all() and (qa == x.numpy()).all()  # quantization keeps x as it is
-    want = integer_dots_reference(w, qa).sum(-1)  # (T, N) int64
-    if kind == "q4_0":  # w = u - 8: the kernels add m * (da * sa) = -8 * sa per block
-        want = want - 8 * s.sum(-1, keepdims=True)
-    return want
-
-
-@pytest.mark.parametrize("T", [1, 3, 5, 17, 70])  # each input-row tile remainder, and two tasks (> 64 rows)
-@pytest.mark.parametrize("kind", KINDS)
-def test_integer_dot_products_are_exact(quant: QuantKernels, isa: str, kind: str, T: int) -> None:
-    """With dw = da = 1 the kernels' floats are sums of integer products. Each is exact in fp32, in any
-    order and grouping, when the sum of the products' magnitudes is below 2^24 (so is every partial
-    sum, and the per-block int32 dots convert exactly): asserted below, so a wrong pairing, sign,
-    nibble or block shows up as an exact mismatch, not a tolerance."""
-    N, C = 39, 3 * QK  # 39 = 16 + 16 + 7: weight-row tiles of 4, 2 and 1
-    w = make_integer_weight(kind, N, C)
-    x = make_integer_inputs(T, C)
-    assert float(x.abs().sum(-1).max()) * WEIGHT_MAX[kind] < FP32_EXACT  # q4_0's -8 * sa terms: 8 < 15
-    want = exact_integer_result(w, kind, x)
-    got = quant.linear(x, w, isa=isa)
-    np.testing.assert_array_equal(got.numpy(), want.astype(np.float32))
-    assert np.abs(want).max() > 2**16  # beyond int16: a 16-bit accumulator would wrap or saturate
-
-
-@pytest.mark.parametrize("T", [1, 6])  # the one-row tiles, then 4-row tiles and a remainder
-@pytest.mark.parametrize("kind", KINDS)
-def test_extreme_integers_do_not_overflow(quant: QuantKernels, isa: str, kind: str, T: int) -> None:
-    """q8 weight -128 and q4 nibble 15 against activations of +-32767, every product at its largest:
-    the int32 sums must neither wrap nor saturate. A partial sum of k products is k * 2^7 * 32767 (q8),
-    an fp32 in any order while |k| * 32767 < 2^24 (3 blocks: |k| <= 96), or k * 15 * 32767 (q4), one
-    while |k| * 15 * 32767 < 2^24 (one block: |k| <= 32)."""
-    C = 3 * QK if kind == "q8_0" else QK
-    extreme = WEIGHT_MAX[kind] * (-1 if kind == "q8_0" else 1)
-    alternate = np.where(np.arange(C) % 2 == 0, extreme, 0)  # extremes at even places only
-    full = np.full(C, extreme)
-    ints = np.stack([full, alternate, full, alternate[::-1], full, alternate, full])  # (7, C): tiles 4, 2, 1
-    w = integer_weight(kind, ints)
-    signs = [np.ones(C), -np.ones(C), np.where(np.arange(C) % 2 == 0, 1.0, -1.0)]  # +, -, alternating
-    x = torch.from_numpy((ACT_MAX * np.stack(signs * 2)[:T]).astype(np.float32))  # (T, C)
-    want = exact_integer_result(w, kind, x)
-    assert (want.astype(np.float32).astype(np.int64) == want).all()  # every result is an fp32
-    got = quant.linear(x, w, isa=isa)
-    np.testing.assert_array_equal(got.numpy(), want.astype(np.float32))
-    # the all-extreme row against +32767: q8 -128 * 32767 * 96 (beyond int16 and fp32's 2^24), q4_1 15 * 32767
-    # * 32, q4_0 (15 - 8) * 32767 * 32
-    assert want[0, 0] == C * ACT_MAX * {"q8_0": -128, "q4_1": 15, "q4_0": 7}[kind]
-
-
-@pytest.mark.parametrize("T", [1, 6, 70])
-@pytest.mark.parametrize("kind", KINDS)
-def test_every_instruction_set_matches_scalar_and_the_reference(quant: QuantKernels, isa: str, kind: str,
-                                                                 T: int) -> None:
-    w = make_weight(kind, 39, 8 * QK)
-    x = make_inputs(T, 8 * QK)
-    got = quant.linear(x, w, isa=isa)
-    assert got.shape == (T, 39) and got.dtype == torch.float32
-    assert_close_to_max(got, linear_reference(w, x.numpy()))
-    assert_close_to_max(got, quant.linear(x, w, isa="scalar"))
-
-
-SIMD_ISAS = ("avx512vnni", "avxvnni", "avx2")  # the same code but for the dot primitive (quant.c)
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_the_simd_instruction_sets_agree_bit_for_bit(quant: QuantKernels, kind: str) -> None:
-    """quant.c: the SIMD paths sum the same integers in the same order, so they give the same floats
-    (the scalar C path may differ in the last bits: the test above holds it to a tolerance)."""
-    simd = [isa for isa in SIMD_ISAS if isa in quant.supported_isas]
-    if len(simd) < 2:
-        pytest.skip(f"bit-equality among SIMD paths needs two of {', '.join(SIMD_ISAS)}; this CPU has "
-                    f"{', '.join(simd) or 'none'}")
-    w = make_weight(kind, 39, 8 * QK)
-    bias = torch.randn(39, generator=torch.Generator().manual_seed(4))
-    gate_up = interleave_rows(make_weight(kind, 38, 8 * QK, seed=1), make_weight(kind, 38, 8 * QK, seed=2))
-    for T in (1, 6, 70):
-        x = make_inputs(T, 8 * QK)
-        first = quant.linear(x, w, bias, isa=simd[0]), quant.linear(x, gate_up, mode="silu_mul", isa=simd[0])
-        for isa in simd[1:]:
-            assert torch.equal(quant.linear(x, w, bias, isa=isa), first[0]), f"{isa} vs {simd[0]}, T = {T}"
-            assert torch.equal(quant.linear(x, gate_up, mode="silu_mul", isa=isa), first[1]), \
-                f"{isa} vs {simd[0]}, silu_mul, T = {T}"
-
-
-def test_an_instruction_set_this_cpu_lacks_is_refused(quant: QuantKernels) -> None:
-    missing = [isa for isa in ISAS if isa not in quant.supported_isas]
-    if not missing:
-        pytest.skip("this CPU has every instruction set the kernels know")
-    w, x = make_weight("q8_0", 4, QK), make_inputs(2, QK)
-    with pytest.raises(ValueError, match=f"this CPU cannot run {missing[0]}"):
-        quant.linear(x, w, isa=missing[0])
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_a_rows_result_does_not_depend_on_its_batch_or_row_stride(quant: QuantKernels, kind: str) -> None:
-    w = make_weight(kind, 39, 4 * QK)
-    wide = make_inputs(70, 5 * QK)  # (T, C + 32): x below is a view with strided rows
-    x = wide[:, QK:]
-    together = quant.linear(x, w)
-    assert torch.equal(together, quant.linear(x.contiguous(), w))
-    for t in (0, 3, 64, 69):
-        assert torch.equal(quant.linear(x[t:t + 1], w)[0], together[t]), f"row {t}"
-    assert torch.equal(quant.linear(x[:5], w), together[:5])
-
-
-@pytest.mark.parametrize("T", [1, 16])
-@pytest.mark.parametrize("kind", KINDS)
-def test_quantized_linear_error_vs_fp32_is_within_llama_cpp_threshold(quant: QuantKernels, kind: str,
-                                                                      T: int) -> None:
-    w = make_weight(kind, 1536, 576)  # SmolLM2's gate projection
-    x = make_inputs(T, 576)
-    error = nmse(quant.linear(x, w), float_linear(x, w))
-    assert error < NMSE_MAX
-    assert error < NMSE_16BIT  # 16-bit activations: an 8-bit rounding (1e-5 and more) would fail here
-    assert error > 1e-11  # the activations really were quantized (fp32 maths alone: ~5e-14): checks can fail
-
-
-# ---------------------------------------------------------------- modes, bias and fused gate/up
-
-
-@pytest.mark.parametrize("T", [1, 6])
-@pytest.mark.parametrize("kind", KINDS)
-def test_bias_and_add_mode_apply_to_the_stored_result(quant: QuantKernels, kind: str, T: int) -> None:
-    w, x = make_weight(kind, 39, 4 * QK), make_inputs(T, 4 * QK)
-    bias = torch.randn(39, generator=torch.Generator().manual_seed(5))
-    stored = quant.linear(x, w)
-    assert torch.equal(quant.linear(x, w, bias), stored + bias)
-    residual = torch.randn(T, 39, generator=torch.Generator().manual_seed(6))
-    out = residual.clone()
-    assert quant.linear(x, w, bias, mode="add", out=out) is out
-    assert torch.equal(out, residual + (stored + bias))
-
-
-@pytest.mark.parametrize("T", [1, 6])
-@pytest.mark.parametrize("kind", KINDS)
-def test_silu_mul_of_interleaved_gate_and_up(quant: QuantKernels, kind: str, T: int) -> None:
-    gate, up = make_weight(kind, 38, 4 * QK, seed=1), make_weight(kind, 38, 4 * QK, seed=2)
-    x = make_inputs(T, 4 * QK)
-    bias = torch.randn(76, generator=torch.Generator().manual_seed(7))  # interleaved: gate_i, up_i
-    g = torch.from_numpy(linear_reference(gate, x.numpy())) + bias[0::2].double()  # (T, 38)
-    u = torch.from_numpy(linear_reference(up, x.numpy())) + bias[1::2].double()
-    got = quant.linear(x, interleave_rows(gate, up), bias, mode="silu_mul")
-    assert got.shape == (T, 38)
-    assert_close_to_max(got, F.silu(g) * u)
-    fp32 = F.silu(float_linear(x, gate) + bias[0::2]) * (float_linear(x, up) + bias[1::2])
-    assert nmse(got, fp32) < NMSE_16BIT
-
-
-def test_interleave_and_cat_rows_order_whole_rows() -> None:
-    a, b = make_weight("q4_1", 3, QK, seed=1), make_weight("q4_1", 3, QK, seed=2)
-    da, db = a.dequantize(), b.dequantize()
-    assert torch.equal(interleave_rows(a, b).dequantize(), torch.stack((da, db), dim=1).reshape(6, QK))
-    assert torch.equal(cat_rows([a, b]).dequantize(), torch.cat((da, db)))
-    assert torch.equal(a.rows(torch.tensor([2, 0])).dequantize(), da[[2, 0]])
 
 
 # ---------------------------------------------------------------- dequantization and GGUF blocks
@@ -383,119 +102,6 @@ def test_quantize_rounds_each_weight_to_a_near_step(kind: str) -> None:
     bound = step * (0.5 + 127 * 2**-11 if kind == "q8_0" else 1 + 8 * 2**-11)
     assert ((q.dequantize() - w).abs() <= bound).all()
     assert nmse(q.dequantize(), w.double()) < (1e-4 if kind == "q8_0" else 2e-2)
-
-
-# ---------------------------------------------------------------- bad inputs
-
-
-Call = Callable[[QuantKernels, QuantWeight, torch.Tensor], Any]
-
-META = torch.device("meta")  # shapes and dtypes, no data: its data_ptr() is no CPU address
-FP32_ON = "must be a torch.float32 CPU tensor, got"
-NOT_CONTIGUOUS = "must be (39, 96) contiguous, got (39, 96)"
-
-
-def strided(t: torch.Tensor) -> torch.Tensor:
-    """t's values with the same shape, column-major: not contiguous."""
-    return t.t().contiguous().t()
-
-
-def without_m() -> QuantWeight:
-    return replace(make_weight("q4_0", 39, 3 * QK), m=None)
-
-
-BAD_INPUTS: dict[str, tuple[Call, str]] = {
-    "x fp64": (lambda k, w, x: k.linear(x.double(), w), f"x {FP32_ON} torch.float64 on cpu"),
-    "x on meta": (lambda k, w, x: k.linear(x.to(META), w), f"x {FP32_ON} torch.float32 on meta"),
-    "x 1-D": (lambda k, w, x: k.linear(x[0], w), "x must be (T, 96) with contiguous rows, got shape (96,)"),
-    "x wrong in_features": (lambda k, w, x: k.linear(x[:, :64], w), "x must be (T, 96) with contiguous rows"),
-    "x columns strided": (lambda k, w, x: k.linear(strided(x), w), "x must be (T, 96) with contiguous rows"),
-    "add without out": (lambda k, w, x: k.linear(x, w, mode="add"), "mode 'add' needs `out`"),
-    "out wrong shape": (lambda k, w, x: k.linear(x, w, out=torch.empty(3, 38)),
-                        "out must be (3, 39), got (3, 38)"),
-    "out fp64": (lambda k, w, x: k.linear(x, w, out=torch.empty(3, 39, dtype=torch.float64)),
-                 f"out {FP32_ON} torch.float64 on cpu"),
-    "out on meta": (lambda k, w, x: k.linear(x, w, out=torch.empty(3, 39, device=META)),
-                    f"out {FP32_ON} torch.float32 on meta"),
-    "bias wrong shape": (lambda k, w, x: k.linear(x, w, torch.zeros(38)),
-                         "bias must be (39,) contiguous, got (38,)"),
-    "bias fp64": (lambda k, w, x: k.linear(x, w, torch.zeros(39, dtype=torch.float64)),
-                  f"bias {FP32_ON} torch.float64 on cpu"),
-    "weight qs not contiguous": (lambda k, w, x: k.linear(x, replace(w, qs=strided(w.qs))),
-                                 f"weight qs {NOT_CONTIGUOUS}"),
-    "weight qs wrong dtype": (lambda k, w, x: k.linear(x, replace(w, qs=w.qs.view(torch.uint8))),
-                              "weight qs must be a torch.int8 CPU tensor, got torch.uint8 on cpu"),
-    "weight d fp64": (lambda k, w, x: k.linear(x, replace(w, d=w.d.double())),
-                      "weight d must be a torch.float32 CPU tensor, got torch.float64 on cpu"),
-    "weight d on meta": (lambda k, w, x: k.linear(x, replace(w, d=w.d.to(META))),
-                         "weight d must be a torch.float32 CPU tensor, got torch.float32 on meta"),
-    "weight qs wrong shape": (lambda k, w, x: k.linear(x, replace(w, qs=w.qs[:, :64])),
-                             "weight qs must be (39, 96) contiguous, got (39, 64)"),
-    "q4 weight without m": (lambda k, w, x: k.linear(x, without_m()),
-                            "a q4 weight needs its block offsets m"),
-    "q4 weight m not contiguous": (
-        lambda k, w, x: k.linear(x, replace(make_weight("q4_0", 39, 3 * QK), m=strided(torch.zeros(39, 3)))),
-        "weight m must be (39, 3) contiguous, got (39, 3)"),
-    "ids negative": (lambda k, w, x: k.dequantize_rows(w, torch.tensor([0, -1])), "ids must be in [0, 39)"),
-    "ids past the end": (lambda k, w, x: k.dequantize_rows(w, torch.tensor([39])), "ids must be in [0, 39)"),
-    "dequantize out wrong shape": (lambda k, w, x: k.dequantize_rows(w, out=torch.empty(39, 64)),
-                                   "dequantize_rows: out must be (39, 96) contiguous"),
-    "dequantize out fp64": (lambda k, w, x: k.dequantize_rows(w, out=torch.zeros(39, 96).double()),
-                            f"out {FP32_ON} torch.float64 on cpu"),
-    "dequantize a weight without m": (lambda k, w, x: k.dequantize_rows(without_m()),
-                                      "a q4 weight needs its block offsets m"),
-    "dequantize a strided weight": (lambda k, w, x: k.dequantize_rows(replace(w, qs=strided(w.qs))),
-                                    f"weight qs {NOT_CONTIGUOUS}"),
-    "quantize C not a multiple of 32": (lambda k, w, x: k.quantize_activations(x[:, :40]),
-                                        "quantize_activations: C must be a multiple of 32, got 40"),
-    "quantize fp64": (lambda k, w, x: k.quantize_activations(x.double()),
-                      f"x {FP32_ON} torch.float64 on cpu"),
-    "quantize on meta": (lambda k, w, x: k.quantize_activations(x.to(META)),
-                         f"x {FP32_ON} torch.float32 on meta"),
-    "quantize columns strided": (lambda k, w, x: k.quantize_activations(strided(x)),
-                                 "x must be (T, 96) with contiguous rows"),
-}
-
-
-@pytest.mark.parametrize("name", BAD_INPUTS)
-def test_bad_inputs_raise_value_error_naming_the_problem(quant: QuantKernels, name: str) -> None:
-    """Every check runs on metadata before the C code reads any pointer: a meta tensor never reaches it."""
-    call, message = BAD_INPUTS[name]
-    with pytest.raises(ValueError, match=re.escape(message)):
-        call(quant, make_weight("q8_0", 39, 3 * QK), make_inputs(3, 3 * QK))
-
-
-def test_silu_mul_with_an_odd_number_of_rows_is_refused(quant: QuantKernels) -> None:
-    """With odd N the C epilogue would take an unset slot of the tile as the last row's 'up' and write
-    out[t, N // 2], a column past `out`."""
-    w, x = make_weight("q8_0", 5, QK), make_inputs(3, QK)
-    padded = torch.zeros(3, 3)  # (T, N // 2 + 1): the column past `out` catches a stray write
-    try:
-        with pytest.raises(ValueError, match=re.escape("'silu_mul' needs an even number of weight rows "
-                                                       "(gate, up interleaved), got 5")):
-            quant.linear(x, w, mode="silu_mul", out=padded[:, :2])
-    finally:
-        assert not padded.any(), "the kernel wrote into or past `out`"
-
-
-@pytest.mark.parametrize(("isa", "mode", "message"), [
-    ("neon", "store", "isa must be one of avx512vnni, avxvnni, avx2, scalar, got 'neon'"),
-    (None, "gelu", "mode must be one of store, add, silu_mul, got 'gelu'")], ids=["isa", "mode"])
-def test_unknown_isa_or_mode_names_raise_value_error(quant: QuantKernels, isa: str | None, mode: str,
-                                                     message: str) -> None:
-    with pytest.raises(ValueError, match=re.escape(message)):
-        quant.linear(make_inputs(2, QK), make_weight("q8_0", 4, QK), mode=mode, isa=isa)
-
-
-def test_shapes_and_types_the_blocks_cannot_hold_are_refused() -> None:
-    with pytest.raises(ValueError, match="q8_0 needs in_features divisible by 32, got 48"):
-        quantize(torch.ones(4, 48), "q8_0")
-    with pytest.raises(ValueError, match="Q4_1 tensor needs in_features divisible by 32, got 48"):
-        from_blocks(np.zeros((4, 30), np.uint8), Q.Q4_1, (4, 48))
-    with pytest.raises(ValueError, match="F16 blocks are not kept quantized"):
-        from_blocks(np.zeros((4, 64), np.uint8), Q.F16, (4, QK))
-    with pytest.raises(ValueError, match=re.escape("cannot fuse weights of formats ['q4', 'q8']")):
-        cat_rows([make_weight("q4_0", 2, QK), make_weight("q8_0", 2, QK)])
 
 
 # ---------------------------------------------------------------- Linears
