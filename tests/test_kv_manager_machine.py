@@ -1,7 +1,6 @@
 """KVCacheManager under random sequences of the scheduler's operations (admit, prefill, decode,
-speculative decode with rollback, finish, preempt, eviction pressure), checked after every one
-against a model of which K/V each physical block holds; once more with a hash that collides all
-the time."""
+speculative decode with rollback, finish, preempt, eviction pressure), checked after each against
+a model of which K/V each physical block holds; once more with a hash that collides all the time."""
 
 from __future__ import annotations
 
@@ -36,6 +35,7 @@ class Request:
     num_prefill: int  # what `allocate` got: the prompt, or prompt + generated after a preemption
     num_computed: int = 0
     num_committed: int = 0  # num_computed at the last commit
+    num_reserved: int = 0  # after a speculative decode: the tokens whose blocks `trim` kept
 
     @property
     def is_decoding(self) -> bool:
@@ -206,10 +206,9 @@ class KVCacheMachine(RuleBasedStateMachine):
     @rule(pick=st.integers(0, 99), draft=st.lists(st.sampled_from(ALPHABET), min_size=1, max_size=6),
           num_accepted=st.integers(0, 6), token=st.sampled_from(ALPHABET))
     def speculate(self, pick: int, draft: list[int], num_accepted: int, token: int) -> None:
-        """A verified decode as the scheduler and `Scheduler.commit` run it: room for the last
-        token and the proposals (or a plain decode when that does not fit), K/V written for all
-        of them, then only the accepted ones count as computed, the target's own token follows,
-        and the blocks past the kept tokens go back (`trim`)."""
+        """A verified decode as the scheduler and `Scheduler.commit` run it: room for the last token
+        and the proposals (else a plain decode), K/V written for all, only the accepted ones then
+        computed, the target's own token after them, the blocks past the kept tokens freed (`trim`)."""
         num_operations[type(self).__name__] += 1
         rid, req = self.pick(pick, lambda r: r.is_decoding)
         kv, n = self.kv, len(req.token_ids)
@@ -227,6 +226,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.commit(rid, req)
         table = list(kv.block_table(rid))
         kv.trim(rid, len(req.token_ids))
+        req.num_reserved = min(len(req.token_ids), n + len(draft))  # room held for the target's token
         assert kv.block_table(rid) == table[:kv.blocks_for(len(req.token_ids))]  # only the tail goes
 
     @precondition(lambda self: self.live)
@@ -350,9 +350,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         pool, bs = self.kv.pool, self.bs
         for rid, req in self.live.items():
             table = self.kv.block_table(rid)
-            # a speculative decode keeps room for its next position (its last, sampled token)
-            assert (self.kv.blocks_for(max(req.num_prefill, req.num_computed)) <= len(table)
-                    <= self.kv.blocks_for(max(req.num_prefill, len(req.token_ids))))
+            assert len(table) == self.kv.blocks_for(max(req.num_prefill, req.num_computed, req.num_reserved))
             assert len(set(table)) == len(table)
             for j, block_id in enumerate(table):
                 block = pool.blocks[block_id]
