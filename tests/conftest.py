@@ -17,9 +17,17 @@ from typing import Any
 import pytest
 
 from gateway.config import GatewayConfig
-from gateway.redis_server import EmbeddedRedis
+from gateway.redis_server import EmbeddedRedis, free_port
 from protos.keys import Keys
-from tests.service import GatewayThread, WorkerThread, flush_prefix
+from tests.service import (
+    GatewayThread,
+    MetricsStack,
+    WorkerThread,
+    flush_prefix,
+    stub_for,
+    wait_until,
+    workers_ready,
+)
 from worker.config import WorkerConfig
 from worker.engine.config import EngineConfig
 
@@ -125,19 +133,48 @@ def make_gateway(redis_url: str, prefix: str) -> Iterator[Callable[..., GatewayT
 
 
 @pytest.fixture
-def make_worker(smollm_engine: Any, redis_url: str, prefix: str) -> Iterator[Callable[..., WorkerThread]]:
+def start_worker(redis_url: str, prefix: str) -> Iterator[Callable[..., WorkerThread]]:
+    """start(engine, **WorkerConfig overrides): a consumer on this test's Redis and prefix;
+    every one started is stopped after the test."""
+    started: list[WorkerThread] = []
+
+    def start(engine: Any, **overrides: Any) -> WorkerThread:
+        fields = {"redis_url": redis_url, "key_prefix": prefix, "worker_id": f"thread-{uuid.uuid4().hex[:6]}",
+                  "drain_timeout_s": 10.0, "claim_block_ms": 100, **overrides}
+        worker = WorkerThread(engine, WorkerConfig(**fields)).start()
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        worker.stop()
+
+
+@pytest.fixture
+def make_worker(smollm_engine: Any, start_worker: Callable[..., WorkerThread]
+                ) -> Iterator[Callable[..., WorkerThread]]:
     """Start a consumer on the shared engine (one at a time); stopped after the test."""
     started: list[WorkerThread] = []
 
     def make(**overrides: Any) -> WorkerThread:
         assert not started, "the shared engine serves one worker at a time"
-        fields = {"redis_url": redis_url, "key_prefix": prefix, "worker_id": f"thread-{uuid.uuid4().hex[:6]}",
-                  "drain_timeout_s": 10.0, "claim_block_ms": 100, **overrides}
-        worker = WorkerThread(smollm_engine, WorkerConfig(**fields)).start()
-        started.append(worker)
-        return worker
+        started.append(start_worker(smollm_engine, **overrides))
+        return started[-1]
 
     yield make
-    for worker in started:
+    for worker in started:  # before the check below (start_worker would stop it only afterwards)
         worker.stop()
     assert not smollm_engine.has_unfinished(), "a test left requests in the shared engine"
+
+
+@pytest.fixture
+def metrics_stack(make_gateway: Callable[..., GatewayThread],
+                  make_worker: Callable[..., WorkerThread]) -> Iterator[MetricsStack]:
+    """A gateway and a ready worker on the shared engine, both exporting /metrics on free ports."""
+    gateway_port, worker_port = free_port(), free_port()
+    gateway = make_gateway(metrics_port=gateway_port)
+    make_worker(metrics_port=worker_port)
+    channel, stub = stub_for(gateway.target)
+    with channel:
+        wait_until(workers_ready(stub, 1), timeout=10)
+        yield MetricsStack(stub, gateway_port, worker_port)

@@ -12,7 +12,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 import redis
@@ -174,3 +174,11 @@ def flush_prefix(redis_url: str, keys: Keys) -> None:
             client.delete(*names)
     finally:
         client.close()
+
+
+class MetricsStack(NamedTuple):
+    """conftest's metrics_stack: a stub of a gateway with a ready worker, both exporting /metrics."""
+
+    stub: generate_pb2_grpc.TokenRelayStub
+    gateway_port: int
+    worker_port: int

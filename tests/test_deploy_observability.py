@@ -16,10 +16,9 @@ import grpc
 import pytest
 import yaml  # pyyaml: installed with gguf and transformers ([worker,dev])
 
-from gateway.redis_server import free_port
 from protos.convert import build_request
 from protos.metrics import DEFAULT_GATEWAY_PORT, DEFAULT_WORKER_PORT
-from tests.service import GatewayThread, WorkerThread, scrape_samples, stub_for, wait_until, workers_ready
+from tests.service import MetricsStack, scrape_samples, wait_until
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "tokenrelay-dashboard.json"
@@ -179,17 +178,11 @@ def scrape(port: int) -> tuple[set[str], set[str]]:
 
 
 @pytest.mark.slow
-def test_every_name_the_dashboard_and_alerts_use_is_exported(
-        make_gateway: Callable[..., GatewayThread], make_worker: Callable[..., WorkerThread]) -> None:
-    gateway_port, worker_port = free_port(), free_port()
-    gateway = make_gateway(metrics_port=gateway_port)
-    make_worker(metrics_port=worker_port)
-    channel, stub = stub_for(gateway.target)
-    with channel:
-        wait_until(workers_ready(stub, 1), timeout=10)
-        list(stub.Generate(build_request("Say hi.", max_tokens=3, ignore_eos=True), timeout=60))
-        with pytest.raises(grpc.RpcError):  # a labelled series shows once touched: one rejection
-            list(stub.Generate(build_request("Bad.", max_tokens=-1), timeout=10))
+def test_every_name_the_dashboard_and_alerts_use_is_exported(metrics_stack: MetricsStack) -> None:
+    stub, gateway_port, worker_port = metrics_stack
+    list(stub.Generate(build_request("Say hi.", max_tokens=3, ignore_eos=True), timeout=60))
+    with pytest.raises(grpc.RpcError):  # a labelled series shows once touched: one rejection
+        list(stub.Generate(build_request("Bad.", max_tokens=-1), timeout=10))
 
     def scraped(port: int, *needed: str) -> Callable[[], tuple[set[str], set[str]] | None]:
         def check() -> tuple[set[str], set[str]] | None:

@@ -10,7 +10,7 @@ import pytest
 
 from gateway.redis_server import free_port
 from protos.convert import build_request
-from tests.service import GatewayThread, WorkerThread, scrape_samples, stub_for, wait_until, workers_ready
+from tests.service import GatewayThread, MetricsStack, scrape_samples, stub_for, wait_until
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -26,16 +26,10 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 
 
 @pytest.mark.slow
-def test_counts_and_histograms_match_the_calls_made(
-        make_gateway: Callable[..., GatewayThread], make_worker: Callable[..., WorkerThread]) -> None:
-    gateway_port, worker_port = free_port(), free_port()
-    gateway = make_gateway(metrics_port=gateway_port)
-    make_worker(metrics_port=worker_port)
-    channel, stub = stub_for(gateway.target)
-    with channel:
-        wait_until(workers_ready(stub, 1), timeout=10)
-        calls = [list(stub.Generate(build_request(f"Count to {i}.", max_tokens=5 + i, temperature=0.0,
-                                                  ignore_eos=True), timeout=60)) for i in range(3)]
+def test_counts_and_histograms_match_the_calls_made(metrics_stack: MetricsStack) -> None:
+    stub, gateway_port, worker_port = metrics_stack
+    calls = [list(stub.Generate(build_request(f"Count to {i}.", max_tokens=5 + i, temperature=0.0,
+                                              ignore_eos=True), timeout=60)) for i in range(3)]
     finals = [c[-1].final for c in calls]
     g = wait_until(lambda: (s := scrape(gateway_port)) and
                    value(s, "tokenrelay_e2e_request_latency_seconds_count") == 3 and s, timeout=5)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -20,7 +20,6 @@ from protos.tokenrelay.v1 import generate_pb2, generate_pb2_grpc
 from tests.factories import make_stats
 from tests.service import GatewayThread, WorkerThread, stub_for, wait_until, workers_ready
 from tests.test_scheduler import make_scheduler, run
-from worker.config import WorkerConfig
 from worker.engine.outputs import Admitted, RequestOutput
 from worker.engine.sequence import Sequence
 from worker.engine.stopping import StoppingCriteria
@@ -79,22 +78,6 @@ def server_info(stub: generate_pb2_grpc.TokenRelayStub) -> generate_pb2.ServerIn
     return stub.GetServerInfo(generate_pb2.GetServerInfoRequest(), timeout=5)
 
 
-@pytest.fixture
-def start_worker(redis_url: str, prefix: str) -> Iterator[Callable[..., WorkerThread]]:
-    started: list[WorkerThread] = []
-
-    def start(engine: SlowEngine, **overrides: Any) -> WorkerThread:
-        fields = {"redis_url": redis_url, "key_prefix": prefix, "worker_id": f"slow-{len(started)}",
-                  "claim_block_ms": 50, "claim_coalesce_ms": 0, **overrides}
-        worker = WorkerThread(engine, WorkerConfig(**fields)).start()
-        started.append(worker)
-        return worker
-
-    yield start
-    for worker in started:
-        worker.stop()
-
-
 def timed_call(stub: generate_pb2_grpc.TokenRelayStub, req: generate_pb2.GenerateRequest,
                ttfts: dict[str, float]) -> threading.Thread:
     """Stream `req` on a thread; ttfts[request_id] = seconds until its first chunk."""
@@ -112,7 +95,7 @@ def test_a_high_priority_request_is_claimed_before_the_queued_low_ones(
         make_gateway: Callable[..., GatewayThread], start_worker: Callable[..., WorkerThread]) -> None:
     engine = SlowEngine(max_num_seqs=1, num_tokens=3, step_s=0.05)  # ~0.15 s per request
     channel, stub = stub_for(make_gateway().target)
-    start_worker(engine)
+    start_worker(engine, claim_block_ms=50, claim_coalesce_ms=0)
     num_lows = 10
     ttfts: dict[str, float] = {}
     with channel:
@@ -201,7 +184,8 @@ def test_a_dead_workers_high_priority_entry_is_re_claimed_and_finished(
         # A worker claimed it and died at once: its heartbeat key never existed.
         assert client.xreadgroup(keys.group, "ghost", {high: ">"}, count=1)
         engine = SlowEngine(num_tokens=4, step_s=0.01)
-        start_worker(engine, heartbeat_interval_s=0.1, heartbeat_ttl_s=0.5, sweep_interval_s=0.1)
+        start_worker(engine, claim_block_ms=50, claim_coalesce_ms=0, heartbeat_interval_s=0.1,
+                     heartbeat_ttl_s=0.5, sweep_interval_s=0.1)
         caller.join(20)
     assert [r.chunk.index for r in responses if r.HasField("chunk")] == [0, 1, 2, 3]
     assert responses[-1].final.finish_reason == generate_pb2.FINISH_REASON_LENGTH
