@@ -38,6 +38,25 @@ class QuantWeight:
     d: torch.Tensor  # (N, C // QK) fp32 block scales
     m: torch.Tensor | None  # q4: (N, C // QK) fp32 block offsets; q8: None
 
+    def __post_init__(self) -> None:
+        """The C kernels read these tensors through raw pointers, so they must be what the
+        fields say, checked once here rather than on every call: ValueError naming the part."""
+        if self.format not in ("q4", "q8"):
+            raise ValueError(f"weight format must be q4 or q8, got {self.format!r}")
+        N, nb = self.d.shape if self.d.dim() == 2 else (0, 0)
+        C = nb * QK
+        qs_dtype, qs_shape = (torch.uint8, (N, C // 2)) if self.format == "q4" else (torch.int8, (N, C))
+        parts = {"qs": (self.qs, qs_dtype, qs_shape), "d": (self.d, torch.float32, (N, nb))}
+        if self.format == "q4":
+            if self.m is None:
+                raise ValueError("a q4 weight needs its block offsets m")
+            parts["m"] = (self.m, torch.float32, (N, nb))
+        for name, (t, dtype, shape) in parts.items():
+            if t.device.type != "cpu" or t.dtype != dtype:
+                raise ValueError(f"weight {name} must be a {dtype} CPU tensor, got {t.dtype} on {t.device}")
+            if tuple(t.shape) != shape or not t.is_contiguous():
+                raise ValueError(f"weight {name} must be {shape} contiguous, got {tuple(t.shape)}")
+
     @property
     def shape(self) -> tuple[int, int]:
         return self.d.shape[0], self.d.shape[1] * QK
