@@ -86,3 +86,21 @@ def test_an_unknown_quantization_is_a_usage_error() -> None:
     proc = subprocess.run([sys.executable, "-m", "worker", "--quantization", "q2_k"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--quantization" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(("argv", "env", "expected"), [
+    ([], {}, ("none", None)),
+    (["--speculative", "draft", "--draft-model", "small.gguf"], {}, ("draft", "small.gguf")),
+    ([], {"TOKENRELAY_SPECULATIVE": "draft", "TOKENRELAY_DRAFT_MODEL": "d/"}, ("draft", "d/")),
+])
+def test_worker_draft_model_from_flags_and_env(argv: list[str], env: dict[str, str],
+                                               expected: tuple[str, str | None],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.__main__ import config_from_args
+
+    for name in ("TOKENRELAY_SPECULATIVE", "TOKENRELAY_DRAFT_MODEL"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    engine = config_from_args(argv)[0].engine
+    assert (engine.speculative, engine.draft_model) == expected

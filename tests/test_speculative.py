@@ -10,12 +10,24 @@ import pytest
 
 from protos.params import SamplingParams
 from tests.factories import VOCAB, greedy, make_engine, make_hf_model, make_prompts, ours_from_hf
-from worker.engine import core as core_module
 from worker.engine.core import EngineCore
 from worker.engine.speculative import SpecState, SpeculationPolicy, num_accepted, propose_ngram
 from worker.model.llama import LlamaModel
 
-Proposer = Callable[[Sequence[int], int], list[int]]
+Lookup = Callable[[Sequence[int], int], list[int]]
+
+
+class LookupProposer:
+    """Proposals from a function of the sequence's tokens (an oracle in these tests)."""
+
+    def __init__(self, lookup: Lookup) -> None:
+        self.lookup = lookup
+
+    def propose(self, seqs: list[Any], ks: list[int]) -> list[list[int]]:
+        return [self.lookup(s.prompt_ids + s.output_ids, k) for s, k in zip(seqs, ks, strict=True)]
+
+    def retain(self, request_ids: Any) -> None:
+        pass
 
 
 @pytest.mark.parametrize(("token_ids", "k", "expected"), [
@@ -89,15 +101,18 @@ def run(engine: EngineCore, prompts: list[list[int]], params: list[SamplingParam
     raise AssertionError("engine did not finish")
 
 
-def spec_engine(model: LlamaModel, k: int, **kw: Any) -> EngineCore:
-    """Speculation in every step and for every sequence, whatever its acceptance."""
+def spec_engine(model: LlamaModel, k: int, lookup: Lookup | None = None, **kw: Any) -> EngineCore:
+    """Speculation in every step and for every sequence, whatever its acceptance; proposals
+    from `lookup` (default: n-gram)."""
     engine = make_engine(model, num_speculative_tokens=k, **kw)
+    if lookup is not None:
+        engine.proposer = LookupProposer(lookup)
     engine.spec = SpeculationPolicy(k, max_batch=1000, min_accepted=-1.0)
     engine.spec.num_proposals = lambda state: k  # type: ignore[method-assign]
     return engine
 
 
-def oracle(prompts: list[list[int]], refs: list[list[int]]) -> Proposer:
+def oracle(prompts: list[list[int]], refs: list[list[int]]) -> Lookup:
     """Proposes the plain run's continuation with every 4th token wrong: runs of accepted
     proposals, rejections at every offset, and the bonus token."""
     def propose(token_ids: Sequence[int], k: int) -> list[int]:
@@ -141,13 +156,10 @@ PARAMS = {
 
 @pytest.mark.parametrize("k", [1, 4])
 @pytest.mark.parametrize("name", [n for n in PARAMS if n != "greedy"])  # greedy-logprobs covers it
-def test_same_output_with_oracle_proposals(model: LlamaModel, monkeypatch: pytest.MonkeyPatch,
-                                           name: str, k: int) -> None:
+def test_same_output_with_oracle_proposals(model: LlamaModel, name: str, k: int) -> None:
     prompts, params = make_prompts(4), [PARAMS[name]] * 4
     want = run(make_engine(model), prompts, params)
-    monkeypatch.setattr(core_module, "propose_ngram", oracle(prompts, [[t for t, _, _ in want[f"r{i}"]]
-                                                                        for i in range(4)]))
-    engine = spec_engine(model, k)
+    engine = spec_engine(model, k, oracle(prompts, [[t for t, _, _ in want[f"r{i}"]] for i in range(4)]))
     assert_same(run(engine, prompts, params), want)
     assert engine.num_spec_accepted_tokens > 0
     assert engine.num_spec_accepted_tokens < engine.num_spec_draft_tokens  # rejections too
@@ -166,28 +178,29 @@ def test_same_output_in_mixed_batches_with_ngram_proposals(model: LlamaModel, k:
     assert engine.num_spec_drafts > 0
 
 
-def test_same_output_on_the_torch_decode_path(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_same_output_on_the_torch_decode_path() -> None:
     """The CUDA path's attention (torch, no C kernels) for the verify rows, on CPU."""
     torch_model = ours_from_hf(make_hf_model(), native=False)
     prompts, params = make_prompts(4), [PARAMS["top-k-logprobs"]] * 4
     want = run(make_engine(torch_model), prompts, params)
-    monkeypatch.setattr(core_module, "propose_ngram", oracle(prompts, [[t for t, _, _ in want[f"r{i}"]]
-                                                                        for i in range(4)]))
-    engine = spec_engine(torch_model, 3)
+    refs = [[t for t, _, _ in want[f"r{i}"]] for i in range(4)]
+    engine = spec_engine(torch_model, 3, oracle(prompts, refs))
     assert_same(run(engine, prompts, params), want)
     assert engine.num_spec_accepted_tokens > 0
 
 
-def test_stops_inside_an_accepted_run(model: LlamaModel, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_stops_inside_an_accepted_run(model: LlamaModel) -> None:
     """Stop ids, EOS and max_tokens hit in the middle of a run of accepted proposals: the
     rest is dropped, exactly as plain decoding stops."""
     prompts = make_prompts(3)
     ref = run(make_engine(model), prompts, [greedy(20, ignore_eos=True)] * 3)
     refs = [[t for t, _, _ in ref[f"r{i}"]] for i in range(3)]
     perfect = {tuple(p): r for p, r in zip(prompts, refs, strict=True)}
-    monkeypatch.setattr(core_module, "propose_ngram",
-                        lambda token_ids, k: next(r[len(token_ids) - len(p):][:k] for p, r in perfect.items()
-                                                  if tuple(token_ids[:len(p)]) == p))
+
+    def lookup(token_ids: Sequence[int], k: int) -> list[int]:
+        return next(r[len(token_ids) - len(p):][:k] for p, r in perfect.items()
+                    if tuple(token_ids[:len(p)]) == p)
+
     cases: list[tuple[dict[str, Any], dict[str, Any]]] = [
         ({"stop_token_ids": (refs[0][5],)}, {}),
         ({}, {"eos": frozenset({refs[1][6]})}),
@@ -196,24 +209,22 @@ def test_stops_inside_an_accepted_run(model: LlamaModel, monkeypatch: pytest.Mon
     for params_kw, engine_kw in cases:
         params = [SamplingParams(**{"max_tokens": 20, "temperature": 0.0, **params_kw})] * 3
         want = run(make_engine(model, **engine_kw), prompts, params)
-        engine = spec_engine(model, 8, **engine_kw)
+        engine = spec_engine(model, 8, lookup, **engine_kw)
         got = run(engine, prompts, params)
         assert ids(got) == ids(want)
         assert engine.num_spec_accepted_tokens > 0
     assert len(ids(got)["r0"]) == 7
 
 
-def test_preempted_and_resumed_requests_continue_identically(model: LlamaModel,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_preempted_and_resumed_requests_continue_identically(model: LlamaModel) -> None:
     prompts = make_prompts(4, (9, 17))
     params = [SamplingParams(max_tokens=24, temperature=0.9, seed=7 + i, logprobs=True) for i in range(4)]
     want = run(make_engine(model), prompts, params)
     refs = [[t for t, _, _ in want[f"r{i}"]] for i in range(4)]
-    monkeypatch.setattr(core_module, "propose_ngram", oracle(prompts, refs))
-    engine = spec_engine(model, 4, num_blocks=24)  # room for ~2 of the 4 sequences
+    engine = spec_engine(model, 4, oracle(prompts, refs), num_blocks=24)  # room for ~2 of the 4 sequences
     assert_same(run(engine, prompts, params), want)
     assert engine.scheduler.num_preemptions > 0
-    resumed = spec_engine(model, 4)  # another worker goes on after 5 streamed tokens
+    resumed = spec_engine(model, 4, oracle(prompts, refs))  # another worker goes on after 5 streamed tokens
     for i in range(4):
         resumed.add_request(f"r{i}", prompts[i], params[i], seed=7 + i, resume_ids=refs[i][:5])
     got = run(resumed, [], [])

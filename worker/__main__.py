@@ -84,10 +84,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "model at load; none dequantizes to --dtype [env TOKENRELAY_QUANTIZATION]")
     p.add_argument("--speculative", choices=SPECULATIVE, default=_env("TOKENRELAY_SPECULATIVE", "none"),
                    help="speculative decoding: ngram proposes the tokens that followed the latest earlier "
-                        "occurrence of the last 1-4 tokens and verifies them in the running batch; the "
-                        "output is the same as without [env TOKENRELAY_SPECULATIVE]")
+                        "occurrence of the last 1-4 tokens, draft has --draft-model draft them; both are "
+                        "verified in the running batch and the output is the same as without "
+                        "[env TOKENRELAY_SPECULATIVE]")
     p.add_argument("--num-speculative-tokens", type=int, default=_env("TOKENRELAY_NUM_SPECULATIVE_TOKENS", 4),
                    help="proposals verified per step and sequence [env TOKENRELAY_NUM_SPECULATIVE_TOKENS]")
+    p.add_argument("--draft-model", default=_env("TOKENRELAY_DRAFT_MODEL"),
+                   help="for --speculative draft: a smaller model with the same tokenizer (GGUF file or "
+                        "Hugging Face folder), run in this worker with its own KV cache "
+                        "[env TOKENRELAY_DRAFT_MODEL]")
     p.add_argument("--num-threads", type=int, default=_env("TOKENRELAY_NUM_THREADS"),
                    help="torch CPU threads; default torch's choice [env TOKENRELAY_NUM_THREADS]")
     p.add_argument("--drain-timeout", type=float, default=_env("TOKENRELAY_DRAIN_TIMEOUT_S", 30),
@@ -124,7 +129,8 @@ def config_from_args(argv: list[str] | None = None) -> tuple[WorkerConfig, str]:
                               enable_prefix_caching=args.prefix_caching,
                               enable_native_kernels=args.native_kernels, quantization=args.quantization,
                               speculative=args.speculative,
-                              num_speculative_tokens=args.num_speculative_tokens)
+                              num_speculative_tokens=args.num_speculative_tokens,
+                              draft_model=args.draft_model)
         config = WorkerConfig(engine=engine, redis_url=args.redis_url, key_prefix=args.key_prefix,
                               worker_id=args.worker_id or default_instance_id(),
                               drain_timeout_s=args.drain_timeout, heartbeat_ttl_s=args.heartbeat_ttl,
@@ -143,7 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     from worker.engine.text_engine import TextEngine  # torch: only once the flags are known to be good
     from worker.io.consumer import Consumer
 
-    engine = TextEngine.from_config(config.engine)
+    try:
+        engine = TextEngine.from_config(config.engine)
+    except ValueError as e:  # a model that cannot run as configured (a draft's tokenizer, ...): say why
+        print(f"tokenrelay-worker: error: {e}", file=sys.stderr)
+        return 2
     consumer = Consumer(engine, config)
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from worker.engine.config import EngineConfig
 from worker.engine.core import EngineCore
+from worker.engine.draft import DraftProposer
+from worker.engine.kv_manager import KVCacheManager
 from worker.engine.text_engine import TextEngine
 from worker.model.config import ModelConfig
 from worker.model.llama import KVCache, LlamaModel
@@ -83,20 +85,45 @@ def build_text_engine(config: EngineConfig) -> TextEngine:
     model = build_model(config)
     model_config, device, path = model.config, model.device, model_path(config)
     tokenizer = Tokenizer.load(path)
-    plan = plan_kv_cache(config, model_config, device, model)
+    draft = build_draft_model(config, model, tokenizer) if config.speculative == "draft" else None
+    plan = plan_kv_cache(config, model_config, device, model, draft.config if draft else None)
     log.info("KV cache: %d blocks of %d tokens (%s, %.0f MB), max_model_len %d, max_num_seqs %d",
              plan.num_blocks, plan.block_size, str(plan.dtype).removeprefix("torch."),
              plan.num_blocks * KVCache.bytes_per_block(model_config, plan.block_size, plan.dtype) / 2**20,
              plan.max_model_len, config.max_num_seqs)
     eos = frozenset(tokenizer.eos_token_ids) | frozenset(model_config.eos_token_ids)
     num_spec = config.num_speculative_tokens if config.speculative != "none" else 0
+    proposer = None
+    if draft is not None:
+        if draft.config.max_position_embeddings < plan.max_model_len:
+            raise ValueError(f"draft model context ({draft.config.max_position_embeddings}) is shorter than "
+                             f"max_model_len ({plan.max_model_len})")
+        draft_cache = KVCache(draft.config, plan.num_blocks, plan.block_size, plan.dtype, device)
+        proposer = DraftProposer(draft, draft_cache,
+                                 KVCacheManager(plan.num_blocks, plan.block_size, plan.max_model_len,
+                                                enable_prefix_caching=False), config.max_prefill_tokens)
     engine = EngineCore(model, num_blocks=plan.num_blocks, block_size=plan.block_size,
                         max_model_len=plan.max_model_len, max_num_seqs=config.max_num_seqs,
                         max_prefill_tokens=config.max_prefill_tokens, eos_token_ids=eos,
                         kv_cache_dtype=plan.dtype, enable_prefix_caching=config.enable_prefix_caching,
-                        num_speculative_tokens=num_spec)
+                        num_speculative_tokens=num_spec, proposer=proposer)
+    weights = model.quantization_summary + (f"; draft {draft.quantization_summary}" if draft else "")
     return TextEngine(engine, tokenizer, model_name=path.stem if path.is_file() else path.name,
-                      weights=model.quantization_summary)
+                      weights=weights)
+
+
+def build_draft_model(config: EngineConfig, target: LlamaModel, tokenizer: Tokenizer) -> LlamaModel:
+    """The draft model of `config.draft_model`, which must share the target's token ids."""
+    assert config.draft_model is not None, "EngineConfig checks that speculative='draft' has one"
+    path = Path(config.draft_model)
+    difference = tokenizer.vocab_difference(Tokenizer.load(path))
+    draft = build_model(replace(config, model=str(path))) if difference is None else None
+    if draft is not None and draft.config.vocab_size != target.config.vocab_size:
+        difference = f"vocab_size {target.config.vocab_size} vs {draft.config.vocab_size}"
+    if draft is None or difference is not None:
+        raise ValueError(f"draft model {path} does not share the target's tokenizer: {difference}")
+    log.info("draft model %s: %s", path.name, draft.quantization_summary)
+    return draft
 
 
 def native_kernels(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> NativeKernels | None:
@@ -107,9 +134,10 @@ def native_kernels(config: EngineConfig, device: torch.device, dtype: torch.dtyp
 
 
 def plan_kv_cache(config: EngineConfig, model: ModelConfig, device: torch.device,
-                  llama: LlamaModel | None = None) -> CachePlan:
+                  llama: LlamaModel | None = None, draft: ModelConfig | None = None) -> CachePlan:
     """Context length, block size, number of blocks and K/V dtype from the config and the memory
-    budget (see EngineConfig.kv_cache_memory_mb for the defaults)."""
+    budget (see EngineConfig.kv_cache_memory_mb for the defaults). A draft model gets as many
+    blocks of its own (the same tokens), inside the same budget."""
     context = model.max_position_embeddings
     max_len = config.max_model_len or min(context, DEFAULT_MAX_MODEL_LEN)
     if max_len > context:
@@ -117,6 +145,8 @@ def plan_kv_cache(config: EngineConfig, model: ModelConfig, device: torch.device
     dtype = DTYPES[config.kv_cache_dtype or config.dtype]
     bs = config.block_size
     block_bytes = KVCache.bytes_per_block(model, bs, dtype)
+    if draft is not None:
+        block_bytes += KVCache.bytes_per_block(draft, bs, dtype)
     blocks_per_seq = -(-max_len // bs)
     if config.kv_cache_memory_mb is not None:
         num_blocks = config.kv_cache_memory_mb * 2**20 // block_bytes

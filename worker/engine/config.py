@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0")
-SPECULATIVE = ("none", "ngram")
+SPECULATIVE = ("none", "ngram", "draft")
 
 
 @dataclass(frozen=True)
@@ -51,8 +51,11 @@ class EngineConfig:
     # Speculative decoding: "ngram" proposes the tokens that followed the latest earlier
     # occurrence of the last 1-4 tokens (prompt lookup) and verifies them in the running
     # batch; the output is token for token that of plain decoding (worker/engine/speculative.py).
+    # "draft" has `draft_model` (a smaller model with the same tokenizer) draft them
+    # (worker/engine/draft.py).
     speculative: str = "none"
     num_speculative_tokens: int = 4  # proposals verified per step and sequence
+    draft_model: str | None = None  # GGUF file or Hugging Face folder, for speculative="draft"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -65,6 +68,9 @@ class EngineConfig:
                              f"got {self.quantization!r}")
         if self.speculative not in SPECULATIVE:
             raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE)}, got {self.speculative!r}")
+        if (self.speculative == "draft") != (self.draft_model is not None):
+            raise ValueError("speculative 'draft' needs draft_model and draft_model needs speculative "
+                             f"'draft'; got {self.speculative!r} and {self.draft_model!r}")
         if not 1 <= self.num_speculative_tokens <= 64:
             raise ValueError(f"num_speculative_tokens must be in [1, 64], got {self.num_speculative_tokens}")
         if not 1 <= self.block_size <= 1024:

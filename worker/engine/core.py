@@ -7,7 +7,7 @@ has run does the scheduler count the step's tokens as computed and hash the
 blocks they filled (`Scheduler.commit`: a failed step caches nothing).
 
 With speculation on (`num_speculative_tokens` > 0), a running sequence may get
-n-gram proposals before scheduling; the runner returns the target's token at
+proposals (n-gram or a draft model's) before scheduling; the runner returns the target's token at
 each of its k + 1 positions, postprocess emits the accepted proposals plus the
 target's next token (one EngineOutput per token, a stop inside the run drops
 the rest), and only then does commit count them: the computed-token count
@@ -30,7 +30,7 @@ from worker.engine.kv_manager import KVCacheManager
 from worker.engine.model_runner import ModelRunner, SampledToken
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence, sampled_sequences
-from worker.engine.speculative import SpeculationPolicy, num_accepted, propose_ngram
+from worker.engine.speculative import NgramProposer, Proposer, SpeculationPolicy, num_accepted
 from worker.engine.stopping import StoppingCriteria
 from worker.model.llama import KVCache, LlamaModel
 
@@ -53,7 +53,7 @@ class EngineCore:
     def __init__(self, model: LlamaModel, *, num_blocks: int, block_size: int, max_model_len: int,
                  max_num_seqs: int, max_prefill_tokens: int, eos_token_ids: frozenset[int],
                  kv_cache_dtype: torch.dtype | None = None, enable_prefix_caching: bool = True,
-                 num_speculative_tokens: int = 0) -> None:
+                 num_speculative_tokens: int = 0, proposer: Proposer | None = None) -> None:
         self.model = model
         self.max_len = max_model_len
         self.eos_token_ids = eos_token_ids
@@ -64,6 +64,7 @@ class EngineCore:
         self.num_step_prefill_tokens = self.num_step_decode_tokens = 0  # what the last step computed
         # None: no speculation. Counts since start: verified runs, proposed and accepted tokens.
         self.spec = SpeculationPolicy(num_speculative_tokens) if num_speculative_tokens > 0 else None
+        self.proposer: Proposer = proposer or NgramProposer()
         self.num_spec_drafts = self.num_spec_draft_tokens = self.num_spec_accepted_tokens = 0
         self._aborts: set[str] = set()
         self._lock = threading.Lock()
@@ -142,21 +143,27 @@ class EngineCore:
         self.scheduler.commit(sched)  # after the accepted tokens joined output_ids
         for seq, reason, error in finished:
             self.scheduler.finish(seq, reason, error)
+        if self.spec is not None:
+            self.proposer.retain(self.scheduler.running)  # the finished and the preempted
         return outputs + new
 
     def _propose(self) -> None:
         """This step's proposals for the running decodes (see SpeculationPolicy for who gets any)."""
         decodes = [s for s in self.scheduler.running.values() if s.is_prefilled]
-        enabled = self.spec is not None and self.spec.is_step_enabled(len(decodes))
         for seq in decodes:
             seq.spec.draft_ids = []
-            if not enabled or self.spec is None:
-                continue
-            # Every emitted token counts against max_tokens: at most max_tokens - 1 proposals
-            # plus the target's own token (which also keeps positions inside the context).
-            k = min(self.spec.num_proposals(seq.spec), seq.params.max_tokens - len(seq.output_ids) - 1)
-            if k > 0:
-                seq.spec.draft_ids = propose_ngram(seq.prompt_ids + seq.output_ids, k)
+        if self.spec is None:
+            return
+        if not self.spec.is_step_enabled(len(decodes)):
+            return
+        # Every emitted token counts against max_tokens: at most max_tokens - 1 proposals
+        # plus the target's own token (which also keeps positions inside the context).
+        ks = [min(self.spec.num_proposals(s.spec), s.params.max_tokens - len(s.output_ids) - 1)
+              for s in decodes]
+        seqs = [s for s, k in zip(decodes, ks, strict=True) if k > 0]
+        if seqs:
+            for seq, draft in zip(seqs, self.proposer.propose(seqs, [k for k in ks if k > 0]), strict=True):
+                seq.spec.draft_ids = draft
 
     def _apply_aborts(self) -> list[EngineOutput]:
         with self._lock:

@@ -66,45 +66,15 @@ class ModelRunner:
     def prepare(self, prefills: list[PrefillChunk], decodes: list[Sequence]) -> ForwardBatch:
         """The flattened batch: every chunk's tokens, then each decode's last token and its
         proposals, one row each."""
-        bs = self.kv.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        tables: list[list[int]] = []
-        context_lens: list[int] = []
-        query_start = [0]
-        logits_indices: list[int] = []
-
-        def add(request_id: str, token_ids: list[int], start: int, num_logits: int) -> None:
-            table = self.kv.block_table(request_id)
-            span = range(start, start + len(token_ids))
-            ids.extend(token_ids)
-            positions.extend(span)
-            slots.extend(table[p // bs] * bs + p % bs for p in span)
-            tables.append(table)
-            context_lens.append(span.stop)
-            query_start.append(query_start[-1] + len(token_ids))
-            logits_indices.extend(range(query_start[-1] - num_logits, query_start[-1]))
-
+        batch = BatchBuilder(self.kv.block_size, self.device)
         for c in prefills:
-            add(c.seq.request_id, c.seq.prefill_ids[c.start:c.start + c.num_tokens], c.start, int(c.is_last))
+            chunk = c.seq.prefill_ids[c.start:c.start + c.num_tokens]
+            batch.add(self.kv.block_table(c.seq.request_id), chunk, c.start, int(c.is_last))
         for s in decodes:  # the last token, then the proposals (if any)
+            table = self.kv.block_table(s.request_id)
             for j, token_id in enumerate(s.output_ids[-1:] + s.spec.draft_ids):
-                add(s.request_id, [token_id], s.num_tokens - 1 + j, 1)
-        width = max(map(len, tables))
-        padded = [t + [0] * (width - len(t)) for t in tables]
-
-        def tensor(values: list[int] | list[list[int]], dtype: torch.dtype = torch.int64) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=self.device)
-
-        return ForwardBatch(
-            input_ids=tensor(ids), positions=tensor(positions),  # (T,), (T,)
-            slot_mapping=tensor(slots),  # (T,)
-            block_tables=tensor(padded, torch.int32),  # (S, M)
-            context_lens=tensor(context_lens, torch.int32),  # (S,)
-            query_start_loc=tuple(query_start), context_lens_host=tuple(context_lens),
-            num_prefills=len(prefills), logits_indices=tensor(logits_indices),  # (R,)
-        )
+                batch.add(table, [token_id], s.num_tokens - 1 + j, 1)
+        return batch.build(num_prefills=len(prefills))
 
     @staticmethod
     def _to_host(out: SamplerOutput) -> list[SampledToken]:
@@ -120,3 +90,46 @@ class ModelRunner:
         return tokens
 
 
+
+
+class BatchBuilder:
+    """A step's flattened batch, one sequence (or decode row) at a time: its new tokens at
+    positions start.., their cache slots through its block table, and which rows give logits."""
+
+    def __init__(self, block_size: int, device: torch.device) -> None:
+        self.block_size, self.device = block_size, device
+        self.ids: list[int] = []
+        self.positions: list[int] = []
+        self.slots: list[int] = []
+        self.tables: list[list[int]] = []
+        self.context_lens: list[int] = []
+        self.query_start = [0]
+        self.logits_indices: list[int] = []
+
+    def add(self, table: list[int], token_ids: list[int], start: int, num_logits: int) -> None:
+        """Tokens at positions [start, start + len(token_ids)); logits for the last num_logits."""
+        bs, span = self.block_size, range(start, start + len(token_ids))
+        self.ids.extend(token_ids)
+        self.positions.extend(span)
+        self.slots.extend(table[p // bs] * bs + p % bs for p in span)
+        self.tables.append(table)
+        self.context_lens.append(span.stop)
+        self.query_start.append(self.query_start[-1] + len(token_ids))
+        self.logits_indices.extend(range(self.query_start[-1] - num_logits, self.query_start[-1]))
+
+    def build(self, num_prefills: int) -> ForwardBatch:
+        """The first num_prefills sequences are prompt chunks, the rest one-token decode rows."""
+        width = max(map(len, self.tables))
+        padded = [t + [0] * (width - len(t)) for t in self.tables]
+
+        def tensor(values: list[int] | list[list[int]], dtype: torch.dtype = torch.int64) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=self.device)
+
+        return ForwardBatch(
+            input_ids=tensor(self.ids), positions=tensor(self.positions),  # (T,), (T,)
+            slot_mapping=tensor(self.slots),  # (T,)
+            block_tables=tensor(padded, torch.int32),  # (S, M)
+            context_lens=tensor(self.context_lens, torch.int32),  # (S,)
+            query_start_loc=tuple(self.query_start), context_lens_host=tuple(self.context_lens),
+            num_prefills=num_prefills, logits_indices=tensor(self.logits_indices),  # (R,)
+        )

@@ -1,5 +1,5 @@
-"""Speculative decoding without changing the answer: n-gram proposals, exact verification,
-and when to bother (no torch).
+"""Speculative decoding without changing the answer: proposers, exact verification, and when
+to bother (no torch; the draft-model proposer, which runs a model, is draft.py).
 
 Proposals are cheap guesses of a running sequence's next tokens. A sequence with
 proposals adds its last sampled token plus the k proposals to the step's flattened batch
@@ -15,7 +15,11 @@ position k. The rejected positions' K/V are never counted as computed (Scheduler
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from worker.engine.sequence import Sequence as Seq
 
 MAX_NGRAM = 4
 MIN_NGRAM = 1
@@ -39,6 +43,28 @@ def propose_ngram(token_ids: Sequence[int], k: int, max_n: int = MAX_NGRAM,
             if token_ids[start] == first and list(token_ids[start:start + n]) == suffix:
                 return list(token_ids[start + n:start + n + k])
     return []
+
+
+class Proposer(Protocol):
+    """Where proposals come from (`--speculative ngram` or `draft`)."""
+
+    def propose(self, seqs: list[Seq], ks: list[int]) -> list[list[int]]:
+        """At most ks[i] proposed next tokens for each running sequence seqs[i] (ks[i] >= 1)."""
+        ...
+
+    def retain(self, request_ids: Iterable[str]) -> None:
+        """Drop what is kept for sequences not among these (finished, aborted, preempted)."""
+        ...
+
+
+class NgramProposer:
+    """Prompt lookup over each sequence's prompt and output: no model, no state."""
+
+    def propose(self, seqs: list[Seq], ks: list[int]) -> list[list[int]]:
+        return [propose_ngram(s.prompt_ids + s.output_ids, k) for s, k in zip(seqs, ks, strict=True)]
+
+    def retain(self, request_ids: Iterable[str]) -> None:
+        pass
 
 
 def num_accepted(draft_ids: Sequence[int], target_ids: Sequence[int]) -> int:

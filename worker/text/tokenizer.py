@@ -117,6 +117,19 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
+    def vocab_difference(self, other: Tokenizer) -> str | None:
+        """How `other`'s token ids differ from this one's (None: the same vocabulary)."""
+        mine = self.backend.get_vocab(with_added_tokens=True)
+        theirs = other.backend.get_vocab(with_added_tokens=True)
+        if len(mine) != len(theirs):
+            return f"{len(mine)} vs {len(theirs)} tokens"
+        for token, token_id in sorted(mine.items(), key=lambda item: item[1]):
+            if theirs.get(token) != token_id:
+                return f"token {token!r} is id {token_id} vs {theirs.get(token)}"
+        if self.eos_token_ids != other.eos_token_ids:
+            return f"end-of-sequence ids {sorted(self.eos_token_ids)} vs {sorted(other.eos_token_ids)}"
+        return None
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Special-token text such as `<|im_start|>` in `text` maps to its id, as in transformers."""
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
