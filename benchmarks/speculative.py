@@ -99,7 +99,7 @@ def decode_rate(usages: list[Any]) -> float:
 
 
 def measure(engine: Any, speculative: bool, k: int, max_tokens: int) -> dict[str, Any]:
-    from worker.engine.speculative import SpeculationPolicy
+    from worker.engine.spec_policy import SpeculationPolicy
 
     engine.engine.spec = SpeculationPolicy(k) if speculative else None
     rep = [run_batch(engine, [p], max_tokens) for p in REPETITIVE]

@@ -11,7 +11,8 @@ import pytest
 from protos.params import SamplingParams
 from tests.factories import VOCAB, greedy, make_engine, make_hf_model, make_prompts, ours_from_hf
 from worker.engine.core import EngineCore
-from worker.engine.speculative import SpecState, SpeculationPolicy, num_accepted, propose_ngram
+from worker.engine.spec_policy import SpeculationPolicy
+from worker.engine.speculative import num_accepted, propose_ngram
 from worker.model.llama import LlamaModel
 
 Lookup = Callable[[Sequence[int], int], list[int]]
@@ -50,21 +51,6 @@ def test_propose_ngram(token_ids: list[int], k: int, expected: list[int]) -> Non
     ([], [5], 0), ([1, 2, 3], [1, 2, 4, 9], 2), ([1, 2], [1, 2, 7], 2), ([1], [2, 3], 0)])
 def test_num_accepted(draft: list[int], target: list[int], expected: int) -> None:
     assert num_accepted(draft, target) == expected
-
-
-def test_policy_turns_off_for_large_batches_and_low_acceptance() -> None:
-    policy = SpeculationPolicy(4, max_batch=4, min_accepted=0.7, alpha=0.5, probe_interval=3)
-    assert policy.is_step_enabled(4) and not policy.is_step_enabled(5)
-    state = SpecState()
-    assert policy.num_proposals(state) == 2  # 1 + ceil(1.0): optimistic at first
-    policy.update(state, 2, 0)  # the average falls to 0.5
-    assert (state.num_drafts, state.num_draft_tokens, state.num_accepted_tokens) == (1, 2, 0)
-    assert [policy.num_proposals(state) for _ in range(6)] == [0, 0, 4, 0, 0, 4]  # full probes
-    for _ in range(4):
-        policy.update(state, 4, 4)
-    assert policy.num_proposals(state) == 4  # capped at k
-    policy.update(state, 4, 1)
-    assert policy.num_proposals(state) == 4  # 1 + ceil(2.3...)
 
 
 # -- engine: the same output with and without speculation ----------------------------------------
@@ -107,8 +93,8 @@ def spec_engine(model: LlamaModel, k: int, lookup: Lookup | None = None, **kw: A
     engine = make_engine(model, num_speculative_tokens=k, **kw)
     if lookup is not None:
         engine.proposer = LookupProposer(lookup)
-    engine.spec = SpeculationPolicy(k, max_batch=1000, min_accepted=-1.0)
-    engine.spec.num_proposals = lambda state: k  # type: ignore[method-assign]
+    engine.spec = SpeculationPolicy(k, max_batch=1000)
+    engine.spec.num_proposals = lambda state, num_decodes: k  # type: ignore[method-assign]
     return engine
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from protos.params import FinishReason, PromptInput, SamplingParams
 from worker.engine.outputs import RequestOutput
-from worker.engine.speculative import SpeculationPolicy
+from worker.engine.spec_policy import SpeculationPolicy
 from worker.engine.text_engine import TextEngine
 
 LIST = "\n".join(f"- item {i}: {fruit}" for i, fruit in enumerate(
@@ -27,7 +27,7 @@ def engine(smollm_engine: TextEngine) -> Iterator[TextEngine]:
 
 def run(engine: TextEngine, params: SamplingParams, speculative: bool) -> list[RequestOutput]:
     # always speculating: these tests are about what verification does, not about when to speculate
-    engine.engine.spec = SpeculationPolicy(4, min_accepted=-1.0) if speculative else None
+    engine.engine.spec = SpeculationPolicy(4, margin=-1.0) if speculative else None
     engine.add_request("r", PromptInput(prompt=PROMPT), params)
     outs = []
     while engine.has_unfinished():

@@ -30,7 +30,8 @@ from worker.engine.kv_manager import KVCacheManager
 from worker.engine.model_runner import ModelRunner, SampledToken
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence, sampled_sequences
-from worker.engine.speculative import NgramProposer, Proposer, SpeculationPolicy, num_accepted
+from worker.engine.spec_policy import SpeculationPolicy
+from worker.engine.speculative import NgramProposer, Proposer, num_accepted
 from worker.engine.stopping import StoppingCriteria
 from worker.model.llama import KVCache, LlamaModel
 
@@ -138,7 +139,10 @@ class EngineCore:
         self.num_step_decode_tokens = sum(1 + len(s.spec.draft_ids) for s in sched.decodes)
         if sched.is_empty:
             return outputs
+        start = time.perf_counter()
         targets = self.runner.run(sched.prefills, sched.decodes)
+        if self.spec is not None and not sched.prefills:  # what the policy weighs proposals with
+            self.spec.record_step(self.num_step_decode_tokens, time.perf_counter() - start)
         new, finished = self._postprocess(sampled_sequences(sched.prefills, sched.decodes), targets)
         self.scheduler.commit(sched)  # after the accepted tokens joined output_ids
         for seq, reason, error in finished:
@@ -158,12 +162,14 @@ class EngineCore:
             return
         # Every emitted token counts against max_tokens: at most max_tokens - 1 proposals
         # plus the target's own token (which also keeps positions inside the context).
-        ks = [min(self.spec.num_proposals(s.spec), s.params.max_tokens - len(s.output_ids) - 1)
+        ks = [min(self.spec.num_proposals(s.spec, len(decodes)), s.params.max_tokens - len(s.output_ids) - 1)
               for s in decodes]
         seqs = [s for s, k in zip(decodes, ks, strict=True) if k > 0]
         if seqs:
+            start = time.perf_counter()
             for seq, draft in zip(seqs, self.proposer.propose(seqs, [k for k in ks if k > 0]), strict=True):
                 seq.spec.draft_ids = draft
+            self.spec.record_proposals(sum(len(s.spec.draft_ids) for s in seqs), time.perf_counter() - start)
 
     def _apply_aborts(self) -> list[EngineOutput]:
         with self._lock:

@@ -1,5 +1,6 @@
-"""Speculative decoding without changing the answer: proposers, exact verification, and when
-to bother (no torch; the draft-model proposer, which runs a model, is draft.py).
+"""Speculative decoding without changing the answer: proposers and exact verification (no
+torch; the draft-model proposer, which runs a model, is draft.py; when to bother is
+spec_policy.py).
 
 Proposals are cheap guesses of a running sequence's next tokens. A sequence with
 proposals adds its last sampled token plus the k proposals to the step's flattened batch
@@ -14,7 +15,6 @@ position k. The rejected positions' K/V are never counted as computed (Scheduler
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
@@ -75,68 +75,24 @@ def num_accepted(draft_ids: Sequence[int], target_ids: Sequence[int]) -> int:
     return n
 
 
-class SpeculationPolicy:
-    """Who speculates this step, and how many proposals.
-
-    Each proposal is one more row through every matmul and one more attention over the context.
-    At batch 1 on a memory-bound CPU the matmuls mostly read weights, so a verify step of k + 1
-    rows costs more than a one-token step but much less than k + 1 of them (measured with
-    SmolLM2 on 2 cores: ~1.5x for k = 4); with many running decodes the batch already uses the
-    compute and extra rows cost about their share. So:
-
-    - per step: no speculation when more than `max_batch` sequences decode; a busy worker then
-      runs exactly plain decoding and its aggregate throughput cannot get worse;
-    - per sequence: an exponential moving average of the proposals it gets accepted per verify
-      step (weight `alpha`). A verify step pays off only when it yields clearly more than the one
-      token a plain step gives, so below `min_accepted` the sequence stops proposing; every
-      `probe_interval` of its steps it proposes k once more, so a sequence whose text turns
-      repetitive later (a quote, a code block) gets speculation back. Measured with
-      `benchmarks/speculative.py` (3 runs, AVX2 EPYC): min_accepted 0.7 with one-token probes
-      gave 1.40x on repetitive prompts, 0.93x open-ended, 0.91x at 16 concurrent; 1.0 with
-      full probes 1.41x, 0.91x and 1.19x. Open-ended text still loses: not solved yet. It proposes at most
-      1 + ceil(average) tokens: rows that would most likely be rejected are not computed.
-    """
-
-    def __init__(self, k: int, max_batch: int = 4, min_accepted: float = 1.0, alpha: float = 0.5,
-                 probe_interval: int = 16) -> None:
-        if k < 1:
-            raise ValueError(f"num_speculative_tokens must be >= 1, got {k}")
-        self.k = k
-        self.max_batch = max_batch
-        self.min_accepted = min_accepted
-        self.alpha = alpha
-        self.probe_interval = probe_interval
-
-    def is_step_enabled(self, num_decodes: int) -> bool:
-        return num_decodes <= self.max_batch
-
-    def num_proposals(self, state: SpecState) -> int:
-        """How many tokens this sequence should propose this step (0: a plain decode)."""
-        if state.mean_accepted < self.min_accepted:
-            state.num_skipped += 1
-            if state.num_skipped < self.probe_interval:
-                return 0
-            state.num_skipped = 0
-            return self.k  # a full probe: one proposal could never lift the average past 1
-        return min(self.k, 1 + math.ceil(state.mean_accepted))
-
-    def update(self, state: SpecState, num_draft: int, num_accepted_: int) -> None:
-        state.num_draft_tokens += num_draft
-        state.num_accepted_tokens += num_accepted_
-        state.num_drafts += 1
-        state.mean_accepted = (1 - self.alpha) * state.mean_accepted + self.alpha * num_accepted_
-
-
 class SpecState:
-    """One sequence's speculation: this step's proposals and its counts."""
+    """One sequence's speculation: this step's proposals, what the policy learnt, its counts."""
 
-    __slots__ = ("draft_ids", "mean_accepted", "num_skipped", "num_drafts", "num_draft_tokens",
-                 "num_accepted_tokens")
+    __slots__ = ("draft_ids", "accepted", "rejected", "num_skipped", "backoff", "num_drafts",
+                 "num_draft_tokens", "num_accepted_tokens")
 
     def __init__(self) -> None:
         self.draft_ids: list[int] = []  # proposed for this step; [] = a plain decode
-        self.mean_accepted = 1.0  # moving average of accepted proposals per verify step
-        self.num_skipped = 0  # steps without proposals since the average fell low
+        # Moving sums of accepted proposals and of rejections (a run ends at the first), whose
+        # ratio estimates the chance that a proposal is accepted (spec_policy.py). The start
+        # is optimistic: 0.8 with the weight of two verify steps.
+        self.accepted, self.rejected = 1.6, 0.4
+        self.num_skipped = 0  # steps without proposals since the last probe
+        self.backoff = 1  # steps between probes while speculation does not pay
         self.num_drafts = 0  # verify steps
         self.num_draft_tokens = 0  # proposed, over the request
         self.num_accepted_tokens = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
