@@ -75,9 +75,11 @@ def test_same_output_with_another_model_as_draft(target: LlamaModel, draft: Llam
     assert kv.num_free_blocks == kv.num_blocks  # finished sequences gave the draft's blocks back
 
 
-def test_preemption_and_a_full_draft_pool_change_nothing(target: LlamaModel, draft: LlamaModel) -> None:
+def test_preemption_a_full_draft_pool_and_resumes_change_nothing(target: LlamaModel,
+                                                                  draft: LlamaModel) -> None:
     """The target preempts (24 blocks for 4 sequences) and the draft's pool has room for about
-    one sequence: those without room propose nothing and catch up later."""
+    one sequence: those without room propose nothing and catch up later. Then another worker
+    resumes each request after 5 streamed tokens."""
     prompts = make_prompts(4, (9, 17))
     params = [SamplingParams(max_tokens=24, temperature=0.9, seed=7 + i, logprobs=True) for i in range(4)]
     want = run(make_engine(target), prompts, params)
@@ -85,6 +87,13 @@ def test_preemption_and_a_full_draft_pool_change_nothing(target: LlamaModel, dra
     assert_same(run(engine, prompts, params), want)
     assert engine.scheduler.num_preemptions > 0 and engine.num_spec_drafts > 0
     draft_kv(engine).check()
+    resumed = draft_engine(target, draft, 4)
+    refs = [[t for t, _, _ in want[f"r{i}"]] for i in range(4)]
+    for i in range(4):
+        resumed.add_request(f"r{i}", prompts[i], params[i], seed=7 + i, resume_ids=refs[i][:5])
+    got = run(resumed, [], [])
+    assert [refs[i][:5] + [t for t, _, _ in got[f"r{i}"]] for i in range(4)] == refs
+    assert resumed.num_spec_drafts > 0
 
 
 def test_the_draft_cache_follows_rollbacks(target: LlamaModel, draft: LlamaModel) -> None:
