@@ -7,12 +7,13 @@ has run does the scheduler count the step's tokens as computed and hash the
 blocks they filled (`Scheduler.commit`: a failed step caches nothing).
 
 With speculation on (`num_speculative_tokens` > 0), a running sequence may get
-proposals (n-gram or a draft model's) before scheduling; the runner returns the target's token at
-each of its k + 1 positions, postprocess emits the accepted proposals plus the
-target's next token (one EngineOutput per token, a stop inside the run drops
-the rest), and only then does commit count them: the computed-token count
-advances by what was accepted and the blocks reserved past it go back
-(speculative.py explains why the output is the same as without).
+proposals (n-gram, or a draft model's) before scheduling; the runner returns the
+target's token at each of its k + 1 positions, postprocess emits the accepted
+proposals plus the target's next token (one EngineOutput per token, a stop inside
+the run drops the rest), and only then does commit count them: the computed-token
+count advances by what was accepted and the blocks reserved past it go back
+(speculative.py explains why the output is the same as without). The step's
+seconds and its rows feed the policy's cost model (spec_policy.py).
 """
 
 from __future__ import annotations
@@ -156,9 +157,7 @@ class EngineCore:
         decodes = [s for s in self.scheduler.running.values() if s.is_prefilled]
         for seq in decodes:
             seq.spec.draft_ids = []
-        if self.spec is None:
-            return
-        if not self.spec.is_step_enabled(len(decodes)):
+        if self.spec is None or not self.spec.is_step_enabled(len(decodes)):
             return
         # Every emitted token counts against max_tokens: at most max_tokens - 1 proposals
         # plus the target's own token (which also keeps positions inside the context).
