@@ -195,7 +195,11 @@ def test_a_rows_result_does_not_depend_on_its_batch_or_row_stride(quant: QuantKe
     assert torch.equal(together, quant.linear(x.contiguous(), w))
     for t in (0, 3, 64, 69):
         assert torch.equal(quant.linear(x[t:t + 1], w)[0], together[t]), f"row {t}"
-    assert torch.equal(quant.linear(x[:5], w), together[:5])
+    gate_up = interleave_rows(make_weight(kind, 38, 4 * QK, seed=1), make_weight(kind, 38, 4 * QK, seed=2))
+    fused = quant.linear(x, gate_up, mode="silu_mul")
+    for T in range(1, 18):  # every group of input rows a tile takes (1..8), and splits of 9..17 rows
+        assert torch.equal(quant.linear(x[:T], w), together[:T]), f"{T} rows"
+        assert torch.equal(quant.linear(x[:T], gate_up, mode="silu_mul"), fused[:T]), f"{T} rows, silu_mul"
 
 
 @pytest.mark.parametrize("T", [1, 16])

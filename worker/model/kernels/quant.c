@@ -31,12 +31,16 @@
  * is below 2^31. The VNNI paths are untested on the AVX2-only machines; the test that
  * compares every supported path with C runs them wherever the CPU has them.
  *
- * Tiling: a task owns 16 output rows and up to 64 input rows. One input row
- * (decode at batch 1) runs 4 weight rows at a time, so 4 independent
- * accumulators hide the dot product's latency; more rows run 2 weight rows x 4
- * input rows, so each weight block is unpacked once for 4 rows and a task's 16
- * weight rows (~5 KB for SmolLM2) stay in L1 while all its input rows pass: a
- * batched decode reads each weight from memory once per step for all rows.
+ * Tiling: a task owns 16 output rows and up to 64 input rows. Its input rows go in
+ * groups of up to 8 (9 rows: 5 + 4), each group one pass over the task's weight rows
+ * in tiles of 4, 2 or 1 weight rows x the whole group (quant_simd.h has the table and
+ * its measurements): one input row (decode at batch 1) runs 4 weight rows at a time, so
+ * 4 independent accumulators hide the dot product's latency, and each weight block is
+ * unpacked once per group. A task's 16 weight rows (~5 KB for SmolLM2) stay in L1 while
+ * all its input rows pass: a batched decode reads each weight from memory once per step
+ * for all rows. Every (weight row, input row) pair is the same float operations in the
+ * same order whatever tile computes it, so a row's result does not depend on the others
+ * in its call (a speculative step's verify rows, a prompt chunk's tokens).
  */
 #include <stdint.h>
 #include <string.h>

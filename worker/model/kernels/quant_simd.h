@@ -1,6 +1,16 @@
 /* One instruction set's quantized-matmul task, included by quant.c once per target with
  * SUFFIX set (and DOT_S16(acc, w, a): acc plus the 8 s32 sums of 2 s16 x s16 products each,
  * for the x86 ones). Without DOT_S16 it is portable C. */
+/* A tile is RW weight rows x RA input rows; a group of up to TILE_MAX_RA input rows is one
+ * pass over a task's weight rows, with RW = TILE_RW(RA): RW x RA accumulators plus one weight
+ * row's lo, hi and scale fit the 16 ymm registers (2 x 7 and 2 x 8 measured no faster than
+ * 1 x 7 and 1 x 8, and RW must be even or 1 for QUANT_SILU_MUL's row pairs). Measured on the
+ * AVX2 EPYC, 2 threads, SmolLM2's gate/up (3072 x 576 Q4), us for 1..8 input rows: 73 119
+ * 158 197 244 278 345 412; with groups of 4 run as 2 x 4 tiles and the rest as 2 x 1 tiles
+ * row by row (so 5 rows took two passes, 3 rows three) it was 85 182 270 228 319 415 509 456. */
+#define TILE_MAX_RA 8
+#define TILE_MAX_RW 4
+#define TILE_RW(RA) ((RA) <= 3 ? 4 : (RA) <= 6 ? 2 : 1)
 #define CAT_(a, b) a##_##b
 #define CAT(a, b) CAT_(a, b)
 
@@ -14,11 +24,17 @@ static inline float CAT(hsum, SUFFIX)(__m256 v) {
 #endif
 
 /* res[r * RA + c] = row n + r of the weight . input row t + c, for r < RW, c < RA. Inlined
- * with constant FMT, RW and RA, so the RW x RA accumulators live in registers. Q4's offset
- * term, sum over blocks of m * (da * sa), is a plain fp32 dot product of two short rows,
- * done after the blocks: in the block loop its scalar maths took ~20% of a tile's time. */
+ * with constant FMT, RW and RA, so the RW x RA accumulators live in registers (the loops over
+ * them unrolled early, or GCC keeps the accumulator array in memory: 2 stores a pair a block).
+ * Q4's offset term, sum over blocks of m * (da * sa), is done after the blocks (in the block
+ * loop its scalar maths took ~20% of a tile's time) as one fma chain per pair in block order,
+ * so any tile gives the same floats: vectorised over the group's input rows (ds_t: their
+ * da * sa transposed, (nb, TILE_MAX_RA)), or, for one input row, over RW scalar chains. As a
+ * dot product vectorised over blocks, one per pair, it took ~30% of an 8-row step (gate/up,
+ * 1 thread: 867 us, 613 without it). */
 static inline __attribute__((always_inline)) void CAT(tile, SUFFIX)(
-    quant_weight w, q16_act a, int64_t n, int64_t t, const int FMT, const int RW, const int RA, float *res) {
+    quant_weight w, q16_act a, const float *ds_t, int64_t n, int64_t t, const int FMT, const int RW, const int RA,
+    float *res) {
     const int64_t nb = w.C / 32;
 #ifdef DOT_S16
     /* Rows are adjacent: one base pointer per operand, row r at r * stride. Indexing
@@ -28,40 +44,74 @@ static inline __attribute__((always_inline)) void CAT(tile, SUFFIX)(
     const uint8_t *wq = (const uint8_t *)w.qs + n * row_bytes;
     const float *wd = w.d + n * nb, *ad = a.d + t * nb;
     const int16_t *aq = a.qs + t * a.C;
-    __m256 acc[4][4];
+    __m256 acc[TILE_MAX_RW][TILE_MAX_RA];
+    #pragma GCC unroll 8
     for (int r = 0; r < RW; ++r)
+        #pragma GCC unroll 8
         for (int c = 0; c < RA; ++c) acc[r][c] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
-        __m256i lo[4], hi[4]; /* the block's weights 0..15 and 16..31 as s16 */
-        __m256 dw[4];
+        /* one weight row at a time, its block read against every input row straight from L1:
+         * only that row's lo, hi and scale take registers, the rest go to accumulators */
+        #pragma GCC unroll 8
         for (int r = 0; r < RW; ++r) {
             /* the next tile's rows: ~40% off a one-row LM head (49152 x 576 Q8_0, 5.9 -> 3.5 ms) */
             _mm_prefetch((const char *)(wq + (RW + r) * row_bytes + b * block_bytes), _MM_HINT_T0);
-            dw[r] = _mm256_broadcast_ss(wd + r * nb + b);
+            const __m256 dw = _mm256_broadcast_ss(wd + r * nb + b);
             const __m128i p = _mm_loadu_si128((const __m128i *)(wq + r * row_bytes + b * block_bytes));
+            __m256i lo, hi; /* the block's weights 0..15 and 16..31 as s16 */
             if (FMT == QUANT_Q4) { /* byte j = u_j | u_{j+16} << 4, zero-extended to 16 bits */
                 const __m256i x = _mm256_cvtepu8_epi16(p);
-                lo[r] = _mm256_and_si256(x, _mm256_set1_epi16(0x0F));
-                hi[r] = _mm256_srli_epi16(x, 4);
+                lo = _mm256_and_si256(x, _mm256_set1_epi16(0x0F));
+                hi = _mm256_srli_epi16(x, 4);
             } else {
-                lo[r] = _mm256_cvtepi8_epi16(p);
-                hi[r] = _mm256_cvtepi8_epi16(
+                lo = _mm256_cvtepi8_epi16(p);
+                hi = _mm256_cvtepi8_epi16(
                     _mm_loadu_si128((const __m128i *)(wq + r * row_bytes + b * block_bytes + 16)));
             }
-        }
-        for (int c = 0; c < RA; ++c) {
-            const __m256i alo = _mm256_loadu_si256((const __m256i *)(aq + c * a.C + b * 32));
-            const __m256i ahi = _mm256_loadu_si256((const __m256i *)(aq + c * a.C + b * 32 + 16));
-            const __m256 da = _mm256_broadcast_ss(ad + c * nb + b);
-            for (int r = 0; r < RW; ++r) {
-                const __m256i dot = DOT_S16(DOT_S16(_mm256_setzero_si256(), lo[r], alo), hi[r], ahi);
-                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw[r], da), acc[r][c]);
+            #pragma GCC unroll 8
+            for (int c = 0; c < RA; ++c) {
+                const __m256i alo = _mm256_loadu_si256((const __m256i *)(aq + c * a.C + b * 32));
+                const __m256i ahi = _mm256_loadu_si256((const __m256i *)(aq + c * a.C + b * 32 + 16));
+                const __m256 da = _mm256_broadcast_ss(ad + c * nb + b);
+                const __m256i dot = DOT_S16(DOT_S16(_mm256_setzero_si256(), lo, alo), hi, ahi);
+                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, da), acc[r][c]);
             }
         }
     }
+    #pragma GCC unroll 8
     for (int r = 0; r < RW; ++r)
+        #pragma GCC unroll 8
         for (int c = 0; c < RA; ++c) res[r * RA + c] = CAT(hsum, SUFFIX)(acc[r][c]);
+    if (FMT == QUANT_Q4) { /* the offset term (above) */
+        const float *m = w.m + n * nb;
+        if (RA == 1) { /* ds_t is not built for one row: 1 of its 8 lanes would be used */
+            float sum[TILE_MAX_RW] = {0};
+            const float *ds = a.ds + t * nb;
+            for (int64_t b = 0; b < nb; ++b)
+                #pragma GCC unroll 8
+                for (int r = 0; r < RW; ++r) sum[r] = __builtin_fmaf(m[r * nb + b], ds[b], sum[r]);
+            #pragma GCC unroll 8
+            for (int r = 0; r < RW; ++r) res[r] += sum[r];
+        } else { /* the group's input rows in lanes */
+            __m256 sum[TILE_MAX_RW];
+            #pragma GCC unroll 8
+            for (int r = 0; r < RW; ++r) sum[r] = _mm256_setzero_ps();
+            for (int64_t b = 0; b < nb; ++b) {
+                const __m256 ds = _mm256_loadu_ps(ds_t + b * TILE_MAX_RA);
+                #pragma GCC unroll 8
+                for (int r = 0; r < RW; ++r) sum[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(m + r * nb + b), ds, sum[r]);
+            }
+            #pragma GCC unroll 8
+            for (int r = 0; r < RW; ++r) {
+                float lanes[8];
+                _mm256_storeu_ps(lanes, sum[r]);
+                #pragma GCC unroll 8
+                for (int c = 0; c < RA; ++c) res[r * RA + c] += lanes[c];
+            }
+        }
+    }
 #else
+    (void)ds_t; /* its offset term is a dot product per pair, as ever (the C path may differ) */
     for (int r = 0; r < RW; ++r)
         for (int c = 0; c < RA; ++c) {
             const int16_t *qa = a.qs + (t + c) * a.C;
@@ -80,7 +130,6 @@ static inline __attribute__((always_inline)) void CAT(tile, SUFFIX)(
             }
             res[r * RA + c] = acc;
         }
-#endif
     if (FMT == QUANT_Q4)
         for (int r = 0; r < RW; ++r)
             for (int c = 0; c < RA; ++c) {
@@ -90,6 +139,7 @@ static inline __attribute__((always_inline)) void CAT(tile, SUFFIX)(
                 for (int64_t b = 0; b < nb; ++b) sum += m[b] * ds[b];
                 res[r * RA + c] += sum;
             }
+#endif
 }
 
 /* Writes the tile res (RW x RA) of output rows n.., input rows t.. as `mode` says. */
@@ -111,41 +161,57 @@ static inline void CAT(write_tile, SUFFIX)(const float *res, int RW, int RA, int
 }
 
 /* Tiles of RW x RA over output rows [*n, n1) for input rows t.. t + RA - 1, *n advanced
- * past the last whole tile. */
+ * past the last whole tile. QUANT_SILU_MUL writes rows in (gate, up) pairs, so one-row tiles
+ * go two at a time there. */
 static inline __attribute__((always_inline)) void CAT(tiles, SUFFIX)(
-    quant_weight w, q16_act a, int64_t *n, int64_t n1, int64_t t, float *out, int64_t out_stride,
-    const float *bias, int mode, const int FMT, const int RW, const int RA) {
-    float res[16];
-    for (; *n + RW <= n1; *n += RW) {
-        CAT(tile, SUFFIX)(w, a, *n, t, FMT, RW, RA, res);
-        CAT(write_tile, SUFFIX)(res, RW, RA, *n, t, out, out_stride, bias, mode);
+    quant_weight w, q16_act a, const float *ds_t, int64_t *n, int64_t n1, int64_t t, float *out,
+    int64_t out_stride, const float *bias, int mode, const int FMT, const int RW, const int RA) {
+    float res[2 * TILE_MAX_RW * TILE_MAX_RA];
+    const int step = mode == QUANT_SILU_MUL && RW == 1 ? 2 : RW;
+    for (; *n + step <= n1; *n += step) {
+        for (int k = 0; k < step; k += RW) CAT(tile, SUFFIX)(w, a, ds_t, *n + k, t, FMT, RW, RA, res + k * RA);
+        CAT(write_tile, SUFFIX)(res, step, RA, *n, t, out, out_stride, bias, mode);
     }
 }
 
-/* Output rows [n0, n1) x input rows [t0, t1). n0 is even and, for QUANT_SILU_MUL, so is n1:
- * one input row (decode at batch 1) runs 4 weight rows at a time, more run 2 x 4. */
+/* Input rows t.. t + RA - 1 against output rows [n0, n1): TILE_RW(RA) weight rows a tile,
+ * then 1 for what is left. */
+#define TILE_GROUP(RA)                                                                             \
+    case RA: {                                                                                     \
+        int64_t n = n0;                                                                            \
+        CAT(tiles, SUFFIX)(w, a, ds_t, &n, n1, t, out, out_stride, bias, mode, FMT, TILE_RW(RA), RA); \
+        CAT(tiles, SUFFIX)(w, a, ds_t, &n, n1, t, out, out_stride, bias, mode, FMT, 1, RA);       \
+        break;                                                                                     \
+    }
+
+/* Output rows [n0, n1) x input rows [t0, t1). n0 is even and, for QUANT_SILU_MUL, so is n1.
+ * The input rows go in groups of at most TILE_MAX_RA, as equal as they can be, each group in
+ * one pass over the task's weight rows: each weight block is unpacked once per group. */
 static inline __attribute__((always_inline)) void CAT(task_fmt, SUFFIX)(
     quant_weight w, q16_act a, int64_t n0, int64_t n1, int64_t t0, int64_t t1, float *out,
     int64_t out_stride, const float *bias, int mode, const int FMT) {
-    int64_t n, t = t0;
-    if (t1 - t0 == 1) {
-        n = n0;
-        CAT(tiles, SUFFIX)(w, a, &n, n1, t, out, out_stride, bias, mode, FMT, 4, 1);
-        CAT(tiles, SUFFIX)(w, a, &n, n1, t, out, out_stride, bias, mode, FMT, 2, 1);
-        CAT(tiles, SUFFIX)(w, a, &n, n1, t, out, out_stride, bias, mode, FMT, 1, 1);
-        return;
-    }
-    for (; t + 4 <= t1; t += 4) {
-        n = n0;
-        CAT(tiles, SUFFIX)(w, a, &n, n1, t, out, out_stride, bias, mode, FMT, 2, 4);
-        CAT(tiles, SUFFIX)(w, a, &n, n1, t, out, out_stride, bias, mode, FMT, 1, 4);
-    }
-    for (; t < t1; ++t) {
-        n = n0;
-        CAT(tiles, SUFFIX)(w, a, &n, n1, t, out, out_stride, bias, mode, FMT, 2, 1);
-        CAT(tiles, SUFFIX)(w, a, &n, n1, t, out, out_stride, bias, mode, FMT, 1, 1);
+    const int64_t groups = (t1 - t0 + TILE_MAX_RA - 1) / TILE_MAX_RA, nb = w.C / 32;
+    float ds_t[FMT == QUANT_Q4 ? nb * TILE_MAX_RA : 1]; /* the group's ds, (nb, TILE_MAX_RA) */
+    for (int64_t g = 0, t = t0; g < groups; ++g) {
+        const int64_t t_next = t0 + (t1 - t0) * (g + 1) / groups;
+        if (FMT == QUANT_Q4 && t_next - t > 1)
+            for (int64_t b = 0; b < nb; ++b)
+                for (int c = 0; c < TILE_MAX_RA; ++c)
+                    ds_t[b * TILE_MAX_RA + c] = t + c < t_next ? a.ds[(t + c) * nb + b] : 0.0f;
+        switch (t_next - t) {
+            TILE_GROUP(1)
+            TILE_GROUP(2)
+            TILE_GROUP(3)
+            TILE_GROUP(4)
+            TILE_GROUP(5)
+            TILE_GROUP(6)
+            TILE_GROUP(7)
+            TILE_GROUP(8)
+        }
+        t = t_next;
     }
 }
+#undef TILE_GROUP
 
 static void CAT(quant_task, SUFFIX)(quant_weight w, q16_act a, int64_t n0, int64_t n1, int64_t t0,
                                     int64_t t1, float *out, int64_t out_stride, const float *bias, int mode) {
