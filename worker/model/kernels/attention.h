@@ -5,7 +5,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __F16C__
+#if defined(__F16C__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -139,14 +139,79 @@ static inline void prefetch_after(const void *cache, cache_format format, row_pa
     }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+#define ATTEND_SIMD 1
+#define ATTEND_KEYS 4 /* keys whose dots with one query head are in flight together */
+
+/* The 4 sums of v[0..3]'s lanes, each ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)). */
+static inline __m128 hsum4(__m256 v0, __m256 v1, __m256 v2, __m256 v3) {
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(v0, v1), _mm256_hadd_ps(v2, v3));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* scores[g * n + i + l] = scale * q_g . key l for the span's keys (D a multiple of 8). A key's
+ * dot is 8 lanes of fmas in d order, then hsum4: the same whichever group of ATTEND_KEYS it
+ * falls in (a short last group repeats its last key and drops the extra dots). */
+static inline __attribute__((always_inline)) void span_scores(const float *qg, const float *keys, int64_t m,
+                                                              int64_t i, float *scores, int64_t n, int64_t G,
+                                                              int64_t D, float scale) {
+    for (int64_t l = 0; l < m; l += ATTEND_KEYS) {
+        const float *key[ATTEND_KEYS];
+        for (int k = 0; k < ATTEND_KEYS; ++k) key[k] = keys + (l + k < m ? l + k : m - 1) * D;
+        for (int64_t g = 0; g < G; ++g) {
+            const float *qv = qg + g * D;
+            __m256 acc[ATTEND_KEYS];
+            for (int k = 0; k < ATTEND_KEYS; ++k) acc[k] = _mm256_setzero_ps();
+            for (int64_t d = 0; d < D; d += 8) {
+                const __m256 q = _mm256_loadu_ps(qv + d);
+                for (int k = 0; k < ATTEND_KEYS; ++k) acc[k] = _mm256_fmadd_ps(q, _mm256_loadu_ps(key[k] + d), acc[k]);
+            }
+            float dots[ATTEND_KEYS];
+            _mm_storeu_ps(dots, _mm_mul_ps(hsum4(acc[0], acc[1], acc[2], acc[3]), _mm_set1_ps(scale)));
+            for (int k = 0; k < ATTEND_KEYS && l + k < m; ++k) scores[g * n + i + l + k] = dots[k];
+        }
+    }
+}
+
+/* og (D,) += sum over the span's values l of w[l] * value l, each lane a chain of fmas in
+ * position order: the head's D accumulators stay in registers for the span. */
+static inline __attribute__((always_inline)) void span_values(const float *w, const float *values, int64_t m,
+                                                              float *og, int64_t D) {
+    __m256 acc[16];
+    for (int64_t d = 0; d < D; d += 8) acc[d / 8] = _mm256_loadu_ps(og + d);
+    for (int64_t l = 0; l < m; ++l) {
+        const __m256 wl = _mm256_broadcast_ss(w + l);
+        for (int64_t d = 0; d < D; d += 8)
+            acc[d / 8] = _mm256_fmadd_ps(wl, _mm256_loadu_ps(values + l * D + d), acc[d / 8]);
+    }
+    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(og + d, acc[d / 8]);
+}
+#endif
+
 /* One (row, kv head): the G query heads sharing kv head over n keys.
- * Inlined with a constant D below so the loops over D unroll into registers. */
+ * Inlined with a constant D below so the loops over D unroll into registers; with AVX2 and
+ * FMA, D = 64 and 128 take span_scores and span_values. Measured (AVX2 EPYC, 2 threads,
+ * SmolLM2's heads, one layer, ~500 cached fp32 positions in L2, us for 1, 5 and 8 rows):
+ * with a dot product per (key, head), each horizontally summed alone, and the output's
+ * G * D sums loaded and stored for every key, 85 348 526; with span_scores and
+ * span_values 59 233 368. */
 static inline __attribute__((always_inline)) void attend(
     const float *qg, const void *k_cache, const void *v_cache, cache_format format, row_pages pages,
     float *o, float *scores, float *scratch, int64_t n, int64_t G, int64_t D, float scale) {
+#ifdef ATTEND_SIMD
+    const int is_simd = D == 64 || D == 128;
+#else
+    const int is_simd = 0;
+#endif
     for (span s = span_from(pages, 0, 0, 0, n); s.m > 0; s = next_span(pages, s, n)) {
         prefetch_after(k_cache, format, pages, s, n, D); /* scores (G, n): each key read once */
         const float *keys = format.load(k_cache, span_index(pages, s, D), s.m * D, scratch);
+#ifdef ATTEND_SIMD
+        if (is_simd) {
+            span_scores(qg, keys, s.m, s.i, scores, n, G, D, scale);
+            continue;
+        }
+#endif
         for (int64_t l = 0; l < s.m; ++l) {
             const float *key = keys + l * D;
             for (int64_t g = 0; g < G; ++g) {
@@ -174,6 +239,12 @@ static inline __attribute__((always_inline)) void attend(
     for (span s = span_from(pages, 0, 0, 0, n); s.m > 0; s = next_span(pages, s, n)) {
         prefetch_after(v_cache, format, pages, s, n, D);
         const float *values = format.load(v_cache, span_index(pages, s, D), s.m * D, scratch);
+#ifdef ATTEND_SIMD
+        if (is_simd) {
+            for (int64_t g = 0; g < G; ++g) span_values(scores + g * n + s.i, values, s.m, o + g * D, D);
+            continue;
+        }
+#endif
         for (int64_t l = 0; l < s.m; ++l) {
             const float *value = values + l * D;
             for (int64_t g = 0; g < G; ++g) {
