@@ -200,8 +200,6 @@ static inline __attribute__((always_inline)) void attend(
     float *o, float *scores, float *scratch, int64_t n, int64_t G, int64_t D, float scale) {
 #ifdef ATTEND_SIMD
     const int is_simd = D == 64 || D == 128;
-#else
-    const int is_simd = 0;
 #endif
     for (span s = span_from(pages, 0, 0, 0, n); s.m > 0; s = next_span(pages, s, n)) {
         prefetch_after(k_cache, format, pages, s, n, D); /* scores (G, n): each key read once */
