@@ -188,68 +188,97 @@ static inline __attribute__((always_inline)) void span_values(const float *w, co
 }
 #endif
 
-/* One (row, kv head): the G query heads sharing kv head over n keys.
- * Inlined with a constant D below so the loops over D unroll into registers; with AVX2 and
- * FMA, D = 64 and 128 take span_scores and span_values. Measured (AVX2 EPYC, 2 threads,
- * SmolLM2's heads, one layer, ~500 cached fp32 positions in L2, us for 1, 5 and 8 rows):
- * with a dot product per (key, head), each horizontally summed alone, and the output's
- * G * D sums loaded and stored for every key, 85 348 526; with span_scores and
- * span_values 59 233 368. */
+/* Rows that share a block table, each with its own length (a verify step's rows, a prompt
+ * chunk's tokens): row r's G query heads at q + r * q_stride, its output (G, D) at
+ * o + r * o_stride, over its first lens[r] keys, lens[R - 1] the longest. */
+typedef struct {
+    const float *q;
+    float *o;
+    const int32_t *lens;
+    int64_t R, q_stride, o_stride;
+} attend_rows;
+
+/* How many of a span's keys row r attends: those below its own length. */
+static inline int64_t span_keys(span s, int64_t n) { return n - s.i < s.m ? (n > s.i ? n - s.i : 0) : s.m; }
+
+/* The rows' G query heads sharing one kv head. Each span of keys and values is loaded (and
+ * for fp16/bf16 converted) once for all rows, and each row computes exactly what it would
+ * alone: the same spans from position 0, the same per-key dots, its own softmax and, for
+ * each output, the same chain of fmas in position order. Inlined with a constant D below so
+ * the loops over D unroll into registers; with AVX2 and FMA, D = 64 and 128 take
+ * span_scores and span_values. Measured (AVX2 EPYC, 2 threads, SmolLM2's heads, one layer,
+ * ~500 cached fp32 positions in L2, us for 1, 5 and 8 rows, each row its own task): with a
+ * dot product per (key, head), each horizontally summed alone, and the output's G * D sums
+ * loaded and stored for every key, 85 348 526; with span_scores and span_values 59 233 368. */
 static inline __attribute__((always_inline)) void attend(
-    const float *qg, const void *k_cache, const void *v_cache, cache_format format, row_pages pages,
-    float *o, float *scores, float *scratch, int64_t n, int64_t G, int64_t D, float scale) {
+    attend_rows rows, const void *k_cache, const void *v_cache, cache_format format, row_pages pages,
+    float *scores, float *scratch, int64_t G, int64_t D, float scale) {
+    const int64_t n = rows.lens[rows.R - 1], R = rows.R; /* scores (R, G, n) */
 #ifdef ATTEND_SIMD
     const int is_simd = D == 64 || D == 128;
 #endif
     for (span s = span_from(pages, 0, 0, 0, n); s.m > 0; s = next_span(pages, s, n)) {
-        prefetch_after(k_cache, format, pages, s, n, D); /* scores (G, n): each key read once */
+        prefetch_after(k_cache, format, pages, s, n, D); /* each key read once */
         const float *keys = format.load(k_cache, span_index(pages, s, D), s.m * D, scratch);
+        for (int64_t r = 0; r < R; ++r) {
+            const float *qg = rows.q + r * rows.q_stride;
+            float *sc = scores + r * G * n;
+            const int64_t m = span_keys(s, rows.lens[r]);
 #ifdef ATTEND_SIMD
-        if (is_simd) {
-            span_scores(qg, keys, s.m, s.i, scores, n, G, D, scale);
-            continue;
-        }
+            if (is_simd) {
+                if (m > 0) span_scores(qg, keys, m, s.i, sc, n, G, D, scale);
+                continue;
+            }
 #endif
-        for (int64_t l = 0; l < s.m; ++l) {
-            const float *key = keys + l * D;
-            for (int64_t g = 0; g < G; ++g) {
-                const float *qv = qg + g * D;
-                float dot = 0.0f;
+            for (int64_t l = 0; l < m; ++l) {
+                const float *key = keys + l * D;
+                for (int64_t g = 0; g < G; ++g) {
+                    const float *qv = qg + g * D;
+                    float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < D; ++d) dot += qv[d] * key[d];
-                scores[g * n + s.i + l] = dot * scale;
+                    for (int64_t d = 0; d < D; ++d) dot += qv[d] * key[d];
+                    sc[g * n + s.i + l] = dot * scale;
+                }
             }
         }
     }
-    for (int64_t g = 0; g < G; ++g) { /* softmax per query head */
-        float *s = scores + g * n, max = s[0], sum = 0.0f;
-        for (int64_t l = 1; l < n; ++l) max = s[l] > max ? s[l] : max;
+    for (int64_t r = 0; r < R; ++r)
+        for (int64_t g = 0; g < G; ++g) { /* softmax per row and query head, over its own keys */
+            const int64_t nr = rows.lens[r];
+            float *sc = scores + (r * G + g) * n, max = sc[0], sum = 0.0f;
+            for (int64_t l = 1; l < nr; ++l) max = sc[l] > max ? sc[l] : max;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t l = 0; l < n; ++l) {
-            s[l] = exp_nonpositive(s[l] - max);
-            sum += s[l];
-        }
-        const float inv = 1.0f / sum;
+            for (int64_t l = 0; l < nr; ++l) {
+                sc[l] = exp_nonpositive(sc[l] - max);
+                sum += sc[l];
+            }
+            const float inv = 1.0f / sum;
 #pragma omp simd
-        for (int64_t l = 0; l < n; ++l) s[l] *= inv;
-    }
-    memset(o, 0, (size_t)(G * D) * sizeof(float)); /* o (G, D) = scores @ values: each value read once */
+            for (int64_t l = 0; l < nr; ++l) sc[l] *= inv;
+        }
+    for (int64_t r = 0; r < R; ++r) /* o (G, D) = scores @ values: each value read once */
+        memset(rows.o + r * rows.o_stride, 0, (size_t)(G * D) * sizeof(float));
     for (span s = span_from(pages, 0, 0, 0, n); s.m > 0; s = next_span(pages, s, n)) {
         prefetch_after(v_cache, format, pages, s, n, D);
         const float *values = format.load(v_cache, span_index(pages, s, D), s.m * D, scratch);
+        for (int64_t r = 0; r < R; ++r) {
+            const int64_t m = span_keys(s, rows.lens[r]);
+            const float *sc = scores + r * G * n;
+            float *o = rows.o + r * rows.o_stride;
 #ifdef ATTEND_SIMD
-        if (is_simd) {
-            for (int64_t g = 0; g < G; ++g) span_values(scores + g * n + s.i, values, s.m, o + g * D, D);
-            continue;
-        }
+            if (is_simd) {
+                for (int64_t g = 0; g < G && m > 0; ++g) span_values(sc + g * n + s.i, values, m, o + g * D, D);
+                continue;
+            }
 #endif
-        for (int64_t l = 0; l < s.m; ++l) {
-            const float *value = values + l * D;
-            for (int64_t g = 0; g < G; ++g) {
-                const float w = scores[g * n + s.i + l];
-                float *og = o + g * D;
+            for (int64_t l = 0; l < m; ++l) {
+                const float *value = values + l * D;
+                for (int64_t g = 0; g < G; ++g) {
+                    const float w = sc[g * n + s.i + l];
+                    float *og = o + g * D;
 #pragma omp simd
-                for (int64_t d = 0; d < D; ++d) og[d] += w * value[d];
+                    for (int64_t d = 0; d < D; ++d) og[d] += w * value[d];
+                }
             }
         }
     }
@@ -267,20 +296,23 @@ static int check_row(const int32_t *blocks, int64_t n, int64_t max_blocks, int64
     return bad ? FAILED_BAD_BLOCK : 0;
 }
 
-/* One (row, kv head) task: qg and o (G, D); its scratch taken and given back here.
- * Returns 0 or FAILED_NO_MEMORY. */
-static inline int attend_task(const float *qg, const void *k_cache, const void *v_cache, cache_format format,
-                              row_pages pages, float *o, int64_t n, int64_t G, int64_t D, float scale) {
-    const int64_t span_scratch = format.is_converted ? MAX_SPAN * D : 0;
-    float *scores = malloc((size_t)(G * n + span_scratch) * sizeof(float)); /* (G, n), then a span */
+/* One (rows, kv head) task; its scratch taken and given back here. Returns 0 or
+ * FAILED_NO_MEMORY. Never inlined nor specialised (noipa): cpu.c's per-op attention (always
+ * one row) and layer.c's fused layers then run the same machine code. A copy specialised
+ * for one row vectorised the `omp simd` reductions of the generic-D loops differently and
+ * gave other last bits (seen with D = 16). */
+static __attribute__((noipa)) int attend_task(attend_rows rows, const void *k_cache, const void *v_cache, cache_format format,
+                              row_pages pages, int64_t G, int64_t D, float scale) {
+    const int64_t span_scratch = format.is_converted ? MAX_SPAN * D : 0, n = rows.lens[rows.R - 1];
+    float *scores = malloc((size_t)(rows.R * G * n + span_scratch) * sizeof(float)); /* (R, G, n), a span */
     if (scores == NULL) return FAILED_NO_MEMORY;
-    float *scratch = scores + G * n;
+    float *scratch = scores + rows.R * G * n;
     if (D == 64)
-        attend(qg, k_cache, v_cache, format, pages, o, scores, scratch, n, G, 64, scale);
+        attend(rows, k_cache, v_cache, format, pages, scores, scratch, G, 64, scale);
     else if (D == 128)
-        attend(qg, k_cache, v_cache, format, pages, o, scores, scratch, n, G, 128, scale);
+        attend(rows, k_cache, v_cache, format, pages, scores, scratch, G, 128, scale);
     else
-        attend(qg, k_cache, v_cache, format, pages, o, scores, scratch, n, G, D, scale);
+        attend(rows, k_cache, v_cache, format, pages, scores, scratch, G, D, scale);
     free(scores);
     return 0;
 }

@@ -65,8 +65,8 @@ static int paged_decode_attention(
             failed |= bad;
             continue;
         }
-        failed |= attend_task(q + b * q_row_stride + kv * G * D, k_cache, v_cache, format, pages,
-                              out + (b * H + kv * G) * D, n, G, D, scale);
+        const attend_rows rows = {q + b * q_row_stride + kv * G * D, out + (b * H + kv * G) * D, lens + b, 1, 0, 0};
+        failed |= attend_task(rows, k_cache, v_cache, format, pages, G, D, scale);
     }
     return failed & FAILED_BAD_LENGTH ? -2 : failed & FAILED_BAD_BLOCK ? -3 : failed ? -1 : 0;
 }

@@ -112,9 +112,40 @@ static void norm_quantize(const float *x, const float *weight, int64_t B, int64_
     }
 }
 
+/* Consecutive rows of one sequence (a verify step's rows, a prompt chunk's tokens: each one
+ * position further, the same blocks) attend as one task per kv head, so the keys and values
+ * they share are loaded once for all of them (at ~500 fp32 positions a row's K/V are 768 KB a
+ * layer for SmolLM2). Measured, 30 layers at ~500 positions, 2 threads, old and new kernels
+ * alternated in one process, medians of 10: 5 verify rows 21.9 -> 20.8 ms, 1 row 9.8 both.
+ * Groups are cut at `cap` rows; row groups[g] .. groups[g + 1] - 1 form group g. */
+static int64_t group_rows(const decode_step *st, int64_t cap, int64_t *groups) {
+    int64_t num = 0;
+    groups[0] = 0;
+    for (int64_t b = 1; b < st->B; ++b) {
+        const int32_t *prev = st->block_tables + (b - 1) * st->block_table_stride;
+        const int64_t used = (st->lens[b - 1] + st->block_size - 1) / st->block_size;
+        const int joins = b - groups[num] < cap && st->lens[b] == st->lens[b - 1] + 1 &&
+                          memcmp(prev, prev + st->block_table_stride, (size_t)used * sizeof(int32_t)) == 0;
+        if (!joins) groups[++num] = b;
+    }
+    groups[++num] = st->B;
+    return num;
+}
+
+/* Groups of at most 8 rows, smaller where that leaves fewer than two tasks per thread (one
+ * sequence verifying 4 proposals with 3 kv heads: 3 tasks for 2 threads, one thread idle a
+ * third of the time, against 6 in groups of 3 and 2). */
+static int64_t plan_groups(const decode_step *st, int num_threads, int64_t *groups) {
+    int64_t num = group_rows(st, 8, groups);
+    const int64_t min_groups = (2 * num_threads + st->KH - 1) / st->KH;
+    if (num < min_groups && num < st->B) num = group_rows(st, (st->B + min_groups - 1) / min_groups, groups);
+    return num;
+}
+
 /* One layer; called by every thread of the region. */
 static void layer(int isa, const decode_layer_weights *w, const decode_step *st, int64_t l, float *h,
-                  float *qkv, float *attn, float *act, q16_act a, int *failed) {
+                  float *qkv, float *attn, float *act, q16_act a, const int64_t *groups, int64_t num_groups,
+                  int *failed) {
     const int64_t B = st->B, C = st->C, H = st->H, KH = st->KH, D = st->D, G = H / KH;
     const int64_t QKV = (H + 2 * KH) * D;
     char *k_cache = st->k_cache + l * st->layer_bytes, *v_cache = st->v_cache + l * st->layer_bytes;
@@ -135,12 +166,13 @@ static void layer(int isa, const decode_layer_weights *w, const decode_step *st,
         }
     }
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < B * KH; ++task) {
-        const int64_t b = task / KH, kv = task % KH;
-        const row_pages pages = {st->block_tables + b * st->block_table_stride, st->block_size,
-                                 st->block_size * D, kv * head_values};
-        const int bad = attend_task(qkv + b * QKV + kv * G * D, k_cache, v_cache, format, pages,
-                                    attn + (b * H + kv * G) * D, st->lens[b], G, D, st->scale);
+    for (int64_t task = 0; task < num_groups * KH; ++task) {
+        const int64_t b = groups[task / KH], R = groups[task / KH + 1] - b, kv = task % KH;
+        const row_pages pages = {st->block_tables + (b + R - 1) * st->block_table_stride, st->block_size,
+                                 st->block_size * D, kv * head_values}; /* the longest row's covers all */
+        const attend_rows rows = {qkv + b * QKV + kv * G * D, attn + (b * H + kv * G) * D, st->lens + b, R, QKV,
+                                  H * D};
+        const int bad = attend_task(rows, k_cache, v_cache, format, pages, G, D, st->scale);
         if (bad) __atomic_or_fetch(failed, bad, __ATOMIC_RELAXED);
     }
     a.C = H * D;
@@ -166,14 +198,22 @@ int decode_layers(int isa, const decode_layer_weights *layers, int64_t num_layer
                                                : (st->C > st->H * st->D ? st->C : st->H * st->D);
     const int64_t nb = B * W / 32, floats = B * (st->C + (st->H + 2 * st->KH) * st->D + st->H * st->D + st->F);
     float *h = malloc((size_t)(floats + 2 * nb) * sizeof(float) + (size_t)nb * sizeof(int32_t) + (size_t)(B * W) * sizeof(int16_t));
-    if (h == NULL) return -1;
+    int64_t *groups = malloc((size_t)(B + 1) * sizeof(int64_t));
+    if (h == NULL || groups == NULL) {
+        free(h);
+        free(groups);
+        return -1;
+    }
+    const int64_t num_groups = plan_groups(st, num_threads, groups);
     float *qkv = h + B * st->C, *attn = qkv + B * (st->H + 2 * st->KH) * st->D, *act = attn + B * st->H * st->D;
     float *ad = act + B * st->F, *ads = ad + nb;
     int32_t *as = (int32_t *)(ads + nb);
     const q16_act a = {(int16_t *)(as + nb), ad, as, ads, st->C}; /* sized for the widest input, W */
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
-    for (int64_t l = 0; l < num_layers; ++l) layer(isa, layers + l, st, l, h, qkv, attn, act, a, &failed);
+    for (int64_t l = 0; l < num_layers; ++l)
+        layer(isa, layers + l, st, l, h, qkv, attn, act, a, groups, num_groups, &failed);
     free(h);
+    free(groups);
     return failed ? -1 : 0;
 }
