@@ -1,7 +1,9 @@
 """Speculative decoding (--speculative ngram) vs plain decoding on SmolLM2, default quantization.
 
-One engine in one process; the sides alternate run by run (plain/spec, then spec/plain), so
-both see the same machine state. Greedy, EOS ignored, chat template:
+One engine in one process; the sides alternate request by request (plain/spec for each
+prompt, spec/plain in the next run), so both see the same machine state: on the noisy 2-core
+hosts, alternating whole workloads let the ratio swing by +-10% between runs. Greedy, EOS
+ignored, chat template:
   * batch 1, repetitive: "repeat the following list" / "rewrite this code with a small
     change", prompts of >= 300 tokens: decode tokens/s (Usage.decode_time_s) and acceptance;
   * batch 1, open-ended: chat questions;
@@ -98,22 +100,32 @@ def decode_rate(usages: list[Any]) -> float:
     return sum(u.completion_tokens - 1 for u in usages) / sum(u.decode_time_s for u in usages)
 
 
-def measure(engine: Any, speculative: bool, k: int, max_tokens: int) -> dict[str, Any]:
+def measure(engine: Any, k: int, max_tokens: int, run: int) -> dict[bool, dict[str, Any]]:
+    """One run of every workload on both sides, alternating request by request."""
     from worker.engine.spec_policy import SpeculationPolicy
 
-    engine.engine.spec = SpeculationPolicy(k) if speculative else None
-    rep = [run_batch(engine, [p], max_tokens) for p in REPETITIVE]
-    opn = [run_batch(engine, [p], max_tokens) for p in OPEN]
+    order = (False, True) if run % 2 == 0 else (True, False)
+    out: dict[bool, dict[str, Any]] = {side: {"rep": [], "open": [], "ids": []} for side in order}
+
+    def one(side: bool, prompts: list[str]) -> tuple[float, list[Any]]:
+        engine.engine.spec = SpeculationPolicy(k) if side else None
+        wall, usages, ids = run_batch(engine, prompts, max_tokens)
+        out[side]["ids"] += ids
+        return wall, usages
+
+    for key, prompts in (("rep", REPETITIVE), ("open", OPEN)):
+        for prompt in prompts:
+            for side in order:
+                out[side][key] += one(side, [prompt])[1]
     mixed = [REPETITIVE[i % 3] if i % 2 else OPEN[i % 3] for i in range(16)]
-    wall16, usages16, ids16 = run_batch(engine, mixed, max_tokens)
-    rep_usages = [u for _, us, _ in rep for u in us]
-    return {
-        "rep_tps": decode_rate(rep_usages), "open_tps": decode_rate([u for _, us, _ in opn for u in us]),
-        "c16_tps": sum(u.completion_tokens for u in usages16) / wall16,
-        "drafts": sum(u.num_draft_tokens for u in rep_usages),
-        "accepted": sum(u.num_accepted_tokens for u in rep_usages),
-        "ids": [i for _, _, ids in rep + opn for i in ids] + ids16,
-    }
+    for side in order:
+        wall16, usages16 = one(side, mixed)
+        r = out[side]
+        r["c16_tps"] = sum(u.completion_tokens for u in usages16) / wall16
+        r["rep_tps"], r["open_tps"] = decode_rate(r["rep"]), decode_rate(r["open"])
+        r["drafts"] = sum(u.num_draft_tokens for u in r["rep"])
+        r["accepted"] = sum(u.num_accepted_tokens for u in r["rep"])
+    return out
 
 
 def main() -> None:
@@ -137,8 +149,8 @@ def main() -> None:
     run_batch(engine, OPEN[:1], 8)  # warm-up: first-call costs stay out of the first side
     results: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
     for run in range(args.runs):
-        for side in ((False, True) if run % 2 == 0 else (True, False)):
-            results[side].append(measure(engine, side, args.k, args.max_tokens))
+        for side, result in measure(engine, args.k, args.max_tokens, run).items():
+            results[side].append(result)
     same = all(a["ids"] == b["ids"] for a, b in zip(results[False], results[True], strict=True))
 
     def med(side: bool, key: str) -> float:
@@ -160,6 +172,9 @@ def main() -> None:
                                ("16 concurrent (aggregate)", "c16_tps", "concurrent16_speedup")):
         print(f"{name:<28}{med(False, key):>14.1f}{med(True, key):>14.1f}{summary[speedup]:>10.2f}")
     print(f"acceptance (repetitive): {accepted}/{drafts} proposed tokens")
+    for key in ("rep_tps", "open_tps", "c16_tps"):  # the spread behind the medians
+        print(f"  {key} per run, plain/spec: " + ", ".join(
+            f"{a[key]:.1f}/{b[key]:.1f}" for a, b in zip(results[False], results[True], strict=True)))
     if not same:
         raise SystemExit("speculative output differs from plain decoding")
     print(json.dumps(summary))
