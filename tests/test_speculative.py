@@ -36,7 +36,8 @@ class LookupProposer:
     ([1, 2, 3], 3, []),  # nothing repeats
     ([5, 6, 7, 5, 6, 8, 5, 6], 1, [8]),  # the latest occurrence, not the first (7)
     ([7, 1, 2, 3, 8, 2, 3, 5, 1, 2, 3], 2, [8, 2]),  # a longer match wins over a later shorter one
-    ([1, 2, 1], 4, [2, 1]),  # fewer than k tokens follow
+    ([1, 2, 1, 2], 4, [1, 2]),  # fewer than k tokens follow
+    ([1, 2, 1], 4, []),  # one repeated token is no match (MIN_NGRAM)
     ([3, 3, 3], 2, [3]),
     ([1, 2, 1], 0, []),
     ([4], 3, []),
