@@ -78,7 +78,8 @@ def test_two_gateways_share_one_max_concurrent_budget_and_a_call_frees_its_slot(
 
 
 def test_a_dead_gateways_slots_expire_while_a_live_ones_are_renewed(
-        tmp_path: Path, make_gateway: MakeGateway, redis_url: str, prefix: str) -> None:
+        tmp_path: Path, make_gateway: MakeGateway, redis_url: str, sync_redis: redis.Redis,
+        prefix: str) -> None:
     # 3 s: renewed every ttl / 3, so a renewal may be ~2 s late on a busy host before the
     # live slot expires (with 1 s, and then 2 s, the test failed once each in a loaded CI run)
     token, ttl_s = new_token(), 3.0
@@ -87,7 +88,8 @@ def test_a_dead_gateways_slots_expire_while_a_live_ones_are_renewed(
                             "--quota-slot-ttl", str(ttl_s)).wait_serving()
     survivor = make_gateway(auth_tokens_file=path, quota_slot_ttl_s=ttl_s)
     try:
-        channel, _ = open_call(doomed.target, token, timeout=30)
+        channel, pending = open_call(doomed.target, token, timeout=30)  # held: a dropped call is cancelled
+        wait_until(lambda: sync_redis.zcard(Keys(prefix).tenant_calls(TENANT)) == 1, timeout=15)
         wait_until(lambda: call(survivor.target, token, timeout=5).code() == REFUSED, timeout=15)
         time.sleep(1.5 * ttl_s)  # past the TTL: the slot was renewed, so it still counts
         assert call(survivor.target, token, timeout=5).code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -96,6 +98,7 @@ def test_a_dead_gateways_slots_expire_while_a_live_ones_are_renewed(
         wait_until(lambda: call(survivor.target, token, timeout=0.5).code() == ADMITTED,
                    timeout=5 * ttl_s, interval=0.1)
         assert time.monotonic() - killed_at < 3 * ttl_s + 1
+        del pending
         channel.close()
     finally:
         doomed.kill()
@@ -129,7 +132,7 @@ def test_tenants_without_limits_and_other_tenants_are_not_counted(
     path = write_tenants(tmp_path / "t.json", {TENANT: {"tokens": [busy], "max_concurrent": 1},
                                                "free": {"tokens": [free]}})
     target = make_gateway(auth_tokens_file=path).target
-    channel, _ = open_call(target, busy)
+    channel, pending = open_call(target, busy)  # held: a dropped call is cancelled
     wait_until(lambda: sync_redis.zcard(Keys(prefix).tenant_calls(TENANT)) == 1, timeout=5)
     assert call(target, free, timeout=0.5).code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert not sync_redis.exists(Keys(prefix).tenant_calls("free"), Keys(prefix).tenant_tokens("free"))
@@ -137,4 +140,5 @@ def test_tenants_without_limits_and_other_tenants_are_not_counted(
     with info_channel:
         info = stub.GetServerInfo(generate_pb2.GetServerInfoRequest(), timeout=5, metadata=bearer(busy))
     assert info.gateway_id  # GetServerInfo takes no slot
+    del pending
     channel.close()
