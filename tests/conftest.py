@@ -178,3 +178,14 @@ def metrics_stack(make_gateway: Callable[..., GatewayThread],
     with channel:
         wait_until(workers_ready(stub, 1), timeout=10)
         yield MetricsStack(stub, gateway_port, worker_port)
+
+
+@pytest.fixture(scope="module")
+def quant() -> Any:
+    """The quantized-linear kernels (tests that take it import tests.quant_factories, which
+    skips their module where no C compiler is present)."""
+    from worker.model.native import load_native_kernels
+
+    kernels = load_native_kernels()
+    assert kernels is not None, "a C compiler is present, so the kernels must build and load"
+    return kernels.quant

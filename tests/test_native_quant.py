@@ -4,7 +4,6 @@ references and fp32 maths, on every instruction set this CPU has, and what they 
 from __future__ import annotations
 
 import re
-import shutil
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -30,7 +29,6 @@ from tests.quant_factories import (
     make_weight,
     nmse,
 )
-from worker.model.native import COMPILERS, load_native_kernels
 from worker.model.native_quant import ISAS, QuantKernels
 from worker.model.quant import (
     ACT_MAX,
@@ -44,16 +42,6 @@ from worker.model.quant import (
     quantize,
     quantize_activations_reference,
 )
-
-if not any(shutil.which(c) for c in COMPILERS):
-    pytest.skip("no C compiler on this machine: quantized weights cannot run", allow_module_level=True)
-
-
-@pytest.fixture(scope="module")
-def quant() -> QuantKernels:
-    kernels = load_native_kernels()
-    assert kernels is not None, "a C compiler is present, so the kernels must build and load"
-    return kernels.quant
 
 
 @pytest.fixture(params=list(ISAS))

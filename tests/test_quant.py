@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,7 @@ from worker.factory import build_model, quantize_to
 from worker.model.linear import Linears
 from worker.model.llama import ForwardBatch, KVCache, LlamaModel
 from worker.model.loader import default_model_path, expected_shapes, load_model, read_hf_config
-from worker.model.native import COMPILERS, load_native_kernels
+from worker.model.native import load_native_kernels
 from worker.model.native_quant import QuantKernels
 from worker.model.quant import (
     QK,
@@ -40,17 +39,6 @@ from worker.model.quant import (
     from_blocks,
     quantize,
 )
-
-if not any(shutil.which(c) for c in COMPILERS):
-    pytest.skip("no C compiler on this machine: quantized weights cannot run", allow_module_level=True)
-
-
-@pytest.fixture(scope="module")
-def quant() -> QuantKernels:
-    kernels = load_native_kernels()
-    assert kernels is not None, "a C compiler is present, so the kernels must build and load"
-    return kernels.quant
-
 
 # ---------------------------------------------------------------- dequantization and GGUF blocks
 
