@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import grpc
+from redis.exceptions import OutOfMemoryError
 
 from protos.tokenrelay.v1 import queue_pb2
 
@@ -49,6 +50,20 @@ class Unavailable(GatewayError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class DataLoss(GatewayError):
+    """Redis lost acknowledged events: the stream cannot continue, and a retry cannot help."""
+
+    code = grpc.StatusCode.DATA_LOSS
+
+
+class RedisOutOfMemory(GatewayError):
+    """Redis is at its maxmemory and, with noeviction, refuses writes. Nothing was written (Redis
+    refuses a script at its first write), so the same call later is safe; until memory is freed
+    (results expire, or an operator raises maxmemory) every new call gets this."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 class QueueFull(GatewayError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
@@ -65,5 +80,14 @@ class WorkerError(GatewayError):
         self.code = WORKER_ERROR_STATUS.get(error.code, grpc.StatusCode.INTERNAL)
 
 
-def redis_unavailable(e: BaseException) -> Unavailable:
+def redis_unavailable(e: BaseException) -> GatewayError:
+    """The status of a failed Redis command: out of memory, or (anything else) unreachable."""
+    if is_out_of_memory(e):
+        return RedisOutOfMemory(f"the queue (Redis) is full: it is at its maxmemory and refuses writes "
+                                f"({e}); retry later")
     return Unavailable(f"the queue (Redis) is unreachable: {e}")
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """Redis's OOM reply; from inside a Lua script, Redis 6 wraps it in a script error."""
+    return isinstance(e, OutOfMemoryError) or "OOM command not allowed" in str(e)

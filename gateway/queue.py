@@ -17,10 +17,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
 
 from gateway.config import GatewayConfig
-from protos.keys import RECORD_LEASE_S, STREAM_DATA_FIELD, Heartbeat, PriorityClass, Record
+from protos.keys import (
+    RECORD_LEASE_S,
+    STREAM_DATA_FIELD,
+    WORKER_KEY_MARK,
+    Heartbeat,
+    LogField,
+    PriorityClass,
+    Record,
+)
 from protos.redis_conn import async_client
 from protos.tokenrelay.v1 import generate_pb2, queue_pb2
 
@@ -65,6 +72,58 @@ return {{'created', id, seed}}
 """
 
 
+MAX_LOG_READ = 2048  # events per READ_LOG call (Lua's unpack() takes a few thousand values)
+
+# The request's logged events from seq ARGV[2] on (at most ARGV[3]), from the log hash its
+# record names (protos/keys.py): one round trip whose cost is what it returns, never the
+# whole log. Returns {seq of the first value, values...}; a missing event reads as false (a
+# gap). A caller asking past the end of a finished request gets the final alone.
+READ_LOG_SCRIPT = f"""
+local rid, first, most = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local f = redis.call('HMGET', KEYS[1], '{Record.LOG}', '{Record.FINAL}')
+local log, final = f[1], f[2]
+if not log then return {{first}} end
+if final and tonumber(final) < first then
+  return {{tonumber(final), redis.call('HGET', log, rid .. ':' .. final)}}
+end
+local n = tonumber(redis.call('HGET', log, rid .. '{LogField.NEXT}') or '0')
+local last = math.min(n - 1, first + most - 1)
+if last < first then return {{first}} end
+local names = {{}}
+for s = first, last do names[#names + 1] = rid .. ':' .. s end
+local reply = redis.call('HMGET', log, unpack(names))
+table.insert(reply, 1, first)
+return reply
+"""
+
+# Live workers in one round trip: the registry's members whose expiry (Redis ms) is ahead,
+# each followed by its heartbeat hash. No SCAN: the registry is one sorted set.
+LIVE_WORKERS_SCRIPT = f"""
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local reply = {{}}
+for _, name in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now, '+inf')) do
+  reply[#reply + 1] = redis.call('HGETALL', ARGV[1] .. '{WORKER_KEY_MARK}' .. name)
+end
+return reply
+"""
+
+# Where an attempt is: 'queued', 'running' (its consumer alive in the registry), 'orphaned'
+# (its consumer's heartbeat expired) or 'gone'. KEYS: stream, registry; ARGV: group, entry.
+ENTRY_STATE_SCRIPT = """
+local present = #redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2]) > 0
+local ok, pending = pcall(redis.call, 'XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
+if not ok or #pending == 0 then
+  if present then return 'queued' else return 'gone' end
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local score = redis.call('ZSCORE', KEYS[2], pending[1][2])
+if score and tonumber(score) > now then return 'running' end
+return 'orphaned'
+"""
+
+
 @dataclass(frozen=True)
 class _StreamDepth:
     name: str
@@ -90,6 +149,9 @@ class RequestQueue:
         self._num_enqueued_since_read = 0
         self._depth_lock = asyncio.Lock()
         self._attach = client.register_script(ATTACH_SCRIPT)
+        self._read_log = client.register_script(READ_LOG_SCRIPT)
+        self._live_workers = client.register_script(LIVE_WORKERS_SCRIPT)
+        self._entry_state = client.register_script(ENTRY_STATE_SCRIPT)
 
     async def attach(self, request: queue_pb2.QueuedRequest, digest: str, *, may_create: bool,
                      expect: bytes = b"") -> Attached:
@@ -105,12 +167,19 @@ class RequestQueue:
         entry_id = reply[1] if len(reply) > 1 else b""
         return Attached(state, entry_id, int(reply[2]) if len(reply) > 2 and reply[2] else None)
 
-    async def read_log(self, request_id: str) -> dict[int, queue_pb2.TokenEvent]:
-        """seq -> event of everything the request's record logged (chunks and the final)."""
-        fields: dict[bytes, bytes] = await self.client.hgetall(self.keys.record(request_id))  # type: ignore
-        prefix = Record.EVENT_PREFIX.encode()
-        return {int(name[len(prefix):]): queue_pb2.TokenEvent.FromString(value)
-                for name, value in fields.items() if name.startswith(prefix)}
+    async def read_log(self, request_id: str, first_seq: int = 0) -> dict[int, queue_pb2.TokenEvent]:
+        """seq -> event of what the request's log holds from first_seq on (chunks and the final),
+        read MAX_LOG_READ at a time."""
+        events: dict[int, queue_pb2.TokenEvent] = {}
+        while True:
+            start, *values = await self._read_log(keys=[self.keys.record(request_id)],
+                                                  args=[request_id, first_seq, MAX_LOG_READ])
+            for offset, value in enumerate(values):
+                if value:
+                    events[int(start) + offset] = queue_pb2.TokenEvent.FromString(value)
+            if len(values) < MAX_LOG_READ:
+                return events
+            first_seq += MAX_LOG_READ
 
     async def queue_depth(self) -> int:
         """Requests waiting to be claimed, re-read at most every depth_cache_ms.
@@ -185,35 +254,19 @@ class RequestQueue:
     async def entry_state(self, entry_id: bytes, stream: str = "") -> EntryState:
         """Where the attempt is, in `stream` (default: the NORMAL class's)."""
         stream = stream or self.keys.requests
-        pipe = self.client.pipeline(transaction=False)
-        pipe.xpending_range(stream, self.keys.group, min=entry_id, max=entry_id, count=1)
-        pipe.xrange(stream, min=entry_id, max=entry_id, count=1)
-        pending, present = await pipe.execute(raise_on_error=False)
-        if isinstance(present, Exception):
-            raise present
-        if isinstance(pending, ResponseError) or not pending:  # NOGROUP: nobody claimed anything
-            return EntryState.QUEUED if present else EntryState.GONE
-        if isinstance(pending, Exception):
-            raise pending
-        consumer = pending[0]["consumer"].decode()
-        is_alive = await self.client.exists(self.keys.worker(consumer))
-        return EntryState.RUNNING if is_alive else EntryState.ORPHANED
+        state = await self._entry_state(keys=[stream, self.keys.registry], args=[self.keys.group, entry_id])
+        return EntryState(state.decode())
 
     async def workers(self) -> list[generate_pb2.WorkerInfo]:
-        """Live workers (their heartbeat hash has not expired)."""
-        keys = [k async for k in self.client.scan_iter(match=self.keys.worker_pattern, count=100)]
-        if not keys:
-            return []
-        pipe = self.client.pipeline(transaction=False)
-        for key in keys:
-            pipe.hgetall(key)
-        hashes = await pipe.execute()
-        return [_worker_info(h) for h in hashes if h]  # {} = expired between SCAN and HGETALL
+        """Live workers: the registry's, with their heartbeat hashes (one round trip)."""
+        hashes = await self._live_workers(keys=[self.keys.registry], args=[self.keys.prefix])
+        return [_worker_info(h) for h in hashes if h]  # [] = expired between the two reads
 
 
-def _worker_info(fields: dict[bytes, bytes]) -> generate_pb2.WorkerInfo:
-    """A heartbeat hash -> WorkerInfo; a field the worker did not write reads as 0 or ""."""
-    f = {k.decode(): v.decode() for k, v in fields.items()}
+def _worker_info(flat: list[bytes]) -> generate_pb2.WorkerInfo:
+    """A heartbeat hash (HGETALL's flat reply) -> WorkerInfo; a field the worker did not write
+    reads as 0 or ""."""
+    f = {k.decode(): v.decode() for k, v in zip(flat[::2], flat[1::2], strict=True)}
     info: dict[str, Any] = {name: f.get(name, "") for name in Heartbeat.TEXT}
     info |= {name: float(f.get(name) or 0) for name in Heartbeat.FLOAT}
     info |= {name: int(f.get(name) or 0) for name in Heartbeat.INT}

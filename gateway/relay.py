@@ -4,7 +4,8 @@ Events come from two places (protos/keys.py): the request's log in its record,
 read once the call is subscribed (and again after a resubscription or a gap),
 and its channel. Both carry a per-request `seq`, which is also the chunk index
 (the final's seq is the number of chunks): duplicates are dropped, and a gap
-the log cannot fill fails the call (Redis lost what it had acknowledged). A
+the log cannot fill fails the call with DATA_LOSS (Redis lost what it had
+acknowledged: a retry cannot help, so the shipped client does not retry it). A
 call resuming at chunk K starts at seq K, so what the caller already has is
 neither sent nor needed.
 
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 
 from redis.exceptions import RedisError
 
-from gateway.errors import GatewayError, OutOfRange, Unavailable, WorkerError, redis_unavailable
+from gateway.errors import DataLoss, GatewayError, OutOfRange, Unavailable, WorkerError, redis_unavailable
 from gateway.queue import EntryState, RequestQueue
 from gateway.replies import CallItem, Resync
 from protos.tokenrelay.v1 import generate_pb2, queue_pb2
@@ -107,7 +108,7 @@ async def _fill_from_log(follow: Follow, queue: RequestQueue, checks: _Liveness 
     """Add what the log has from next_seq on; False if Redis did not answer (and `checks`
     allows more waiting: the router resubscribes once it is back, and this runs again)."""
     try:
-        log = await queue.read_log(follow.request_id)
+        log = await queue.read_log(follow.request_id, follow.next_seq)
     except RedisError as e:
         if checks is None:
             raise redis_unavailable(e) from e
@@ -123,8 +124,9 @@ async def _fill_gap(follow: Follow, queue: RequestQueue, checks: _Liveness) -> N
     event before it publishes it), or Redis lost them."""
     if await _fill_from_log(follow, queue, checks) and follow.next_seq not in follow.pending:
         first = min(follow.pending)
-        raise Unavailable(f"lost token events {follow.next_seq}..{first - 1} of request {follow.request_id} "
-                          "(Redis lost them, say in a failover); the stream cannot continue without a gap")
+        raise DataLoss(f"lost token events {follow.next_seq}..{first - 1} of request {follow.request_id} "
+                       "(Redis lost them, say in a failover); the stream cannot continue without a gap, "
+                       "and resending cannot bring them back: start a new request")
 
 
 async def _on_error(follow: Follow, queue: RequestQueue, error: queue_pb2.RequestError) -> None:

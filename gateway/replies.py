@@ -1,15 +1,23 @@
-"""The gateway's pub/sub connection: one per gateway, one channel per followed request.
+"""The gateway's pub/sub connection: every worker's rounds in, each call's events out.
 
-A call follows a request by SUBSCRIBing to its channel ``{p}:events:{id}`` and
-waiting for Redis to confirm before it reads the request's log or enqueues
-anything (protos/keys.py), so no event can fall between the two. Several calls
-of this gateway may follow one request (a client resumed before the gateway
+Workers publish one `TokenEventBatch` per round on their out channel ``{p}:out:{consumer}``
+(protos/keys.py); the router PSUBSCRIBEs ``{p}:out:*`` once, for the life of the connection,
+and hands each event to the calls of this gateway that follow its request, by request id.
+So a call needs no subscription of its own to receive: it registers locally, then reads the
+request's log, and every event is either in that log or arrives after (the worker's STEP
+script logs a round before it publishes it, atomically). A call still SUBSCRIBEs its
+request's channel ``{p}:events:{id}``, which carries nothing: its subscriber count tells the
+worker whether anyone follows the request (PUBSUB NUMSUB), so an unfollowed one is parked.
+Several calls of this gateway may follow one request (a client resumed before the gateway
 noticed its old call was gone): each gets every event.
 
-If the connection drops, calls are not failed: the router reconnects with
-backoff, subscribes again to every followed channel, and then puts `RESYNC`
-into each call's queue, so the relay re-reads what it missed from the log. New
-calls are refused while it is down (`is_ready`).
+Each call's queue is bounded (`max_queued_events`): a call that reads slower than its
+request generates loses what is queued, and gets `RESYNC` instead, so its relay re-reads
+what it missed from the log; memory stays bounded whatever a worker sends.
+
+If the connection drops, calls are not failed: the router reconnects with backoff,
+subscribes again, and then puts `RESYNC` into each call's queue, so the relay re-reads what
+it missed from the log. New calls are refused while it is down (`is_ready`).
 """
 
 from __future__ import annotations
@@ -31,29 +39,47 @@ log = logging.getLogger(__name__)
 
 
 class Resync:
-    """Queued after a resubscription: events may have been published meanwhile."""
+    """Queued after a resubscription or an overflow: events may have been missed."""
 
 
 RESYNC: Final = Resync()
 # What a call's queue receives: worker events, RESYNC, or the error that ends the call.
 CallItem = queue_pb2.TokenEvent | Resync | GatewayError
 SUBSCRIBE_TIMEOUT_S = 5.0
+DEFAULT_MAX_QUEUED_EVENTS = 1024
+
+
+def offer(queue: asyncio.Queue[CallItem], item: CallItem) -> None:
+    """Queue `item`; a full queue is emptied first and told to RESYNC (the log has its events;
+    the queue's maxsize is >= 2)."""
+    if queue.full():
+        while not queue.empty():
+            queue.get_nowait()
+        queue.put_nowait(RESYNC)
+        if isinstance(item, Resync):
+            return
+    queue.put_nowait(item)
 
 
 class ReplyRouter:
-    def __init__(self, client: aioredis.Redis, home: str, channel_of: Callable[[str], str], *,
-                 max_backoff_s: float = 2.0, on_ready_change: Callable[[bool], Any] | None = None) -> None:
+    def __init__(self, client: aioredis.Redis, home: str, channel_of: Callable[[str], str], out_pattern: str,
+                 *,
+                 max_backoff_s: float = 2.0, max_queued_events: int = DEFAULT_MAX_QUEUED_EVENTS,
+                 on_ready_change: Callable[[bool], Any] | None = None) -> None:
         """home: the gateway's own channel (`Keys.gateway`); channel_of(request_id): the
-        request's event channel (`Keys.events`)."""
-        self._client, self._home, self._channel_of = client, home, channel_of
+        request's presence channel (`Keys.events`); out_pattern: every worker's out channel
+        (`Keys.out_pattern`)."""
+        self._client, self._home, self._channel_of, self._out_pattern = client, home, channel_of, out_pattern
         self._max_backoff_s = max_backoff_s
+        self._max_queued = max(2, max_queued_events)
         self._on_ready_change = on_ready_change
-        self._calls: dict[str, list[asyncio.Queue[CallItem]]] = {}  # channel -> its followers
+        self._calls: dict[str, list[asyncio.Queue[CallItem]]] = {}  # request id -> its followers
         self._confirmed: dict[str, asyncio.Future[None]] = {}  # channel -> its SUBSCRIBE confirmation
         self._pubsub: Any = None
         self._ready = asyncio.Event()
         self._tried = asyncio.Event()  # the first connection attempt ended, either way
         self._task: asyncio.Task[None] | None = None
+        self.num_overflows = 0
 
     @property
     def is_ready(self) -> bool:
@@ -78,41 +104,48 @@ class ReplyRouter:
             await asyncio.gather(self._task, return_exceptions=True)
         for calls in self._calls.values():
             for queue in calls:
-                queue.put_nowait(Unavailable("the gateway is shutting down; resume on another gateway"))
+                offer(queue, Unavailable("the gateway is shutting down; resume on another gateway"))
 
     async def follow(self, request_id: str) -> asyncio.Queue[CallItem]:
-        """Subscribe this call to the request's events; returns once Redis confirmed."""
+        """Deliver the request's events to a new queue, and SUBSCRIBE its presence channel (returns
+        once Redis confirmed, so a worker claiming it next counts this call). If this raises or is
+        cancelled, nothing stays registered."""
         channel = self._channel_of(request_id)
-        queue: asyncio.Queue[CallItem] = asyncio.Queue()
-        self._calls.setdefault(channel, []).append(queue)
+        queue: asyncio.Queue[CallItem] = asyncio.Queue(self._max_queued)
+        self._calls.setdefault(request_id, []).append(queue)
         try:
             if self._pubsub is None:
                 raise RedisConnectionError("not connected")
             if channel not in self._confirmed:  # else another call of this gateway follows it
                 self._confirmed[channel] = asyncio.get_running_loop().create_future()
                 await self._pubsub.subscribe(channel)
-            await asyncio.wait_for(asyncio.shield(self._confirmed[channel]), SUBSCRIBE_TIMEOUT_S)
+            # wait_for would cancel the shared future for every call waiting on it.
+            async with asyncio.timeout(SUBSCRIBE_TIMEOUT_S):
+                await asyncio.shield(self._confirmed[channel])
         except (RedisError, OSError, TimeoutError) as e:
             self.unfollow(request_id, queue)
             raise Unavailable(f"could not subscribe to the request's events (Redis): {e}") from None
+        except BaseException:  # cancelled mid-subscribe: leave nothing behind (no leaked follower)
+            self.unfollow(request_id, queue)
+            raise
         return queue
 
     def unfollow(self, request_id: str, queue: asyncio.Queue[CallItem]) -> None:
-        channel = self._channel_of(request_id)
-        calls = self._calls.get(channel, [])
+        calls = self._calls.get(request_id, [])
         if queue in calls:
             calls.remove(queue)
         if calls:
             return
-        self._calls.pop(channel, None)
+        channel = self._channel_of(request_id)
+        self._calls.pop(request_id, None)
         self._confirmed.pop(channel, None)
         if self._pubsub is not None and self.is_ready:
-            task = asyncio.ensure_future(self._unsubscribe(channel))
+            task = asyncio.ensure_future(self._unsubscribe(request_id, channel))
             # A lost UNSUBSCRIBE ends with the connection; a cancelled one with the gateway.
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
-    async def _unsubscribe(self, channel: str) -> None:
-        if channel not in self._calls:  # nobody followed it again meanwhile
+    async def _unsubscribe(self, request_id: str, channel: str) -> None:
+        if request_id not in self._calls:  # nobody followed it again meanwhile
             await self._pubsub.unsubscribe(channel)
 
     async def _run(self) -> None:
@@ -141,12 +174,15 @@ class ReplyRouter:
                 await pubsub.aclose()
 
     async def _connect(self, pubsub: Any) -> None:
-        """Subscribe to the gateway's own channel (it keeps the connection subscribed, so a
-        drop is noticed with no call open) and again to every followed channel."""
-        channels = list(self._calls)
+        """PSUBSCRIBE the workers' out channels, SUBSCRIBE the gateway's own channel (it keeps the
+        connection subscribed, so a drop is noticed with no call open) and again every
+        followed request's channel."""
+        channels = [self._channel_of(request_id) for request_id in self._calls]
         for channel in channels:
             self._confirmed.setdefault(channel, asyncio.get_running_loop().create_future())
         self._confirmed[self._home] = asyncio.get_running_loop().create_future()
+        self._confirmed[self._out_pattern] = asyncio.get_running_loop().create_future()
+        await pubsub.psubscribe(self._out_pattern)
         await pubsub.subscribe(self._home, *channels)
         async with asyncio.timeout(SUBSCRIBE_TIMEOUT_S):
             while not all(f.done() for f in self._confirmed.values()):
@@ -154,29 +190,33 @@ class ReplyRouter:
                 if message is not None:
                     self._on_message(message)
         self._pubsub = pubsub
-        for channel in channels:
-            for queue in self._calls.get(channel, []):
-                queue.put_nowait(RESYNC)
+        for calls in self._calls.values():
+            for queue in calls:
+                offer(queue, RESYNC)
 
     def _on_message(self, message: dict[str, Any]) -> None:
-        channel = message["channel"]
-        channel = channel.decode() if isinstance(channel, bytes) else channel
-        if message["type"] == "subscribe":
+        kind = message["type"]
+        if kind == "pmessage":
+            self._dispatch(message["channel"], message["data"])
+        elif kind in ("subscribe", "psubscribe"):
+            channel = message["channel"]
+            channel = channel.decode() if isinstance(channel, bytes) else channel
             future = self._confirmed.get(channel)
             if future is not None and not future.done():
                 future.set_result(None)
-        elif message["type"] == "message":
-            self._dispatch(channel, message["data"])
 
-    def _dispatch(self, channel: str, data: bytes) -> None:
+    def _dispatch(self, channel: bytes, data: bytes) -> None:
         try:
             batch = queue_pb2.TokenEventBatch.FromString(data)
         except Exception:  # a foreign publisher must not kill the router
-            log.error("ignoring unreadable message on %s", channel)
+            log.error("ignoring unreadable message on %r", channel)
             return
-        for queue in self._calls.get(channel, []):
-            for event in batch.events:
-                queue.put_nowait(event)
+        calls = self._calls
+        for event in batch.events:
+            for queue in calls.get(event.request_id, ()):
+                if queue.full():
+                    self.num_overflows += 1
+                offer(queue, event)
 
     def _set_ready(self, is_ready: bool) -> None:
         if is_ready == self.is_ready:

@@ -228,13 +228,31 @@ class Record:
     SEED = "seed"  # the sampling seed every attempt uses (decimal)
     ENTRY = "entry"  # stream entry id of the current attempt, in the stream STREAM names
     STREAM = "stream"  # the request stream of its priority class (set with every ENTRY)
-    PROGRESS = "progress"  # queue.Progress of the workers
     FINAL = "final"  # seq of the final event, written with it: the request has finished
-    EVENT_PREFIX = "e:"  # e:{seq} -> queue.TokenEvent (chunks and the final; errors are not logged)
+    OWNER = "owner"  # consumer name of the worker holding the current attempt ("" = released)
+    LOG = "log"  # the worker log hash holding the request's events and progress (`LogField`)
+    DELIVERIES = "deliveries"  # takeovers from an owner that died holding it, over all attempts
+
+
+class LogField:
+    """Field names of a request's entries in a worker log hash ``{p}:log:{consumer}``.
+
+    A request id is [A-Za-z0-9._:-]; a suffix never contains ':' after its first character, so
+    the fields of two request ids can never coincide."""
+
+    PROGRESS = ":p"  # {request_id}:p -> queue.Progress (O(1): no token ids)
+    NEXT = ":n"  # {request_id}:n -> decimal: seq of the next event (= events logged)
 
     @staticmethod
-    def event(seq: int) -> str:
-        return f"{Record.EVENT_PREFIX}{seq}"
+    def event(request_id: str, seq: int) -> str:
+        """{request_id}:{seq} -> queue.TokenEvent (chunks and the final; errors are not logged)."""
+        return f"{request_id}:{seq}"
+
+    @staticmethod
+    def all_of(request_id: str, num_events: int) -> list[str]:
+        """Every field the request has in a log."""
+        return ([LogField.event(request_id, s) for s in range(num_events)]
+                + [request_id + LogField.PROGRESS, request_id + LogField.NEXT])
 
 
 class Bucket:
@@ -297,9 +315,31 @@ class Keys:
         return f"{self.prefix}{WORKER_KEY_MARK}{worker_id}"
 
     @property
-    def worker_pattern(self) -> str:
-        """SCAN MATCH pattern of all worker heartbeat hashes."""
-        return f"{self.prefix}{WORKER_KEY_MARK}*"
+    def registry(self) -> str:
+        """Sorted set of live consumers (worker processes), scored by heartbeat expiry (Redis ms)."""
+        return f"{self.prefix}:registry"
+
+    @property
+    def fenced(self) -> str:
+        """Set of consumers judged dead and re-claimed: every later write of theirs is refused."""
+        return f"{self.prefix}:fenced"
+
+    def revoked(self, consumer: str) -> str:
+        """Set of request ids another worker took over from `consumer` while it was alive."""
+        return f"{self.prefix}:revoked:{consumer}"
+
+    def log(self, consumer: str) -> str:
+        """Hash (`LogField`): the events and progress of the requests `consumer` runs or ran."""
+        return f"{self.prefix}:log:{consumer}"
+
+    def out(self, consumer: str) -> str:
+        """Channel: one `TokenEventBatch` per round of `consumer`, every request's events in it."""
+        return f"{self.prefix}:out:{consumer}"
+
+    @property
+    def out_pattern(self) -> str:
+        """PSUBSCRIBE pattern of every worker's out channel (each gateway follows them all)."""
+        return f"{self.prefix}:out:*"
 
     def tenant_calls(self, tenant: str) -> str:
         """Sorted set: the tenant's open calls (max_concurrent slots), scored by expiry in unix ms."""

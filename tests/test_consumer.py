@@ -14,8 +14,8 @@ import redis
 
 from gateway.redis_server import EmbeddedRedis
 from protos.convert import build_request
-from protos.keys import STREAM_DATA_FIELD, Heartbeat, Keys, Record
-from protos.tokenrelay.v1 import queue_pb2
+from protos.keys import STREAM_DATA_FIELD, Heartbeat, Keys, LogField, Record
+from protos.tokenrelay.v1 import generate_pb2, queue_pb2
 from tests import factories
 from tests.service import WorkerThread, wait_until
 from worker.config import WorkerConfig
@@ -60,19 +60,23 @@ def client(redis_url: str) -> Iterator[redis.Redis]:
 
 
 class Replies:
-    """A caller's side without a gateway: follow requests' channels, collect their events."""
+    """A caller's side without a gateway: follow requests (their presence channels, and every
+    worker's out channel for the events), collect their events."""
 
     def __init__(self, client: redis.Redis) -> None:
         self._pubsub = client.pubsub()
+        self._followed: set[str] = set()
 
     def follow(self, keys: Keys, *request_ids: str) -> None:
         """Subscribe (and wait for Redis to confirm) before the requests are enqueued."""
+        self._followed |= set(request_ids)
+        self._pubsub.psubscribe(keys.out_pattern)
         self._pubsub.subscribe(*(keys.events(r) for r in request_ids))
         confirmed = 0
-        while confirmed < len(request_ids):  # nothing is enqueued yet: only confirmations come
+        while confirmed < len(request_ids) + 1:  # nothing is enqueued yet: only confirmations come
             message = self._pubsub.get_message(timeout=5)
             assert message is not None, "subscription not confirmed"
-            confirmed += message["type"] == "subscribe"
+            confirmed += message["type"] in ("subscribe", "psubscribe")
 
     def __call__(self, num_requests: int, timeout: float = 60) -> dict[str, list[queue_pb2.TokenEvent]]:
         """Events per request id until `num_requests` requests ended (final or error)."""
@@ -81,9 +85,11 @@ class Replies:
         while num_ended < num_requests:
             assert time.monotonic() < deadline, f"only {num_ended} of {num_requests} requests ended"
             message = self._pubsub.get_message(timeout=0.5)
-            if message is None or message["type"] != "message":
+            if message is None or message["type"] != "pmessage":
                 continue
             for event in queue_pb2.TokenEventBatch.FromString(message["data"]).events:
+                if event.request_id not in self._followed:
+                    continue
                 events.setdefault(event.request_id, []).append(event)
                 num_ended += event.WhichOneof("kind") != "chunk"
         return events
@@ -126,9 +132,10 @@ def test_queued_requests_past_their_deadline_fail_and_unfollowed_ones_are_parked
     assert events["late"][0].error.code == queue_pb2.ERROR_CODE_DEADLINE_EXCEEDED
     assert kinds(events["fine"])[-1] == "final"
     assert [e.seq for e in events["fine"]] == list(range(len(events["fine"])))
-    heartbeat = keys.worker(worker.config.worker_id)
-    assert client.hget(heartbeat, Heartbeat.NUM_PARKED) == b"1"  # computed nothing for nobody
-    assert not client.hexists(keys.record("gone"), Record.PROGRESS)
+    heartbeat = keys.worker(worker.config.consumer_name)
+    # computed nothing for nobody (the heartbeat thread reports it within a beat)
+    wait_until(lambda: client.hget(heartbeat, Heartbeat.NUM_PARKED) == b"1", timeout=1)
+    assert not client.hexists(keys.log(worker.config.consumer_name), "gone" + LogField.PROGRESS)
     wait_until(lambda: client.xlen(keys.requests) == 0, timeout=5)  # abandoned after the grace
     assert client.hget(heartbeat, Heartbeat.NUM_PARKED) == b"0"
     assert 0 < client.ttl(keys.record("fine")) <= 60  # kept for the request's result TTL
@@ -142,7 +149,7 @@ def private_redis() -> Iterator[EmbeddedRedis]:
 
 
 @pytest.mark.slow
-def test_each_step_logs_and_publishes_once_per_request(
+def test_each_round_is_one_script_call_for_every_request(
         private_redis: EmbeddedRedis, prefix: str, make_worker: Callable[..., WorkerThread]) -> None:
     client = redis.Redis.from_url(private_redis.url)
     keys, num_requests, max_tokens = Keys(prefix), 4, 12
@@ -155,14 +162,17 @@ def test_each_step_logs_and_publishes_once_per_request(
     events = replies(num_requests)
     assert sum(len(e.chunk.token_ids) for evs in events.values() for e in evs) == num_requests * max_tokens
     stats = client.info("commandstats")
-    calls = {name: int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in ("publish", "hset")}
-    # Per request per step (a token each; the final rides with the last chunk) one HSET of
-    # its events and progress, and one PUBLISH of them: nothing per token beyond that.
-    num_steps = num_requests * max_tokens
-    assert calls["publish"] == num_steps, calls
-    assert num_steps <= calls["hset"] <= num_steps + 10, calls  # + heartbeats
-    log = {int(k[2:]) for k in client.hkeys(keys.record("r0")) if k.startswith(b"e:")}
-    assert log == set(range(max_tokens + 1))  # every chunk and the final, replayable
+    calls = {name: int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in ("publish", "evalsha")}
+    # The 4 requests decode together: per round ONE script call, which logs every request's
+    # events in one HSET and publishes them in one PUBLISH, whatever the batch size.
+    num_tokens = num_requests * max_tokens
+    assert calls["publish"] <= max_tokens + 4 < num_tokens, calls  # ~one per step, not per request
+    assert stats["cmdstat_hset"]["calls"] <= 2 * calls["publish"] + 40, stats["cmdstat_hset"]  # + heartbeats
+    consumer = next(iter(client.zrange(keys.registry, 0, -1)), None) or b""
+    log = client.hkeys(keys.log(consumer.decode())) if consumer else client.hkeys(
+        client.hget(keys.record("r0"), Record.LOG))
+    seqs = {int(k.split(b":")[1]) for k in log if k.startswith(b"r0:") and k.split(b":")[1].isdigit()}
+    assert seqs == set(range(max_tokens + 1))  # every chunk and the final, replayable
     replies.close()
     client.close()
 
@@ -176,7 +186,7 @@ def test_stop_drains_running_requests_then_aborts_what_is_left(
     enqueue(client, keys, "short", max_tokens=6, ignore_eos=True)
     enqueue(client, keys, "endless", max_tokens=480, ignore_eos=True)  # > 5 s of decoding on a CPU
     worker = make_worker(drain_timeout_s=5.0)
-    heartbeat = keys.worker(worker.config.worker_id)
+    heartbeat = keys.worker(worker.config.consumer_name)
     wait_until(lambda: client.hget(heartbeat, Heartbeat.NUM_RUNNING) == b"2", timeout=30)
     started = time.monotonic()
     worker.stop()
@@ -186,7 +196,8 @@ def test_stop_drains_running_requests_then_aborts_what_is_left(
     assert events["short"][-1].final.usage.completion_tokens == 6
     assert kinds(events["endless"])[-1] == "error"
     assert events["endless"][-1].error.code == queue_pb2.ERROR_CODE_UNAVAILABLE
-    assert client.get(keys.worker(worker.config.worker_id)) is None  # heartbeat removed on exit
+    assert not client.exists(keys.worker(worker.config.consumer_name))  # heartbeat removed on exit
+    assert client.zscore(keys.registry, worker.config.consumer_name) is None  # and the registry entry
 
 
 class BrokenEngine:
@@ -230,6 +241,21 @@ def test_an_engine_failure_answers_every_caller_before_the_worker_dies(
 FAST_SWEEP = {"heartbeat_interval_s": 0.1, "heartbeat_ttl_s": 0.5, "sweep_interval_s": 0.1}
 
 
+def log_as(client: redis.Redis, keys: Keys, consumer: str, request_id: str, token_ids: list[int],
+           seed: int) -> None:
+    """Write what `consumer` had logged for a request when it died: one chunk per token, its
+    progress, and the record naming it as owner (protos/keys.py)."""
+    log = keys.log(consumer)
+    for i, token in enumerate(token_ids):
+        chunk = generate_pb2.Chunk(index=i, token_ids=[token])
+        event = queue_pb2.TokenEvent(request_id=request_id, seq=i, chunk=chunk)
+        client.hset(log, LogField.event(request_id, i), event.SerializeToString())
+    progress = queue_pb2.Progress(seed=seed, first_token_unix=time.time(), worker_id=consumer)
+    client.hset(log, mapping={request_id + LogField.PROGRESS: progress.SerializeToString(),
+                              request_id + LogField.NEXT: len(token_ids)})
+    client.hset(keys.record(request_id), mapping={Record.OWNER: consumer, Record.LOG: log})
+
+
 def claim_as(client: redis.Redis, keys: Keys, consumer: str) -> bytes:
     """Take the oldest queued entry as `consumer` (a worker that then dies: no heartbeat)."""
     with contextlib.suppress(redis.ResponseError):
@@ -260,10 +286,7 @@ def test_a_dead_workers_request_is_reclaimed_and_resumed_without_a_gap(
     replies.follow(keys, "r")
     entry_id = enqueue(client, keys, "r", max_tokens=12, ignore_eos=True)
     assert claim_as(client, keys, "ghost") == entry_id
-    # The ghost streamed 5 tokens (events 0..4) before it died.
-    client.hset(keys.record("r"), Record.PROGRESS, queue_pb2.Progress(
-        token_ids=ref_ids[:5], seed=3, next_seq=5, num_chunks=5, first_token_unix=time.time(),
-        worker_id="ghost").SerializeToString())
+    log_as(client, keys, "ghost", "r", ref_ids[:5], seed=3)  # it streamed 5 tokens, then died
     worker = make_worker(**FAST_SWEEP)
     events = replies(1)["r"]
     assert [e.seq for e in events] == list(range(5, 5 + len(events)))  # continues at the next seq
@@ -287,12 +310,12 @@ def test_requests_of_live_workers_are_left_alone_and_serial_killers_are_failed(
     replies.follow(keys, "busy", "poison")
     busy = enqueue(client, keys, "busy", max_tokens=2)
     assert claim_as(client, keys, "alive") == busy
-    client.hset(keys.worker("alive"), "worker_id", "alive")
-    client.expire(keys.worker("alive"), 60)  # its heartbeat is fresh: it is not dead, only slow
+    client.zadd(keys.registry, {"alive": (time.time() + 60) * 1000})  # alive, only slow
     poison = enqueue(client, keys, "poison", max_tokens=2)
-    assert claim_as(client, keys, "first") == poison
-    for name in ("second", "third"):  # handed out three times: three workers died on it
-        client.xclaim(keys.requests, keys.group, name, 0, [poison])
+    assert claim_as(client, keys, "third") == poison
+    # Two workers died on it already (counted in its record, across attempts); the third
+    # held it when it died.
+    client.hset(keys.record("poison"), mapping={Record.DELIVERIES: 2, Record.OWNER: "third"})
     make_worker(**FAST_SWEEP, max_deliveries=3)
     events = replies(1)
     assert list(events) == ["poison"]
@@ -310,13 +333,14 @@ def test_on_shutdown_unfinished_requests_are_handed_to_another_live_worker(
     keys = Keys(prefix)
     replies.follow(keys, "long")
     enqueue(client, keys, "long", max_tokens=100, ignore_eos=True)
-    client.set(keys.worker("other"), "1", ex=60)  # another worker is alive: hand over, do not fail
+    client.zadd(keys.registry, {"other": (time.time() + 60) * 1000})  # alive: hand over, do not fail
     leaving = make_worker(drain_timeout_s=0.3, **FAST_SWEEP)
-    wait_until(lambda: client.hexists(keys.record("long"), Record.PROGRESS), timeout=30)  # it is generating
+    log = keys.log(leaving.config.consumer_name)
+    wait_until(lambda: client.hexists(log, "long" + LogField.PROGRESS), timeout=30)  # it is generating
     leaving.stop()
     pending = client.xpending_range(keys.requests, keys.group, min="-", max="+", count=10)
-    assert [p["consumer"] for p in pending] == [leaving.config.worker_id.encode()]  # not acked
-    client.delete(keys.worker("other"))
+    assert [p["consumer"] for p in pending] == [leaving.config.consumer_name.encode()]  # not acked
+    client.zrem(keys.registry, "other")
     config = WorkerConfig(redis_url=redis_url, key_prefix=prefix, worker_id="taker", claim_block_ms=100,
                           **FAST_SWEEP)  # type: ignore[arg-type]
     taker = WorkerThread(smollm_engine, config).start()
@@ -338,10 +362,10 @@ def test_a_worker_restarted_under_the_same_id_resumes_what_its_earlier_run_left(
     ref_ids, _ = greedy_ids(smollm_engine, "Once upon a time", 10)
     replies.follow(keys, "r")
     entry_id = enqueue(client, keys, "r", max_tokens=10, ignore_eos=True)
-    assert claim_as(client, keys, "fixed-id") == entry_id  # the earlier run took it, streamed 4, died
-    client.hset(keys.record("r"), Record.PROGRESS, queue_pb2.Progress(
-        token_ids=ref_ids[:4], seed=3, next_seq=4, num_chunks=4, worker_id="fixed-id").SerializeToString())
-    make_worker(worker_id="fixed-id")  # its heartbeat is alive at once: nobody else would re-claim it
+    earlier = "fixed-id.0ld0ne"  # the consumer of the earlier run: it took it, streamed 4, died
+    assert claim_as(client, keys, earlier) == entry_id
+    log_as(client, keys, earlier, "r", ref_ids[:4], seed=3)
+    make_worker(worker_id="fixed-id")  # a new consumer: it finds the earlier one dead at its first sweep
     events = replies(1)["r"]
     assert [e.seq for e in events] == list(range(4, 11))
     assert [t for e in events if e.HasField("chunk") for t in e.chunk.token_ids] == ref_ids[4:]

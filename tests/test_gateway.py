@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from gateway.config import GatewayConfig
-from gateway.errors import PUSHBACK_TRAILER, OutOfRange, QueueFull, Unavailable, WorkerError
+from gateway.errors import PUSHBACK_TRAILER, DataLoss, OutOfRange, QueueFull, Unavailable, WorkerError
 from gateway.queue import Attached, EntryState, RequestQueue, connect
 from gateway.redis_server import free_port
 from gateway.relay import Follow, relay
@@ -76,8 +76,10 @@ class FakeQueue:
     async def entry_state(self, entry_id: bytes, stream: str = "") -> EntryState:
         return self.states.pop(0) if self.states else EntryState.RUNNING
 
-    async def read_log(self, request_id: str) -> dict[int, queue_pb2.TokenEvent]:
-        return dict(self.log)
+    async def read_log(self, request_id: str, first_seq: int = 0) -> dict[int, queue_pb2.TokenEvent]:
+        """What RequestQueue.read_log gives: from first_seq on, or the final alone past the end."""
+        finals = [seq for seq, e in self.log.items() if e.HasField("final") and seq < first_seq]
+        return {s: e for s, e in self.log.items() if s >= first_seq or s in finals}
 
 
 ENTRY = b"1-0"  # the attempt the relayed call follows
@@ -132,7 +134,7 @@ def test_relay_skips_the_chunks_a_resuming_caller_has() -> None:
 def test_relay_fills_a_gap_from_the_log_or_fails_on_it() -> None:
     assert run_relay([chunk(0), chunk(2), final(3)], FakeQueue(log={1: chunk(1)})) == \
         ["<0>", "<1>", "<2>", "final"]
-    with pytest.raises(Unavailable, match="lost token events 1..1"):
+    with pytest.raises(DataLoss, match="lost token events 1..1"):
         run_relay([chunk(0), chunk(2)])
 
 
@@ -330,10 +332,10 @@ def test_entry_state_follows_a_request_through_redis(redis_url: str, prefix: str
         sync.xgroup_create(keys.requests, keys.group, id="0")
         states.append(await queue.entry_state(entry_id))
         sync.xreadgroup(keys.group, "w1", {keys.requests: ">"}, count=1)
-        sync.set(keys.worker("w1"), "alive")
+        sync.zadd(keys.registry, {"w1": (time.time() + 60) * 1000})  # alive in the registry
         states.append(await queue.entry_state(entry_id))
         assert await queue.read_depth() == (0, 1)
-        sync.delete(keys.worker("w1"))
+        sync.zadd(keys.registry, {"w1": (time.time() - 1) * 1000})  # its heartbeat expired
         states.append(await queue.entry_state(entry_id))
         sync.xack(keys.requests, keys.group, entry_id)
         sync.xdel(keys.requests, entry_id)

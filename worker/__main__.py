@@ -3,6 +3,13 @@
 Every flag has an environment variable (shown in --help); flags win. SIGTERM
 or Ctrl-C: stop claiming, finish running requests (up to --drain-timeout),
 exit 0. A second signal exits at once.
+
+`--engine sim` serves the queue with a simulated engine instead (worker/engine/sim.py):
+no model, no torch, deterministic tokens, and a step time of --sim-step-ms plus
+--sim-ms-per-token per token computed, with --max-num-seqs streams batched. It is for
+capacity planning and for testing routing, failover and autoscaling without GPUs
+(llm-d ships a vLLM simulator for the same reason): N sim workers behave like N GPU
+workers of that rate towards Redis, the gateways and the metrics.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import os
 import signal
 import sys
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from protos.keys import DEFAULT_PREFIX, default_instance_id
 from protos.logs import configure
@@ -20,7 +28,10 @@ from protos.metrics import DEFAULT_WORKER_PORT
 from protos.observability import add_observability_args
 from protos.redis_conn import DEFAULT_REDIS_URL
 from worker.config import WorkerConfig
-from worker.engine.config import DTYPES, QUANTIZATIONS, SPECULATIVE, EngineConfig
+from worker.engine.config import DTYPES, ENGINE_KINDS, QUANTIZATIONS, SPECULATIVE, EngineConfig, SimConfig
+
+if TYPE_CHECKING:
+    from worker.io.consumer import TextEngineProtocol
 
 
 def _env(name: str, default: object = None) -> str | None:
@@ -42,6 +53,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-id", default=_env("TOKENRELAY_WORKER_ID"),
                    help="unique name (Redis consumer name, Final.worker_id); default host-pid-random "
                         "[env TOKENRELAY_WORKER_ID]")
+    p.add_argument("--engine", choices=ENGINE_KINDS, default=_env("TOKENRELAY_ENGINE", "model"),
+                   help="model generates with --model; sim simulates an engine (no model, no torch): "
+                        "deterministic tokens at the --sim-* step time, --max-num-seqs streams batched "
+                        "[env TOKENRELAY_ENGINE]")
+    p.add_argument("--sim-step-ms", type=float, default=_env("TOKENRELAY_SIM_STEP_MS", 20),
+                   help="--engine sim: milliseconds every engine step takes [env TOKENRELAY_SIM_STEP_MS]")
+    p.add_argument("--sim-ms-per-token", type=float, default=_env("TOKENRELAY_SIM_MS_PER_TOKEN", 0.05),
+                   help="--engine sim: milliseconds a step takes more per token it computes (decode rows + "
+                        "prompt tokens prefilled) [env TOKENRELAY_SIM_MS_PER_TOKEN]")
+    p.add_argument("--sim-salt", default=_env("TOKENRELAY_SIM_SALT", ""),
+                   help="--engine sim: mixed into every token id; workers with different salts emit "
+                        "different tokens for one request [env TOKENRELAY_SIM_SALT]")
     p.add_argument("--model", default=_env("TOKENRELAY_MODEL"),
                    help="GGUF file or Hugging Face folder; default: the bundled SmolLM2-135M-Instruct "
                         "[env TOKENRELAY_MODEL]")
@@ -131,7 +154,9 @@ def config_from_args(argv: list[str] | None = None) -> tuple[WorkerConfig, str]:
                               speculative=args.speculative,
                               num_speculative_tokens=args.num_speculative_tokens,
                               draft_model=args.draft_model)
-        config = WorkerConfig(engine=engine, redis_url=args.redis_url, key_prefix=args.key_prefix,
+        sim = SimConfig(step_ms=args.sim_step_ms, ms_per_token=args.sim_ms_per_token, salt=args.sim_salt)
+        config = WorkerConfig(engine=engine, engine_kind=args.engine, sim=sim,
+                              redis_url=args.redis_url, key_prefix=args.key_prefix,
                               worker_id=args.worker_id or default_instance_id(),
                               drain_timeout_s=args.drain_timeout, heartbeat_ttl_s=args.heartbeat_ttl,
                               heartbeat_interval_s=min(0.5, args.heartbeat_ttl / 5),
@@ -143,14 +168,23 @@ def config_from_args(argv: list[str] | None = None) -> tuple[WorkerConfig, str]:
     return config, args.log_level
 
 
+def _build_engine(config: WorkerConfig) -> TextEngineProtocol:
+    if config.engine_kind == "sim":
+        from worker.engine.sim import SimEngine
+
+        return SimEngine.from_config(config.sim, config.engine)
+    from worker.engine.text_engine import TextEngine  # torch: only for a model, once the flags are good
+
+    return TextEngine.from_config(config.engine)
+
+
 def main(argv: list[str] | None = None) -> int:
     config, log_level = config_from_args(argv)
     configure(log_level, config.log_format, "worker", worker=config.worker_id)
-    from worker.engine.text_engine import TextEngine  # torch: only once the flags are known to be good
     from worker.io.consumer import Consumer
 
     try:
-        engine = TextEngine.from_config(config.engine)
+        engine = _build_engine(config)
     except ValueError as e:  # a model that cannot run as configured (a draft's tokenizer, ...): say why
         print(f"tokenrelay-worker: error: {e}", file=sys.stderr)
         return 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 
 from protos.keys import DEFAULT_PREFIX, Keys, check_name, default_instance_id
@@ -9,16 +10,24 @@ from protos.logs import check_log_format
 from protos.metrics import check_metrics_options
 from protos.redis_conn import DEFAULT_REDIS_URL, check_redis_url
 from protos.tracing import check_otlp_endpoint
-from worker.engine.config import EngineConfig
+from worker.engine.config import ENGINE_KINDS, EngineConfig, SimConfig
 
 
 @dataclass(frozen=True)
 class WorkerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
+    # "model" runs engine's model; "sim" a simulated engine with engine's max_num_seqs and
+    # max_model_len and sim's step time (worker/engine/sim.py), no model and no torch.
+    engine_kind: str = "model"
+    sim: SimConfig = field(default_factory=SimConfig)
     redis_url: str = DEFAULT_REDIS_URL
     key_prefix: str = DEFAULT_PREFIX
-    # Consumer name in the Redis group and the name reported in Final.worker_id.
+    # The name reported in Final.worker_id and GetServerInfo.
     worker_id: str = field(default_factory=default_instance_id)
+    # Drawn per process: with worker_id it names this process's consumer (`consumer_name`), so
+    # a restart under the same worker_id is a new consumer and a zombie of the old one stays
+    # fenced (protos/keys.py, "Fencing").
+    incarnation: str = field(default_factory=lambda: secrets.token_hex(3))
     # On SIGTERM: how long running requests may take to finish. Then they are
     # left to another live worker to resume, or failed with UNAVAILABLE if none is alive.
     drain_timeout_s: float = 30.0
@@ -52,6 +61,9 @@ class WorkerConfig:
     log_format: str = "text"
 
     def __post_init__(self) -> None:
+        if self.engine_kind not in ENGINE_KINDS:
+            raise ValueError(f"engine_kind must be one of {', '.join(ENGINE_KINDS)}, "
+                             f"got {self.engine_kind!r}")
         Keys(self.key_prefix)  # validates the prefix
         check_redis_url(self.redis_url)
         check_name("worker_id", self.worker_id)
@@ -78,6 +90,11 @@ class WorkerConfig:
         check_log_format(self.log_format)
         if self.max_backoff_s <= 0:
             raise ValueError(f"max_backoff_s must be > 0, got {self.max_backoff_s}")
+
+    @property
+    def consumer_name(self) -> str:
+        """This process's consumer in the group, its registry entry and its log."""
+        return f"{self.worker_id}.{self.incarnation}"
 
     @property
     def keys(self) -> Keys:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0")
 SPECULATIVE = ("none", "ngram", "draft")
+ENGINE_KINDS = ("model", "sim")  # sim: worker/engine/sim.py, no model and no torch
 
 
 @dataclass(frozen=True)
@@ -85,3 +86,25 @@ class EngineConfig:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """The simulated engine (worker/engine/sim.py): how long a step takes and which tokens it emits.
+
+    A step sleeps step_ms + ms_per_token * (decode rows + prompt tokens prefilled), the shape of
+    a GPU step (a fixed launch/weights-read cost plus a per-token cost), so one sim worker
+    stands for a GPU worker with max_num_seqs streams at a chosen rate.
+    """
+
+    step_ms: float = 20.0
+    ms_per_token: float = 0.05
+    # Mixed into every token id: workers with different salts emit different tokens for one
+    # request, so a stream spliced from two workers' generations shows in a test.
+    salt: str = ""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.step_ms <= 60_000:
+            raise ValueError(f"sim step_ms must be in [0, 60000], got {self.step_ms}")
+        if not 0 <= self.ms_per_token <= 1_000:
+            raise ValueError(f"sim ms_per_token must be in [0, 1000], got {self.ms_per_token}")

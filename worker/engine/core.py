@@ -29,17 +29,13 @@ import torch
 from protos.params import FinishReason, SamplingParams
 from worker.engine.kv_manager import KVCacheManager
 from worker.engine.model_runner import ModelRunner, SampledToken
+from worker.engine.outputs import context_overflow
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence, sampled_sequences
 from worker.engine.spec_policy import SpeculationPolicy
 from worker.engine.speculative import NgramProposer, Proposer, num_accepted
 from worker.engine.stopping import StoppingCriteria
 from worker.model.llama import KVCache, LlamaModel
-
-
-def context_overflow(prompt_tokens: int, max_tokens: int, context: int) -> ValueError:
-    return ValueError(f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the context "
-                      f"of {context} tokens; lower max_tokens or set truncate_prompt")
 
 
 @dataclass

@@ -37,3 +37,32 @@ class Resume:
 class Admitted:
     seed: int  # the sampling seed in use (drawn when the request gave none)
     text: str = ""  # text already streamed for the resumed tokens ("" for a new request)
+
+
+@dataclass
+class EngineStats:
+    """An engine's load and capacity, read after each step (heartbeat fields, /metrics)."""
+
+    model_name: str
+    weights: str  # formats and kernels (LlamaModel.quantization_summary)
+    num_running: int
+    num_waiting: int  # admitted, waiting for KV blocks or prefill budget (preempted ones too)
+    max_num_seqs: int
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    num_free_blocks: int  # held by no request; cached prefix blocks included (evicted when needed)
+    kv_cache_usage: float  # share of blocks held by requests, 0..1
+    num_prefix_cache_hit_tokens: int  # since start
+    num_prefix_cache_query_tokens: int
+    num_preemptions: int
+    num_step_prefill_tokens: int  # prompt tokens the last step computed
+    num_step_decode_tokens: int  # decode tokens the last step computed (proposals included)
+    num_spec_drafts: int = 0  # since start: decodes that verified proposals
+    num_spec_draft_tokens: int = 0  # proposed tokens verified
+    num_spec_accepted_tokens: int = 0  # of those, accepted
+
+
+def context_overflow(prompt_tokens: int, max_tokens: int, context: int) -> ValueError:
+    return ValueError(f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the context "
+                      f"of {context} tokens; lower max_tokens or set truncate_prompt")

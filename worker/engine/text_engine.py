@@ -22,33 +22,13 @@ from protos.params import (
     Usage,
 )
 from worker.engine.config import EngineConfig
-from worker.engine.core import EngineCore, EngineOutput, context_overflow
-from worker.engine.outputs import Admitted, RequestOutput, Resume
+from worker.engine.core import EngineCore, EngineOutput
+from worker.engine.outputs import Admitted, EngineStats, RequestOutput, Resume, context_overflow
 from worker.engine.sequence import Sequence
 from worker.engine.stopping import StopStringMatcher
 from worker.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
-
-@dataclass
-class EngineStats:
-    model_name: str
-    weights: str  # formats and kernels (LlamaModel.quantization_summary)
-    num_running: int
-    num_waiting: int  # admitted, waiting for KV blocks or prefill budget (preempted ones too)
-    max_num_seqs: int
-    max_model_len: int
-    block_size: int
-    num_blocks: int
-    num_free_blocks: int  # held by no request; cached prefix blocks included (evicted when needed)
-    kv_cache_usage: float  # share of blocks held by requests, 0..1
-    num_prefix_cache_hit_tokens: int  # since start
-    num_prefix_cache_query_tokens: int
-    num_preemptions: int
-    num_step_prefill_tokens: int  # prompt tokens the last step computed
-    num_step_decode_tokens: int  # decode tokens the last step computed (proposals included)
-    num_spec_drafts: int = 0  # since start: decodes that verified proposals
-    num_spec_draft_tokens: int = 0  # proposed tokens verified
-    num_spec_accepted_tokens: int = 0  # of those, accepted
+__all__ = ["EngineStats", "TextEngine"]  # EngineStats lives in outputs.py (no torch); kept importable here
 
 
 @dataclass

@@ -1,44 +1,61 @@
 """Taking entries off the request stream for one worker (protos/keys.py, "Requests").
 
-In order: what an earlier run under this worker's id left pending (once, at start-up),
-the entries of dead workers (a sweep about every sweep_interval_s), then new entries
-(XREADGROUP ">") stream by stream, the highest priority class first, a lower class only
-while capacity is left. Only an idle worker that found nothing blocks, on every stream
-at once (one entry of each at most: XREADGROUP's COUNT is per stream), then claims what
-keeps arriving in a burst. Then, for all of them in one round trip, the progress in
-their records and how many callers follow them.
+In order: the entries of dead workers (a sweep at start-up and about every sweep_interval_s,
+which fences them), entries pending under this worker that it forgot (reconciliation, every
+few sweeps), then new entries (XREADGROUP ">") stream by stream, the highest priority class
+first, a lower class only while capacity is left. Only an idle worker that found nothing
+blocks, on every stream at once (one entry of each at most: XREADGROUP's COUNT is per
+stream), then claims what keeps arriving in a burst. Then, for all of them in one round
+trip, the OWN script takes their records (owner, log, progress) and PUBSUB NUMSUB says how
+many callers follow them.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import redis
 
-from protos.keys import Record
 from protos.tokenrelay.v1 import queue_pb2
 from worker.config import WorkerConfig
-from worker.io.reclaim import Claimed, parse_entry, parse_progress, reclaim_dead_workers, reclaim_own
+from worker.io.reclaim import Claimed, parse_entry, reclaim_dead_workers, reconcile
+from worker.io.scripts import OWN
+
+RECONCILE_EVERY = 5  # sweeps between two reconciliations of this worker's pending list
+
+
+@dataclass
+class Owned:
+    """What the OWN script found in a claimed entry's record (worker/io/scripts.py)."""
+
+    state: str  # "own" (run it), "stale" or "finished" (acknowledge and drop it)
+    num_deliveries: int  # takeovers from owners that died holding it, over every attempt
+    progress: queue_pb2.Progress | None = None  # None: never admitted (start from scratch)
+    chunks: list[queue_pb2.TokenEvent] = field(default_factory=list)  # logged, in seq order
 
 
 class Claimer:
     def __init__(self, client: redis.Redis, config: WorkerConfig) -> None:
         self.client, self.config = client, config
         self._has_group = False
-        self._took_own_pending = False  # what an earlier run under this worker id left pending
-        self._next_sweep_at = 0.0
+        self._next_sweep_at = 0.0  # the first sweep runs at once: an earlier run may have left work
+        self._num_sweeps = 0
+        self._own = client.register_script(OWN)
 
-    def take(self, count: int, *, is_idle: bool, max_block_ms: int | None = None) -> list[Claimed]:
+    def take(self, count: int, *, is_idle: bool, max_block_ms: int | None = None,
+             held: Collection[str] = ()) -> list[Claimed]:
         """Up to `count` entries; blocks up to claim_block_ms (or max_block_ms) only when idle.
-        Raises RedisError."""
+        held: Claimed.key of what this worker runs or parks. Raises RedisError."""
         entries: list[Claimed] = []
-        if not self._took_own_pending:
-            entries = reclaim_own(self.client, self.config, count)
-            self._took_own_pending = len(entries) < count  # else more next round
-        elif time.monotonic() >= self._next_sweep_at:
+        if time.monotonic() >= self._next_sweep_at:
             self._next_sweep_at = time.monotonic() + self.config.sweep_interval_s
             entries = reclaim_dead_workers(self.client, self.config, count)
+            self._num_sweeps += 1
+            if self._num_sweeps % RECONCILE_EVERY == 0 and count > len(entries):
+                entries += reconcile(self.client, self.config, held, count - len(entries))
         if count > len(entries):
             entries += self._read(count - len(entries))
         if is_idle and not entries:
@@ -48,24 +65,24 @@ class Claimer:
             entries += self._read_burst(count - len(entries))
         return entries
 
-    def inspect(self, entries: list[Claimed]) -> tuple[dict[tuple[str, bytes], queue_pb2.Progress],
-                                                       dict[str, int]]:
-        """Per claimed request, in one round trip: the progress in its record (a new attempt, or
-        a dead worker's entry, resumes from it; by (stream, entry id)) and how many callers
-        follow it."""
-        readable = [((c.stream, c.entry_id), c.request) for c in entries if c.request is not None]
+    def own(self, entries: list[Claimed]) -> tuple[dict[str, Owned], dict[str, int]]:
+        """Per claimed request, in one round trip: its record taken over (by Claimed.key), and how
+        many callers follow it (by event channel)."""
+        readable = [(c.key, c.request) for c in entries if c.request is not None]
         if not readable:
             return {}, {}
+        keys = self.config.keys
+        args: list[Any] = [self.config.consumer_name, keys.prefix]
+        for c in entries:
+            if c.request is not None:
+                args += [c.request.request_id, keys.record(c.request.request_id), c.entry_id]
         pipe = self.client.pipeline(transaction=False)
-        for _, qr in readable:
-            pipe.hget(self.config.keys.record(qr.request_id), Record.PROGRESS)
-        channels = [self.config.keys.events(qr.request_id) for _, qr in readable]
-        pipe.pubsub_numsub(*channels)
-        *records, counts = pipe.execute()
-        progress = {key: p for (key, _), data in zip(readable, records, strict=True)
-                    if (p := parse_progress(data)) is not None}
+        self._own(keys=[keys.log(self.config.consumer_name)], args=args, client=pipe)
+        pipe.pubsub_numsub(*(keys.events(qr.request_id) for _, qr in readable))
+        found, counts = pipe.execute()
+        owned = {key: _owned(item) for (key, _), item in zip(readable, cast(list[Any], found), strict=True)}
         followed = {(c.decode() if isinstance(c, bytes) else c): int(n) for c, n in counts}
-        return progress, followed
+        return owned, followed
 
     def _read(self, count: int) -> list[Claimed]:
         """Up to `count` new entries without blocking, the highest priority class first."""
@@ -85,7 +102,7 @@ class Claimer:
             self._create_groups()
         keys = self.config.keys
         try:
-            reply = self.client.xreadgroup(keys.group, self.config.worker_id, cast(Any, streams),
+            reply = self.client.xreadgroup(keys.group, self.config.consumer_name, cast(Any, streams),
                                            count=count, block=block_ms)
         except redis.ResponseError as e:
             if "NOGROUP" not in str(e):
@@ -124,3 +141,10 @@ class Claimer:
 
 def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+def _owned(item: list[Any]) -> Owned:
+    state, deliveries, progress, *chunks = item
+    return Owned(_text(state), int(deliveries),
+                 queue_pb2.Progress.FromString(progress) if progress else None,
+                 [queue_pb2.TokenEvent.FromString(c) for c in chunks if c])

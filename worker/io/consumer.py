@@ -8,9 +8,11 @@ One loop on one thread owns the engine (torch lives behind the
     entries first, then XREADGROUP) -> engine.step() -> hand that step's events and
     progress to the publisher thread
 
-The publisher thread sends each step's writes as ONE pipelined round trip
-(worker/io/redis_io.py) while the next step computes. It is a single FIFO
-thread, so events of one request leave in order. Delivery guarantees and key
+The publisher thread sends each step's writes as ONE call of the STEP script
+(worker/io/redis_io.py, worker/io/scripts.py) while the next step computes. It is
+a single FIFO thread, so events of one request leave in order. Every write is
+fenced: a request another worker took over is dropped at once, and a worker that
+was itself fenced (judged dead and re-claimed) stops. Delivery guarantees and key
 names are in `protos/keys.py`.
 
 Redis failures never crash the loop: claiming backs off while the engine keeps
@@ -21,6 +23,7 @@ Redis was reachable is lost.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import threading
 import time
@@ -29,7 +32,7 @@ from typing import Any, Protocol
 import redis
 
 from protos.convert import chunk_to_pb, finish_reason_to_pb, params_from_pb, usage_to_pb
-from protos.keys import Heartbeat
+from protos.keys import Heartbeat, LogField
 from protos.metrics import MetricsServer
 from protos.params import FinishReason, PromptInput, SamplingParams
 from protos.redis_conn import Backoff
@@ -37,16 +40,19 @@ from protos.tokenrelay.v1 import generate_pb2, queue_pb2
 from protos.tracing import WORKER_SERVICE, Tracing
 from worker.config import WorkerConfig
 from worker.engine.outputs import Admitted, RequestOutput, Resume
-from worker.io.claim import Claimer
+from worker.io.claim import Claimer, Owned
 from worker.io.metrics import WorkerMetrics
 from worker.io.parking import POLL_INTERVAL_S, ParkingLot, listeners
+from worker.io.reclaim import Claimed
 from worker.io.redis_io import AbortListener, Outbox, Publisher, connect
+from worker.io.redis_io import Heartbeat as HeartbeatThread
 from worker.io.tracing import RequestSpans
 from worker.io.tracked import Tracked
 
 log = logging.getLogger(__name__)
 
 ErrorCode = queue_pb2.ErrorCode
+FOLLOW_CHECK_S = 1.0  # how often the callers of running requests are counted (PUBSUB NUMSUB)
 
 
 class TextEngineProtocol(Protocol):
@@ -90,7 +96,10 @@ class Consumer:
                                           config.worker_id)
         self.tracing = Tracing(config.otlp_traces_endpoint, WORKER_SERVICE, config.worker_id)
         self._spans = RequestSpans(self.tracing, config.worker_id)
-        self._publisher = Publisher(self._client, config, on_error=self._redis_error)
+        self._fenced = threading.Event()
+        self._publisher = Publisher(self._client, config, on_error=self._redis_error,
+                                    on_fenced=self._on_fenced)
+        self._heartbeat = HeartbeatThread(self._client, config, on_fenced=self._on_fenced)
         self._aborts = AbortListener(self._client, config)
         self._running: dict[str, Tracked] = {}
         self._parked = ParkingLot(config.reattach_grace_s)
@@ -99,7 +108,10 @@ class Consumer:
         self._backoff = Backoff(config.max_backoff_s)
         self._claimer = Claimer(self._client, config)
         self._retry_claim_at = 0.0
+        self._next_follow_check = 0.0
+        self._expiring: list[tuple[float, list[str]]] = []  # heap: (monotonic, log fields of a result)
         self.num_finished = 0
+        self.num_dropped = 0  # requests another worker took over (fencing)
 
     def stop(self) -> None:
         """Stop claiming; `run` finishes what runs (up to drain_timeout_s) and returns.
@@ -112,16 +124,29 @@ class Consumer:
     def is_stopping(self) -> bool:
         return self._stopping.is_set()
 
+    @property
+    def is_fenced(self) -> bool:
+        """This worker was judged dead and its requests re-claimed: it dropped them all and stopped."""
+        return self._fenced.is_set()
+
+    def _on_fenced(self) -> None:
+        self._fenced.set()
+        self._stopping.set()
+
     def run(self) -> None:
-        self._publisher.set_load(self._load(self.engine.stats()))  # the first heartbeat describes the worker
+        self._heartbeat.set_load(self._load(self.engine.stats()))  # the first heartbeat describes the worker
         self._metrics_server.start()
+        self._heartbeat.start()
         self._publisher.start()
         self._aborts.start()
         log.info("worker %s consuming %s", self.config.worker_id, ", ".join(self.keys.request_streams))
         try:
             while not self._stopping.is_set():
                 self._run_once(can_claim=True)
-            self._drain()
+            if self.is_fenced:
+                self._drop_all()
+            else:
+                self._drain()
         except Exception:
             # An engine bug: answer every caller and release the entries, then crash loudly.
             log.exception("worker failed; failing %d running requests", len(self._running))
@@ -133,11 +158,13 @@ class Consumer:
         finally:
             self._aborts.close()
             self._publisher.close()
+            self._heartbeat.close()
             self._metrics_server.stop()
             self.tracing.shutdown()
         log.info("worker %s stopped after %d requests", self.config.worker_id, self.num_finished)
 
     def _run_once(self, *, can_claim: bool) -> None:
+        self._apply_revocations()
         self._apply_aborts()
         self._poll_parked()
         if can_claim:
@@ -161,10 +188,10 @@ class Consumer:
 
     def _drain(self) -> None:
         """Finish running requests within drain_timeout_s; then hand the rest to another
-        live worker (it resumes them from their progress once this worker's heartbeat
-        is gone), or fail them with UNAVAILABLE when no other worker is there."""
+        live worker (it resumes them from their progress once this worker left the registry),
+        or fail them with UNAVAILABLE when no other worker is there."""
         deadline = time.monotonic() + self.config.drain_timeout_s
-        while self.engine.has_unfinished() and time.monotonic() < deadline:
+        while self.engine.has_unfinished() and time.monotonic() < deadline and not self.is_fenced:
             self._run_once(can_claim=False)
         handoff = bool(self._running or len(self._parked)) and self._other_workers_alive()
         if self._running:
@@ -176,22 +203,40 @@ class Consumer:
             else:
                 tracked.error = (ErrorCode.ERROR_CODE_UNAVAILABLE, "the worker shut down before it finished")
             self.engine.abort(key)
+        self._finish_aborted()
+        for tracked in self._parked.take_all():
+            if not handoff:  # else left pending for another worker, which parks it in turn
+                self._end(tracked)
+        self._flush()
+
+    def _drop_all(self) -> None:
+        """Fenced: every request belongs to another worker now; write nothing more for any."""
+        log.error("fenced: dropping %d running and %d parked requests; stopping", len(self._running),
+                  len(self._parked))
+        self.num_dropped += len(self._running) + len(self._parked)
+        for key, tracked in self._running.items():
+            tracked.is_handed_off = True
+            self.engine.abort(key)
+        self._finish_aborted()
+        self._parked.take_all()
+        self._outbox = Outbox()
+
+    def _finish_aborted(self) -> None:
         for _ in range(3):  # aborted requests finish in the next step
             if not self.engine.has_unfinished():
                 break
             self._step()
-        for tracked in self._parked.take_all():
-            if not handoff:  # else left pending for another worker, which parks it in turn
-                self._outbox.end(tracked.stream, tracked.entry_id, tracked.record_key, tracked.result_ttl_ms)
-        self._flush()
 
     def _other_workers_alive(self) -> bool:
-        mine = self.keys.worker(self.config.worker_id).encode()
+        """Another consumer in the registry with a heartbeat in the future (Redis clock)."""
         try:
-            keys = self._client.scan_iter(match=self.keys.worker_pattern, count=100)
-            return any(key != mine for key in keys)
+            seconds, micros = self._client.time()
+            now_ms = int(seconds) * 1000 + int(micros) // 1000
+            alive = self._client.zrangebyscore(self.keys.registry, now_ms, "+inf")
         except redis.RedisError:
             return False
+        mine = self.config.consumer_name.encode()
+        return any(name != mine for name in alive)  # type: ignore[union-attr]
 
     # -- claiming ---------------------------------------------------------------------------------
 
@@ -205,8 +250,9 @@ class Consumer:
             return
         max_block_ms = int(POLL_INTERVAL_S * 1000) if len(self._parked) else None  # to notice a resume
         try:
-            entries = self._claimer.take(count, is_idle=is_idle, max_block_ms=max_block_ms)
-            progress, followed = self._claimer.inspect(entries)
+            held = set(self._running) | self._parked.keys()
+            entries = self._claimer.take(count, is_idle=is_idle, max_block_ms=max_block_ms, held=held)
+            owned, followed = self._claimer.own(entries)
             self._backoff.reset()
         except redis.RedisError as e:
             delay = self._backoff.failed()
@@ -217,20 +263,23 @@ class Consumer:
         if self._metrics is not None:
             self._metrics.reclaimed.inc(sum(1 for c in entries if c.num_deliveries > 1))
         for claimed in entries:
-            entry_id, qr = claimed.entry_id, claimed.request
-            if qr is None:
-                self._outbox.ack(claimed.stream, entry_id)  # unreadable: nobody to answer, drop it
-                continue
-            stream = claimed.stream
-            tracked = Tracked.of(self.keys, stream, entry_id, qr, progress.get((stream, entry_id)))
-            if claimed.num_deliveries > self.config.max_deliveries:
-                self._reject(tracked, ErrorCode.ERROR_CODE_UNAVAILABLE,
-                             f"{claimed.num_deliveries - 1} workers stopped while running this request; "
-                             "not trying again")
-            elif not followed.get(tracked.channel):
-                self._parked.park(tracked)  # its caller left while it was queued: compute nothing
-            else:
-                self._admit(tracked)
+            self._take(claimed, owned.get(claimed.key), followed)
+
+    def _take(self, claimed: Claimed, owned: Owned | None, followed: dict[str, int]) -> None:
+        qr = claimed.request
+        if qr is None or owned is None:
+            return self._outbox.ack(claimed.stream, claimed.entry_id)  # unreadable: nobody to answer
+        tracked = Tracked.of(self.keys, claimed.stream, claimed.entry_id, qr, owned.progress, owned.chunks)
+        if owned.state != "own":  # its final is logged, or another attempt replaced it: done
+            return self._outbox.ack(claimed.stream, claimed.entry_id)
+        if owned.num_deliveries >= self.config.max_deliveries:
+            self._reject(tracked, ErrorCode.ERROR_CODE_UNAVAILABLE,
+                         f"{owned.num_deliveries} workers stopped while running this request (limit "
+                         "--max-deliveries); not trying again")
+        elif not followed.get(tracked.channel):
+            self._parked.park(tracked)  # its caller left while it was queued: compute nothing
+        else:
+            self._admit(tracked)
 
     def _admit(self, tracked: Tracked) -> None:
         qr = tracked.request
@@ -243,7 +292,7 @@ class Consumer:
                       qr.request_id, extra=self._spans.log_fields(tracked))
             return self._spans.left(tracked, "claimed twice")
         progress = tracked.record if tracked.record.worker_id else None
-        resume = None if progress is None else Resume(tuple(progress.token_ids), progress.seed,
+        resume = None if progress is None else Resume(tuple(tracked.token_ids), progress.seed,
                                                       progress.first_token_unix)
         try:
             prompt, params = params_from_pb(qr.request)
@@ -254,32 +303,60 @@ class Consumer:
         except Exception as e:
             log.exception("add_request failed for %s", qr.request_id, extra=self._spans.log_fields(tracked))
             return self._reject(tracked, ErrorCode.ERROR_CODE_INTERNAL, f"worker error: {e}")
-        tracked.record.seed, tracked.record.worker_id = admitted.seed, self.config.worker_id
+        if (tracked.record.seed, tracked.record.worker_id) != (admitted.seed, self.config.worker_id):
+            tracked.record.seed, tracked.record.worker_id = admitted.seed, self.config.worker_id
+            self._outbox.progress[qr.request_id] = tracked.progress()
         if admitted.text:
             tracked.text_parts.append(admitted.text)
+        self._heartbeat.log_ttl_ms = max(self._heartbeat.log_ttl_ms, tracked.result_ttl_ms)
         self._running[tracked.key] = tracked
         log.debug("request %s: running entry %s", qr.request_id, tracked.key,
                   extra=self._spans.log_fields(tracked))
 
     def _reject(self, tracked: Tracked, code: queue_pb2.ErrorCode, message: str) -> None:
         self._spans.failed(tracked, code, message)
-        self._outbox.add(tracked.channel, tracked.error_event(code, message))
-        self._outbox.end(tracked.stream, tracked.entry_id, tracked.record_key, tracked.result_ttl_ms)
+        self._outbox.publish(tracked.error_event(code, message))
+        self._end(tracked)
 
-    # -- aborts and events ------------------------------------------------------------------------
+    def _end(self, tracked: Tracked, final_seq: int | None = None) -> None:
+        """The attempt ended: release and acknowledge it; its log goes after the result TTL."""
+        self._outbox.end(tracked.request_id, tracked.record_key, tracked.stream, tracked.entry_id,
+                         tracked.result_ttl_ms, final_seq)
+        fields = LogField.all_of(tracked.request_id, tracked.seq)
+        heapq.heappush(self._expiring, (time.monotonic() + tracked.result_ttl_ms / 1000, fields))
+
+    # -- aborts, revocations and events -----------------------------------------------------------
+
+    def _apply_revocations(self) -> None:
+        """Drop what other workers took over (the STEP script refused its writes already)."""
+        revoked = self._publisher.revoked()
+        if not revoked:
+            return
+        for key, tracked in list(self._running.items()):
+            if tracked.request_id in revoked:
+                tracked.is_handed_off = True
+                self.engine.abort(key)
+        dropped = self._parked.drop(revoked)
+        log.warning("another worker took over %d requests (%d parked here); dropped them", len(revoked),
+                    dropped)
+        self.num_dropped += len(revoked)
+        self._outbox.forget += list(revoked)
 
     def _apply_aborts(self) -> None:
-        """Park what nobody follows (a PUBLISH that reached nobody, or an abort hint); abort
-        what passed its deadline."""
-        unheard = self._publisher.unheard()
-        suspects = {key for key, t in self._running.items() if t.channel in unheard}
+        """Park what nobody follows (checked every FOLLOW_CHECK_S, and at once on an abort hint);
+        abort what passed its deadline."""
+        suspects = set()
+        if time.monotonic() >= self._next_follow_check:
+            self._next_follow_check = time.monotonic() + FOLLOW_CHECK_S
+            suspects = set(self._running)
         for request_id, entry_id in self._aborts.drain():
             suspects |= {key for key, t in self._running.items()
                          if t.request_id == request_id and entry_id in (b"", t.entry_id)}
+        suspects = {key for key in suspects if not self._running[key].is_parking}
         if suspects:
             try:
                 counts = listeners(self._client, (self._running[key].channel for key in suspects))
-            except redis.RedisError as e:  # asked again after the next PUBLISH reaches nobody
+            except redis.RedisError as e:  # asked again at the next check
                 log.warning("could not count the listeners of %d requests: %s", len(suspects), e)
                 self._redis_error()
                 counts = {}
@@ -304,27 +381,25 @@ class Consumer:
         for tracked in resumed:
             log.info("request %s is followed again: resuming it", tracked.request_id,
                      extra=self._spans.log_fields(tracked))
-            self._admit(Tracked.of(self.keys, tracked.stream, tracked.entry_id, tracked.request,
-                                   tracked.record))
+            self._admit(tracked.again())
         for tracked in expired:
             log.info("request %s: nobody resumed it within %.1fs; abandoned", tracked.request_id,
                      self._parked.grace_s, extra=self._spans.log_fields(tracked))
-            self._outbox.end(tracked.stream, tracked.entry_id, tracked.record_key, tracked.result_ttl_ms)
+            self._end(tracked)
 
     def _emit(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             tracked = self._running.get(out.request_id)
             if tracked is None:
                 continue
-            if out.token_ids or out.text:
-                chunk = chunk_to_pb(tracked.num_chunks, out.token_ids, out.text, out.logprobs)
-                tracked.num_chunks += 1
+            if (out.token_ids or out.text) and not tracked.is_handed_off:
+                chunk = chunk_to_pb(tracked.seq, out.token_ids, out.text, out.logprobs)
                 tracked.text_parts.append(out.text)
-                tracked.record.token_ids.extend(out.token_ids)
-                tracked.record.first_token_unix = tracked.record.first_token_unix or time.time()
-                event = tracked.event(chunk=chunk)
-                self._outbox.log(tracked.record_key, event, tracked.progress())
-                self._outbox.add(tracked.channel, event)
+                tracked.token_ids.extend(out.token_ids)
+                if not tracked.record.first_token_unix:
+                    tracked.record.first_token_unix = time.time()
+                    self._outbox.progress[tracked.request_id] = tracked.progress()
+                self._outbox.log(tracked.event(chunk=chunk))
             if out.finished:
                 self._finish(out, tracked)
 
@@ -350,16 +425,18 @@ class Consumer:
                 self._metrics.observe_finished(out.usage)
         self._spans.finished(tracked, out)
         event = tracked.event(final=final)
-        self._outbox.log(tracked.record_key, event, None)
-        self._outbox.add(tracked.channel, event)
-        self._outbox.end(tracked.stream, tracked.entry_id, tracked.record_key, tracked.result_ttl_ms)
+        self._outbox.log(event)
+        self._end(tracked, final_seq=event.seq)
 
     def _flush(self) -> None:
         stats = self.engine.stats()
-        self._publisher.set_load(self._load(stats))
+        self._heartbeat.set_load(self._load(stats))
         if self._metrics is not None:
             self._metrics.update(stats, len(self._parked))
-        if self._outbox:
+        now = time.monotonic()
+        while self._expiring and self._expiring[0][0] <= now:
+            self._outbox.drops += heapq.heappop(self._expiring)[1]
+        if self._outbox and not self.is_fenced:
             self._publisher.submit(self._outbox)
             self._outbox = Outbox()
 

@@ -1,8 +1,9 @@
 """Requests nobody follows any more: parked, not computed, for a resume (protos/keys.py).
 
-A request's caller went away when a PUBLISH on its channel reached nobody, or a
-gateway sent an Abort hint; either way the consumer asks Redis (PUBSUB NUMSUB)
-before it parks, so a second caller following the same request keeps it
+A request's caller went away when the channel it follows (``{p}:events:{id}``, which a
+gateway SUBSCRIBEs for each call) has no subscriber: the consumer counts them (PUBSUB
+NUMSUB) about once a second, and at once when a gateway sends an Abort hint. It parks
+only a request nobody follows, so a second caller following the same request keeps it
 running. Parking aborts the request in the engine: it leaves the batch at the
 next step, and its full KV blocks stay in the prefix cache until evicted. The
 lot polls NUMSUB of what it holds: a request with a listener again is handed
@@ -49,6 +50,16 @@ class ParkingLot:
 
     def __contains__(self, key: str) -> bool:
         return key in self._parked
+
+    def keys(self) -> set[str]:
+        return set(self._parked)
+
+    def drop(self, request_ids: set[str]) -> int:
+        """Forget the parked attempts of these requests (another worker took them over)."""
+        gone = [k for k, p in self._parked.items() if p.tracked.request_id in request_ids]
+        for k in gone:
+            del self._parked[k]
+        return len(gone)
 
     def park(self, tracked: Tracked) -> None:
         tracked.is_parking = False

@@ -1,12 +1,14 @@
-"""The worker's Redis plumbing: connection, publisher thread, abort listener.
+"""The worker's Redis plumbing: connection, publisher thread, heartbeat thread, abort listener.
 
-`Publisher` is the only writer of token events: one FIFO thread, so the events
-of one request leave in order, and each round is ONE pipelined round trip (per
-request one HSET of its logged events and progress into its record, XACK+XDEL
-of finished entries, per request one PUBLISH of a `TokenEventBatch` on its
-channel, the heartbeat when due). A failed round is resent until Redis answers
-(the gateway drops duplicates by `seq`). Key names and delivery guarantees are
-in `protos/keys.py`.
+`Publisher` is the only writer of token events: one FIFO thread, so the events of one
+request leave in order, and each round is ONE call of the STEP script (worker/io/scripts.py):
+it checks that this consumer is not fenced and which of its requests were taken over, then
+logs the round's events and progress in the worker's log hash (one HSET for every request),
+ends finished attempts (final, XACK+XDEL), and PUBLISHes every event of the round in one
+`TokenEventBatch` on the worker's out channel. A failed round is resent until Redis answers
+(every write in it is idempotent; gateways drop duplicates by `seq`). `Heartbeat` runs on its
+own thread, so a publisher waiting for Redis never stops it. Key names and delivery
+guarantees are in `protos/keys.py`.
 """
 
 from __future__ import annotations
@@ -18,14 +20,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import redis
 
-from protos.keys import Heartbeat, Record
+from protos.keys import Heartbeat as HeartbeatField
 from protos.redis_conn import Backoff, sync_client
 from protos.tokenrelay.v1 import queue_pb2
 from worker.config import WorkerConfig
+from worker.io.scripts import HEARTBEAT, STEP
 
 log = logging.getLogger(__name__)
 
@@ -37,66 +39,99 @@ def connect(config: WorkerConfig) -> redis.Redis:
     return sync_client(config.redis_url, config.redis_timeout_s)
 
 
+@dataclass(frozen=True)
+class End:
+    """An attempt that ended: its record (final seq, TTL) and its entry to acknowledge."""
+
+    request_id: str  # "" for an unreadable entry (no record)
+    record: str
+    final_seq: int | None
+    ttl_ms: int
+    stream: str
+    entry_id: bytes
+
+
 @dataclass
 class Outbox:
-    """One round's writes: per request its record's new fields (logged events, progress) and
-    its events to publish, entries to acknowledge, records whose TTL to shorten."""
+    """One round's writes (the STEP script's sections)."""
 
-    events: dict[str, list[queue_pb2.TokenEvent]] = field(default_factory=dict)  # channel -> events
-    records: dict[str, dict[str, bytes]] = field(default_factory=dict)  # record key -> fields to set
-    acks: dict[str, list[bytes]] = field(default_factory=dict)  # request stream -> entry ids
-    expires: dict[str, int] = field(default_factory=dict)  # record key -> TTL in ms
+    logged: dict[str, list[queue_pb2.TokenEvent]] = field(default_factory=dict)  # request id -> events
+    published: list[queue_pb2.TokenEvent] = field(default_factory=list)  # errors: not logged
+    progress: dict[str, bytes] = field(default_factory=dict)  # request id -> queue.Progress
+    ends: list[End] = field(default_factory=list)
+    drops: list[str] = field(default_factory=list)  # log fields of expired results
+    forget: list[str] = field(default_factory=list)  # revoked request ids this worker dropped
 
-    def add(self, channel: str, event: queue_pb2.TokenEvent) -> None:
-        self.events.setdefault(channel, []).append(event)
+    def log(self, event: queue_pb2.TokenEvent) -> None:
+        """Log the event (a chunk or the final) in the worker's log, then publish it."""
+        self.logged.setdefault(event.request_id, []).append(event)
 
-    def log(self, record: str, event: queue_pb2.TokenEvent, progress: bytes | None) -> None:
-        """Log the event in the request's record (with the progress after it)."""
-        fields = self.records.setdefault(record, {})
-        fields[Record.event(event.seq)] = event.SerializeToString()
-        if progress is not None:
-            fields[Record.PROGRESS] = progress
-        if event.HasField("final"):
-            fields[Record.FINAL] = str(event.seq).encode()
+    def publish(self, event: queue_pb2.TokenEvent) -> None:
+        self.published.append(event)
 
     def ack(self, stream: str, entry_id: bytes) -> None:
-        self.acks.setdefault(stream, []).append(entry_id)
+        """An entry without a record (unreadable): acknowledge it only."""
+        self.ends.append(End("", "", None, 0, stream, entry_id))
 
-    def end(self, stream: str, entry_id: bytes, record: str, ttl_ms: int) -> None:
-        """The attempt ended: acknowledge its entry, keep its record for ttl_ms."""
-        self.ack(stream, entry_id)
-        self.expires[record] = ttl_ms
+    def end(self, request_id: str, record: str, stream: str, entry_id: bytes, ttl_ms: int,
+            final_seq: int | None = None) -> None:
+        """The attempt ended: release its record (kept for ttl_ms) and acknowledge its entry."""
+        self.ends.append(End(request_id, record, final_seq, ttl_ms, stream, entry_id))
 
     def merge(self, other: Outbox) -> None:
-        for channel, events in other.events.items():
-            self.events.setdefault(channel, []).extend(events)
-        for record, fields in other.records.items():
-            self.records.setdefault(record, {}).update(fields)  # the later progress knows more
-        for stream, entry_ids in other.acks.items():
-            self.acks.setdefault(stream, []).extend(entry_ids)
-        self.expires.update(other.expires)
+        for request_id, events in other.logged.items():
+            self.logged.setdefault(request_id, []).extend(events)
+        self.published += other.published
+        self.progress.update(other.progress)  # the later progress knows more
+        self.ends += other.ends
+        self.drops += other.drops
+        self.forget += other.forget
+
+    def args(self, group: str, consumer: str, worker_id: str) -> list[bytes | str | int]:
+        """ARGV of the STEP script."""
+        args: list[bytes | str | int] = [group, consumer, worker_id, len(self.logged)]
+        for request_id, events in self.logged.items():
+            args += [request_id, len(events)]
+            for event in events:
+                args += [event.seq, event.SerializeToString()]
+        args.append(len(self.published))
+        for event in self.published:
+            args += [event.request_id, event.SerializeToString()]
+        args.append(len(self.progress))
+        for request_id, progress in self.progress.items():
+            args += [request_id, progress]
+        args.append(len(self.ends))
+        for e in self.ends:
+            args += [e.request_id, e.record, "" if e.final_seq is None else e.final_seq, e.ttl_ms, e.stream,
+                     e.entry_id]
+        args += [len(self.drops), *self.drops, len(self.forget), *self.forget]
+        return args
 
     def __bool__(self) -> bool:
-        return bool(self.events or self.records or self.acks or self.expires)
+        return bool(self.logged or self.published or self.progress or self.ends or self.drops or self.forget)
 
 
 class Publisher:
-    """Background thread sending outboxes and heartbeats, one pipeline per round.
+    """Background thread sending outboxes, one STEP script call per round.
 
-    `unheard()` returns the channels whose PUBLISH reached no subscriber since the last
-    call: nobody follows those requests any more (the consumer parks them).
+    `revoked()` returns the request ids other workers took over since the last call (the
+    consumer drops them); `on_fenced` is called once if this consumer was fenced (it must
+    stop: every request it holds belongs to another worker now).
     """
 
-    def __init__(self, client: redis.Redis, config: WorkerConfig,
-                 on_error: Callable[[], None] | None = None) -> None:
+    def __init__(self, client: redis.Redis, config: WorkerConfig, on_error: Callable[[], None] | None = None,
+                 on_fenced: Callable[[], None] | None = None) -> None:
         """on_error: called (on this thread) for every failed round."""
         self._client, self._config, self._keys = client, config, config.keys
-        self._on_error = on_error
+        self._on_error, self._on_fenced = on_error, on_fenced
         self._queue: queue.Queue[Outbox | None] = queue.Queue()
-        self._load: dict[str, str] = {}
-        self._sent_load: dict[str, str] = {}
         self._give_up_at = float("inf")
-        self._unheard: deque[str] = deque()
+        self._revoked: deque[str] = deque()
+        self._step = client.register_script(STEP)
+        name = config.consumer_name
+        self._script_keys = [self._keys.fenced, self._keys.revoked(name), self._keys.log(name),
+                             self._keys.out(name)]
+        self.num_rounds = 0
         self._thread = threading.Thread(target=self._run, name="publisher", daemon=True)
 
     def start(self) -> None:
@@ -105,40 +140,27 @@ class Publisher:
     def submit(self, outbox: Outbox) -> None:
         self._queue.put(outbox)
 
-    def set_load(self, load: dict[str, str]) -> None:
-        """The latest heartbeat fields; a change of an event field is published with the next round."""
-        self._load = load
-
-    def unheard(self) -> set[str]:
-        channels = set()
-        while self._unheard:
-            channels.add(self._unheard.popleft())
-        return channels
+    def revoked(self) -> set[str]:
+        ids = set()
+        while self._revoked:
+            ids.add(self._revoked.popleft())
+        return ids
 
     def close(self) -> None:
-        """Send what is queued (trying for at most CLOSE_FLUSH_TIMEOUT_S), drop the heartbeat."""
+        """Send what is queued (trying for at most CLOSE_FLUSH_TIMEOUT_S)."""
         self._give_up_at = time.monotonic() + CLOSE_FLUSH_TIMEOUT_S
         self._queue.put(None)
         self._thread.join()
 
     def _run(self) -> None:
-        next_heartbeat = 0.0
         closing = False
         while not closing:
-            timeout = max(0.0, next_heartbeat - time.monotonic())
-            try:
-                first = self._queue.get(timeout=timeout)
-            except queue.Empty:
-                first = Outbox()
-            outbox, closing = self._collect(first)
-            changed = any(self._load.get(k) != self._sent_load.get(k) for k in Heartbeat.EVENTS)
-            heartbeat = time.monotonic() >= next_heartbeat or changed
-            self._send(outbox, heartbeat=heartbeat and not closing, delete_heartbeat=closing)
-            if heartbeat:
-                next_heartbeat = time.monotonic() + self._config.heartbeat_interval_s
+            outbox, closing = self._collect(self._queue.get())
+            if outbox:
+                self._send(outbox)
 
     def _collect(self, first: Outbox | None) -> tuple[Outbox, bool]:
-        """Merge everything already queued, so a backlog goes out as one pipeline."""
+        """Merge everything already queued, so a backlog goes out as one round."""
         outbox, closing = Outbox(), first is None
         if first is not None:
             outbox.merge(first)
@@ -153,60 +175,108 @@ class Publisher:
                 outbox.merge(item)
         return outbox, closing
 
-    def _send(self, outbox: Outbox, *, heartbeat: bool, delete_heartbeat: bool) -> None:
+    def _send(self, outbox: Outbox) -> None:
         backoff = Backoff(self._config.max_backoff_s)
-        load = self._load
+        args = outbox.args(self._keys.group, self._config.consumer_name, self._config.worker_id)
         while True:
             try:
-                pipe, first_publish = self._pipeline(outbox, load if heartbeat else None, delete_heartbeat)
-                # A command Redis refuses (XACK after a restart lost the group) must not hold
-                # back the rest: only connection errors raise here and are retried.
-                replies = pipe.execute(raise_on_error=False)
-                self._sent_load = load if heartbeat else self._sent_load
+                reply = self._step(keys=self._script_keys, args=args)
                 break
+            except redis.ResponseError as e:  # a bug in the round, not an outage: resending cannot help
+                log.error("Redis refused a round of %d requests' events: %s", len(outbox.logged), e)
+                return
             except redis.RedisError as e:
                 if self._on_error is not None:
                     self._on_error()
                 if time.monotonic() > self._give_up_at:
-                    log.error("dropping %d channels of events: Redis unreachable at shutdown (%s)",
-                              len(outbox.events), e)
+                    log.error("dropping the events of %d requests: Redis unreachable at shutdown (%s)",
+                              len(outbox.logged), e)
                     return
                 delay = backoff.failed()
                 log.warning("publish failed (%s); retrying in %.2fs", e, delay)
                 time.sleep(delay)  # nothing else for this thread to do until Redis answers
-        for reply in replies:
-            if isinstance(reply, redis.ResponseError):
-                log.warning("Redis refused a command of the publish pipeline: %s", reply)
-        receivers = replies[first_publish:first_publish + len(outbox.events)]  # one PUBLISH per channel
-        self._unheard.extend(ch for ch, n in zip(outbox.events, receivers, strict=True) if n == 0)
+        self.num_rounds += 1
+        status, *revoked = [r.decode() if isinstance(r, bytes) else str(r) for r in reply]
+        if status == "fenced":
+            log.error("this worker (%s) was fenced: another worker re-claimed its requests; its round of "
+                      "%d requests was refused", self._config.consumer_name, len(outbox.logged))
+            if self._on_fenced is not None:
+                self._on_fenced()
+        self._revoked.extend(revoked)
 
-    def _pipeline(self, outbox: Outbox, load: dict[str, str] | None,
-                  delete_heartbeat: bool) -> tuple[Any, int]:
-        """Records (log + progress), then acknowledgements, then PUBLISHes, then the heartbeat:
-        an event is in the record before anyone hears of it, and an entry leaves the stream
-        only after its final is logged (protos/keys.py). Returns the pipeline and the index
-        of its first PUBLISH."""
-        pipe = self._client.pipeline(transaction=False)
-        for record, logged in outbox.records.items():
-            pipe.hset(record, mapping=logged)  # type: ignore[arg-type]  # (narrow stub)
-        for stream, entry_ids in outbox.acks.items():
-            pipe.xack(stream, self._keys.group, *entry_ids)
-            pipe.xdel(stream, *entry_ids)
-        for record, ttl_ms in outbox.expires.items():
-            pipe.pexpire(record, ttl_ms)
-        worker_id = self._config.worker_id
-        first_publish = len(pipe.command_stack)
-        for channel, events in outbox.events.items():
-            pipe.publish(channel, queue_pb2.TokenEventBatch(worker_id=worker_id, events=events)
-                         .SerializeToString())
-        key = self._keys.worker(worker_id)
-        if load is not None:
-            beat: dict[Any, Any] = {**load, Heartbeat.HEARTBEAT_UNIX: repr(time.time())}  # (narrow stub)
-            pipe.hset(key, mapping=beat)
-            pipe.pexpire(key, int(self._config.heartbeat_ttl_s * 1000))
-        if delete_heartbeat:
-            pipe.delete(key)
-        return pipe, first_publish
+
+class Heartbeat:
+    """Background thread renewing this consumer's registry entry and heartbeat hash.
+
+    It has its own thread so that nothing else (a publisher waiting for Redis, a long step)
+    delays it. `set_load` wakes it when a field in `HeartbeatField.EVENTS` changed.
+    """
+
+    def __init__(self, client: redis.Redis, config: WorkerConfig,
+                 on_fenced: Callable[[], None] | None = None) -> None:
+        self._client, self._config, self._keys = client, config, config.keys
+        self._on_fenced = on_fenced
+        self._load: dict[str, str] = {}
+        self._sent: dict[str, str] = {}
+        self._changed = threading.Event()
+        self._closed = threading.Event()
+        self._script = client.register_script(HEARTBEAT)
+        name = config.consumer_name
+        self._script_keys = [self._keys.registry, self._keys.fenced, self._keys.worker(name),
+                             self._keys.log(name)]
+        self.log_ttl_ms = 0  # how long the log must outlive this worker: its longest result TTL
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self.beat()  # registered before the first claim
+        self._thread.start()
+
+    def set_load(self, load: dict[str, str]) -> None:
+        self._load = load
+        if any(load.get(k) != self._sent.get(k) for k in HeartbeatField.EVENTS):
+            self._changed.set()
+
+    def beat(self) -> bool:
+        """One heartbeat; False if Redis did not answer."""
+        load = self._load
+        fields: list[str] = []
+        for name, value in {**load, HeartbeatField.HEARTBEAT_UNIX: repr(time.time())}.items():
+            fields += [name, value]
+        ttl_ms = int(self._config.heartbeat_ttl_s * 1000)
+        try:
+            alive = self._script(keys=self._script_keys, args=[self._config.consumer_name, ttl_ms,
+                                                               ttl_ms + self.log_ttl_ms, *fields])
+        except redis.RedisError as e:
+            log.warning("heartbeat failed: %s", e)
+            return False
+        self._sent = load
+        if not alive and self._on_fenced is not None:
+            self._on_fenced()
+        return True
+
+    def close(self) -> None:
+        """Stop beating and leave the registry: other workers may re-claim at once."""
+        self._closed.set()
+        self._changed.set()
+        self._thread.join()
+        name = self._config.consumer_name
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            pipe.zrem(self._keys.registry, name)
+            pipe.delete(self._keys.worker(name))
+            pipe.execute()
+        except redis.RedisError as e:
+            log.warning("could not leave the worker registry: %s", e)
+
+    def _run(self) -> None:
+        interval = self._config.heartbeat_interval_s
+        while not self._closed.is_set():
+            self._changed.wait(interval)
+            self._changed.clear()
+            if not self._closed.is_set():
+                self.beat()
+                # A burst of load changes (many requests finishing) costs at most 10 beats a second.
+                self._closed.wait(min(0.1, interval / 5))
 
 
 class AbortListener:

@@ -32,7 +32,7 @@ class RequestSpans:
             GenAI.REQUEST_ID: qr.request_id, "messaging.system": "redis",
             "messaging.operation.type": "process", "messaging.destination.name": tracked.stream,
             "messaging.message.id": tracked.entry_id.decode(), "tokenrelay.worker_id": self.worker_id,
-            "tokenrelay.resumed_tokens": len(tracked.record.token_ids)}
+            "tokenrelay.resumed_tokens": len(tracked.token_ids)}
         try:
             attributes |= request_attributes(qr.request_id, params_from_pb(qr.request)[1])
         except ValueError:

@@ -21,11 +21,12 @@ class Tracked:
     entry_id: bytes
     channel: str  # the request's event channel
     record_key: str  # the request's record
-    seq: int = 0
-    num_chunks: int = 0
+    seq: int = 0  # of the next event; also the next chunk's index (chunks come before the final)
     text_parts: list[str] = field(default_factory=list)
-    # What another worker or attempt needs to resume it (protos/keys.py); token_ids grow in place.
+    # What another worker or attempt needs to resume it besides the logged chunks (protos/keys.py).
     record: queue_pb2.Progress = field(default_factory=queue_pb2.Progress)
+    # Every token so far, in memory only (the log holds them in its chunks): a resume's prefix.
+    token_ids: list[int] = field(default_factory=list)
     # Set when the worker aborted it (deadline, shutdown): replaces the final event.
     error: tuple[queue_pb2.ErrorCode, str] | None = None
     # Aborted at shutdown for another worker to resume: no final event, no XACK.
@@ -37,12 +38,22 @@ class Tracked:
 
     @classmethod
     def of(cls, keys: Keys, stream: str, entry_id: bytes, request: queue_pb2.QueuedRequest,
-           progress: queue_pb2.Progress | None = None) -> Tracked:
+           progress: queue_pb2.Progress | None = None,
+           chunks: list[queue_pb2.TokenEvent] | None = None) -> Tracked:
+        """chunks: the request's logged chunks, in seq order (a resume continues after them)."""
         tracked = cls(request, stream, entry_id, keys.events(request.request_id),
                       keys.record(request.request_id))
         if progress is not None:  # continue where the last worker's events stopped
-            tracked.seq, tracked.num_chunks, tracked.record = progress.next_seq, progress.num_chunks, progress
+            chunks = chunks or []
+            tracked.record = progress
+            tracked.seq = len(chunks)
+            tracked.token_ids = [t for c in chunks for t in c.chunk.token_ids]
         return tracked
+
+    def again(self) -> Tracked:
+        """The same attempt, re-admitted after parking: it continues after what it streamed."""
+        return Tracked(self.request, self.stream, self.entry_id, self.channel, self.record_key, self.seq,
+                       record=self.record, token_ids=self.token_ids)
 
     @property
     def key(self) -> str:
@@ -69,5 +80,4 @@ class Tracked:
                                     error=error)
 
     def progress(self) -> bytes:
-        self.record.next_seq, self.record.num_chunks = self.seq, self.num_chunks
         return self.record.SerializeToString()

@@ -1,0 +1,245 @@
+"""The worker's Lua scripts: every write it makes for a request is fenced in the same round trip.
+
+Ownership (protos/keys.py, "Fencing"): a worker process is one consumer of the group, named
+``{worker_id}.{incarnation}``. It is alive while its score in the registry (a sorted set,
+expiry in Redis-clock ms) is in the future. A sweeper that finds a consumer dead fences it
+(RECLAIM: adds it to the fenced set and removes it from the registry) and XCLAIMs its entries
+in the same script. A claim takes a request's record (OWN: sets ``owner``, moves the
+request's log into the claimant's log hash, and names the request in the previous owner's
+revoked set when that owner had not released it). Every round of a worker is one STEP script
+that first checks both: a fenced worker writes nothing, and the requests revoked from it are
+left out of the round. Scripts run atomically, so a round is either entirely before a
+re-claim (and the new owner resumes after everything it published) or refused.
+
+Why scripts and not a pipeline: the check and the writes must be one atomic step, and one
+EVALSHA per round replaces one HSET and one PUBLISH per request (bench-e2e measured 2.1
+commands per token with the per-request pipeline; see benchmarks/fleet.py).
+"""
+
+from __future__ import annotations
+
+from protos.keys import STREAM_DATA_FIELD, WORKER_KEY_MARK, LogField, Record
+
+# Lua helpers shared by the scripts: a protobuf length-delimited field, and HSET/HDEL of long
+# argument lists in slices (Lua's unpack() is limited to a few thousand values).
+_LIB = """
+local function varint(n)
+  local out = {}
+  while n >= 128 do
+    out[#out + 1] = string.char(n % 128 + 128)
+    n = math.floor(n / 128)
+  end
+  out[#out + 1] = string.char(n)
+  return table.concat(out)
+end
+local function field(tag, bytes) return string.char(tag) .. varint(#bytes) .. bytes end
+local function hset_all(key, flat)
+  for s = 1, #flat, 1000 do
+    redis.call('HSET', key, unpack(flat, s, math.min(s + 999, #flat)))
+  end
+end
+local function hdel_all(key, names)
+  for s = 1, #names, 1000 do
+    redis.call('HDEL', key, unpack(names, s, math.min(s + 999, #names)))
+  end
+end
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+"""
+
+# One round of one worker. KEYS: fenced set, own revoked set, own log hash, own out channel.
+# ARGV: group, consumer name, worker_id (TokenEventBatch.worker_id), then five sections, each
+# a count followed by its items:
+#   LOG   request_id, k, (seq, TokenEvent bytes) x k   logged, then published
+#   PUB   request_id, TokenEvent bytes                 published only (errors)
+#   PROG  request_id, Progress bytes
+#   END   request_id (or ''), record key (or ''), final seq (or ''), ttl ms, stream, entry id
+#   DROP  log field names whose results expired
+# Returns {'fenced'} or {'ok', revoked request ids...}.
+STEP = _LIB + f"""
+local fenced, revoked, log, out = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local group, me, worker_id = ARGV[1], ARGV[2], ARGV[3]
+if redis.call('SISMEMBER', fenced, me) == 1 then return {{'fenced'}} end
+local lost = {{}}
+local gone = {{}}
+if redis.call('SCARD', revoked) > 0 then
+  lost = redis.call('SMEMBERS', revoked)
+  redis.call('DEL', revoked)
+  for _, r in ipairs(lost) do gone[r] = true end
+end
+local i = 4
+local flat, msg = {{}}, {{}}
+local n = tonumber(ARGV[i]); i = i + 1
+for _ = 1, n do
+  local rid, k = ARGV[i], tonumber(ARGV[i + 1]); i = i + 2
+  if not gone[rid] then
+    local last = -1
+    for j = 0, k - 1 do
+      local seq, ev = ARGV[i + 2 * j], ARGV[i + 2 * j + 1]
+      flat[#flat + 1] = rid .. ':' .. seq; flat[#flat + 1] = ev
+      msg[#msg + 1] = field(18, ev)
+      last = tonumber(seq)
+    end
+    flat[#flat + 1] = rid .. '{LogField.NEXT}'; flat[#flat + 1] = tostring(last + 1)
+  end
+  i = i + 2 * k
+end
+n = tonumber(ARGV[i]); i = i + 1
+for _ = 1, n do
+  if not gone[ARGV[i]] then msg[#msg + 1] = field(18, ARGV[i + 1]) end
+  i = i + 2
+end
+n = tonumber(ARGV[i]); i = i + 1
+for _ = 1, n do
+  if not gone[ARGV[i]] then
+    flat[#flat + 1] = ARGV[i] .. '{LogField.PROGRESS}'; flat[#flat + 1] = ARGV[i + 1]
+  end
+  i = i + 2
+end
+if #flat > 0 then hset_all(log, flat) end
+n = tonumber(ARGV[i]); i = i + 1
+for _ = 1, n do
+  local rid, rec, final, ttl = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
+  local stream, entry = ARGV[i + 4], ARGV[i + 5]
+  i = i + 6
+  if not gone[rid] then
+    if rec ~= '' then
+      if final ~= '' then redis.call('HSET', rec, '{Record.FINAL}', final) end
+      if redis.call('HGET', rec, '{Record.OWNER}') == me then
+        redis.call('HSET', rec, '{Record.OWNER}', '')
+      end
+      redis.call('PEXPIRE', rec, ttl)
+    end
+    redis.call('XACK', stream, group, entry)
+    redis.call('XDEL', stream, entry)
+  end
+end
+n = tonumber(ARGV[i]); i = i + 1
+if n > 0 then hdel_all(log, {{unpack(ARGV, i, i + n - 1)}}) end
+if #msg > 0 then redis.call('PUBLISH', out, field(10, worker_id) .. table.concat(msg)) end
+local reply = {{'ok'}}
+for _, r in ipairs(lost) do reply[#reply + 1] = r end
+return reply
+"""
+
+# Take the records of claimed entries. KEYS: own log hash. ARGV: consumer name, key prefix,
+# then (request_id, record key, entry id) per entry. Per entry it returns
+#   {state, deliveries, progress or false, events...}
+# state: 'own' (run it; events = its logged chunks, in seq order, for a resume),
+# 'stale' (the record names another attempt: acknowledge and drop), 'finished' (its final is
+# logged: acknowledge and drop). deliveries counts takeovers from an owner that never
+# released the request (it died holding it), across every attempt of the request id.
+OWN = _LIB + f"""
+local mine, me, prefix = KEYS[1], ARGV[1], ARGV[2]
+local reply = {{}}
+for i = 3, #ARGV, 3 do
+  local rid, rec, entry = ARGV[i], ARGV[i + 1], ARGV[i + 2]
+  local f = redis.call('HMGET', rec, '{Record.ENTRY}', '{Record.OWNER}', '{Record.LOG}', '{Record.FINAL}',
+                       '{Record.DELIVERIES}')
+  local deliveries = tonumber(f[5] or '0')
+  if f[1] and f[1] ~= entry then
+    reply[#reply + 1] = {{'stale', deliveries, false}}
+  elseif f[4] then
+    reply[#reply + 1] = {{'finished', deliveries, false}}
+  else
+    local owner, from = f[2] or '', f[3]
+    if owner ~= '' and owner ~= me then
+      deliveries = redis.call('HINCRBY', rec, '{Record.DELIVERIES}', 1)
+      local revoked = prefix .. ':revoked:' .. owner
+      redis.call('SADD', revoked, rid)
+      redis.call('PEXPIRE', revoked, 86400000)
+    end
+    local names = {{}}
+    local nxt = 0
+    if from then nxt = tonumber(redis.call('HGET', from, rid .. '{LogField.NEXT}') or '0') end
+    for s = 0, nxt - 1 do names[#names + 1] = rid .. ':' .. s end
+    names[#names + 1] = rid .. '{LogField.PROGRESS}'
+    names[#names + 1] = rid .. '{LogField.NEXT}'
+    local values = {{}}
+    if from then values = redis.call('HMGET', from, unpack(names)) end
+    if from and from ~= mine and nxt > 0 then
+      local flat = {{}}
+      for j, name in ipairs(names) do
+        if values[j] then flat[#flat + 1] = name; flat[#flat + 1] = values[j] end
+      end
+      if #flat > 0 then hset_all(mine, flat) end
+      hdel_all(from, names)
+    elseif from and from ~= mine and values[nxt + 1] then
+      redis.call('HSET', mine, names[nxt + 1], values[nxt + 1])
+      redis.call('HDEL', from, names[nxt + 1])
+    end
+    redis.call('HSET', rec, '{Record.OWNER}', me, '{Record.LOG}', mine)
+    local item = {{'own', deliveries, values[nxt + 1] or false}}
+    for s = 1, nxt do item[#item + 1] = values[s] or '' end
+    reply[#reply + 1] = item
+  end
+end
+return reply
+"""
+
+# Fence dead consumers and XCLAIM their pending entries. KEYS: registry, fenced set.
+# ARGV: group, claimant, fence TTL ms, count, key prefix, then the streams, '--', then the
+# consumers to check. A consumer whose registry score is in the future is alive and skipped;
+# the others are fenced (their heartbeat hash deleted) and up to `count` of their entries
+# claimed. Returns {stream, entry id, data or '', deliveries} per entry and, last, the fenced
+# names that had nothing left pending (the caller removes them from the group).
+RECLAIM = _LIB + f"""
+local registry, fenced = KEYS[1], KEYS[2]
+local group, me, fence_ttl, count, prefix = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
+local streams, consumers, i = {{}}, {{}}, 6
+while ARGV[i] ~= '--' do streams[#streams + 1] = ARGV[i]; i = i + 1 end
+for j = i + 1, #ARGV do consumers[#consumers + 1] = ARGV[j] end
+local now = now_ms()
+local reply, idle = {{}}, {{}}
+for _, name in ipairs(consumers) do
+  local score = redis.call('ZSCORE', registry, name)
+  if name ~= me and (not score or tonumber(score) <= now) then
+    redis.call('SADD', fenced, name)
+    redis.call('PEXPIRE', fenced, fence_ttl)
+    redis.call('ZREM', registry, name)
+    redis.call('DEL', prefix .. '{WORKER_KEY_MARK}' .. name)
+    local left = 0
+    for _, stream in ipairs(streams) do
+      local ok, pending = pcall(redis.call, 'XPENDING', stream, group, '-', '+', math.max(count, 1), name)
+      if ok then
+        left = left + #pending
+        for _, p in ipairs(pending) do
+          if count > 0 then
+            local e = redis.call('XCLAIM', stream, group, me, 0, p[1])[1]
+            if e and e[2] then
+              local data = ''
+              for k = 1, #e[2], 2 do
+                if e[2][k] == '{STREAM_DATA_FIELD.decode()}' then data = e[2][k + 1] end
+              end
+              reply[#reply + 1] = {{stream, p[1], data, p[4]}}
+              count = count - 1
+            else
+              redis.call('XACK', stream, group, p[1])
+            end
+            left = left - 1
+          end
+        end
+      end
+    end
+    if left == 0 then idle[#idle + 1] = name end
+  end
+end
+reply[#reply + 1] = idle
+return reply
+"""
+
+# The heartbeat. KEYS: registry, fenced set, heartbeat hash, own log hash. ARGV: consumer name,
+# TTL ms, log TTL ms, then the hash's field/value pairs. Returns 0 when this consumer is fenced
+# (it must stop: another worker owns what it ran), else 1.
+HEARTBEAT = _LIB + """
+local registry, fenced, beat, log = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local me, ttl, log_ttl = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+if redis.call('SISMEMBER', fenced, me) == 1 then return 0 end
+redis.call('ZADD', registry, now_ms() + ttl, me)
+if #ARGV > 3 then redis.call('HSET', beat, unpack(ARGV, 4, #ARGV)) end
+redis.call('PEXPIRE', beat, ttl)
+redis.call('PEXPIRE', log, log_ttl)
+return 1
+"""
