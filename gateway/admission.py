@@ -1,7 +1,10 @@
 """Admission of a Generate call, before anything is enqueued: the tenant's priority cap,
 what no live worker could hold, the gateway's view of the queue depth, and the tenant's
 quotas (gateway/quotas.py). The queue-depth limit itself is applied by the ATTACH script's
-may_create (gateway/server.py): a resend of a known request is never shed.
+may_create (gateway/server.py): a resend of a known request is never shed. A call without a
+request_id cannot be a resend: over the limit it is refused here, from the cached depth,
+before any other Redis round trip (no quota script, no SUBSCRIBE, no ATTACH), so shedding
+stays cheap however loaded the gateway is.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import time
 from redis.exceptions import RedisError
 
 from gateway.auth import Tenant
-from gateway.errors import InvalidArgument, Unavailable, redis_unavailable
+from gateway.errors import InvalidArgument, QueueFull, Unavailable, redis_unavailable
 from gateway.metrics import GatewayMetrics
 from gateway.queue import RequestQueue
 from gateway.quotas import Quotas, Slot
@@ -29,11 +32,15 @@ class Admission:
         self._max_sequence_tokens: int | None = None  # None: no live worker known
         self._limits_read_at = float("-inf")
 
-    async def admit(self, tenant: Tenant, priority: int, max_tokens: int, *,
-                    is_resume: bool) -> tuple[int, Slot | None]:
-        """(queue depth, the tenant's quota slot to release when the call ends, if any)."""
+    async def admit(self, tenant: Tenant, priority: int, max_tokens: int, *, is_resume: bool,
+                    shed_above: int | None = None, pushback_ms: int = 1000) -> tuple[int, Slot | None]:
+        """(queue depth, the tenant's quota slot to release when the call ends, if any).
+        shed_above: refuse at once (QueueFull) when the depth reached it (a call that cannot be
+        a resend of a known request)."""
         tenant.check_priority(priority)
         depth = await self.queue_depth()
+        if shed_above is not None and depth >= shed_above:
+            raise QueueFull(depth, shed_above, pushback_ms)
         await self.check_fits(max_tokens)
         slot = None
         if self.quotas is not None:  # a resume follows a generation already paid for: no tokens

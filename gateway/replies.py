@@ -23,6 +23,7 @@ it missed from the log. New calls are refused while it is down (`is_ready`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any, Final
@@ -92,10 +93,9 @@ class ReplyRouter:
     async def start(self, timeout_s: float | None = None) -> bool:
         """Start the connection; True if the first attempt succeeded (it keeps trying after)."""
         self._task = asyncio.create_task(self._run(), name="reply-router")
-        try:
-            await asyncio.wait_for(self._tried.wait(), timeout_s)
-        except TimeoutError:
-            pass
+        with contextlib.suppress(TimeoutError):  # asyncio.timeout: a cancel is never swallowed
+            async with asyncio.timeout(timeout_s):
+                await self._tried.wait()
         return self.is_ready
 
     async def close(self) -> None:

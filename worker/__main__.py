@@ -129,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-deliveries", type=int, default=_env("TOKENRELAY_MAX_DELIVERIES", 3),
                    help="a request whose workers died this many times fails with UNAVAILABLE instead of "
                         "being resumed again [env TOKENRELAY_MAX_DELIVERIES]")
+    p.add_argument("--max-parked", type=int, default=_env("TOKENRELAY_MAX_PARKED", 1024),
+                   help="parked requests (nobody follows them) held at most; beyond it a park abandons the "
+                        "attempt at once, its progress kept for a later resume [env TOKENRELAY_MAX_PARKED]")
     p.add_argument("--reattach-grace", type=float, default=_env("TOKENRELAY_REATTACH_GRACE_S", 10),
                    help="seconds a request nobody follows any more (caller gone, gateway died) stays parked, "
                         "its KV cached, for a resume through any gateway; then it is abandoned "
@@ -161,6 +164,7 @@ def config_from_args(argv: list[str] | None = None) -> tuple[WorkerConfig, str]:
                               drain_timeout_s=args.drain_timeout, heartbeat_ttl_s=args.heartbeat_ttl,
                               heartbeat_interval_s=min(0.5, args.heartbeat_ttl / 5),
                               max_deliveries=args.max_deliveries, reattach_grace_s=args.reattach_grace,
+                              max_parked=args.max_parked,
                               metrics_port=args.metrics_port, metrics_compat=args.metrics_compat,
                               otlp_traces_endpoint=args.otlp_traces_endpoint, log_format=args.log_format)
     except ValueError as e:
@@ -199,6 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     consumer.run()
+    if consumer.is_fenced:  # like Kafka's ProducerFencedException: this process may not write again
+        print("tokenrelay-worker: fenced: another worker re-claimed this worker's requests while it was "
+              "unreachable; exiting so a fresh process (a new consumer) takes its place", file=sys.stderr)
+        return 3
     return 0
 
 

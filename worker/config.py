@@ -41,10 +41,18 @@ class WorkerConfig:
     claim_coalesce_ms: float = 5.0
     # How often the worker looks for requests of dead workers to re-claim and resume.
     sweep_interval_s: float = 1.0
+    # How often the worker compares its pending list with what it holds (an XACK lost with
+    # the last second of an AOF leaves an entry pending that nobody runs); an entry must be
+    # idle at least this long to count as forgotten.
+    reconcile_interval_s: float = 5.0
     # A request nobody follows any more (its caller cancelled or disconnected, its
     # gateway died) is parked this long, its KV cached, for a resume on any gateway;
     # then it is abandoned (a later resume starts a new attempt from its progress).
     reattach_grace_s: float = 10.0
+    # Parked requests held at most; a park beyond it abandons the attempt at once (its
+    # progress stays in the log, so a later resume continues from there): bounded memory
+    # whatever number of callers leave.
+    max_parked: int = 1024
     # A request handed out this often (its workers keep dying) fails with UNAVAILABLE.
     max_deliveries: int = 3
     # Socket timeout of every Redis command (must exceed claim_block_ms).
@@ -79,10 +87,14 @@ class WorkerConfig:
         if self.redis_timeout_s * 1000 <= self.claim_block_ms:
             raise ValueError(f"redis_timeout_s ({self.redis_timeout_s}) must exceed claim_block_ms "
                              f"({self.claim_block_ms} ms)")
+        if self.reconcile_interval_s <= 0:
+            raise ValueError(f"reconcile_interval_s must be > 0, got {self.reconcile_interval_s}")
         if self.sweep_interval_s <= 0:
             raise ValueError(f"sweep_interval_s must be > 0, got {self.sweep_interval_s}")
         if self.reattach_grace_s < 0:
             raise ValueError(f"reattach_grace_s must be >= 0, got {self.reattach_grace_s}")
+        if self.max_parked < 0:
+            raise ValueError(f"max_parked must be >= 0, got {self.max_parked}")
         if self.max_deliveries < 1:
             raise ValueError(f"max_deliveries must be >= 1, got {self.max_deliveries}")
         check_metrics_options(self.metrics_port, self.metrics_compat)

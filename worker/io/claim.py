@@ -2,7 +2,7 @@
 
 In order: the entries of dead workers (a sweep at start-up and about every sweep_interval_s,
 which fences them), entries pending under this worker that it forgot (reconciliation, every
-few sweeps), then new entries (XREADGROUP ">") stream by stream, the highest priority class
+reconcile_interval_s), then new entries (XREADGROUP ">") stream by stream, the highest priority class
 first, a lower class only while capacity is left. Only an idle worker that found nothing
 blocks, on every stream at once (one entry of each at most: XREADGROUP's COUNT is per
 stream), then claims what keeps arriving in a burst. Then, for all of them in one round
@@ -24,8 +24,6 @@ from worker.config import WorkerConfig
 from worker.io.reclaim import Claimed, parse_entry, reclaim_dead_workers, reconcile
 from worker.io.scripts import OWN
 
-RECONCILE_EVERY = 5  # sweeps between two reconciliations of this worker's pending list
-
 
 @dataclass
 class Owned:
@@ -42,7 +40,7 @@ class Claimer:
         self.client, self.config = client, config
         self._has_group = False
         self._next_sweep_at = 0.0  # the first sweep runs at once: an earlier run may have left work
-        self._num_sweeps = 0
+        self._next_reconcile_at = time.monotonic() + config.reconcile_interval_s
         self._own = client.register_script(OWN)
 
     def take(self, count: int, *, is_idle: bool, max_block_ms: int | None = None,
@@ -53,9 +51,9 @@ class Claimer:
         if time.monotonic() >= self._next_sweep_at:
             self._next_sweep_at = time.monotonic() + self.config.sweep_interval_s
             entries = reclaim_dead_workers(self.client, self.config, count)
-            self._num_sweeps += 1
-            if self._num_sweeps % RECONCILE_EVERY == 0 and count > len(entries):
-                entries += reconcile(self.client, self.config, held, count - len(entries))
+        if time.monotonic() >= self._next_reconcile_at and count > len(entries):
+            self._next_reconcile_at = time.monotonic() + self.config.reconcile_interval_s
+            entries += reconcile(self.client, self.config, held, count - len(entries))
         if count > len(entries):
             entries += self._read(count - len(entries))
         if is_idle and not entries:

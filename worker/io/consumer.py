@@ -102,7 +102,7 @@ class Consumer:
         self._heartbeat = HeartbeatThread(self._client, config, on_fenced=self._on_fenced)
         self._aborts = AbortListener(self._client, config)
         self._running: dict[str, Tracked] = {}
-        self._parked = ParkingLot(config.reattach_grace_s)
+        self._parked = ParkingLot(config.reattach_grace_s, config.max_parked)
         self._outbox = Outbox()
         self._stopping = threading.Event()
         self._backoff = Backoff(config.max_backoff_s)
@@ -277,14 +277,14 @@ class Consumer:
                          f"{owned.num_deliveries} workers stopped while running this request (limit "
                          "--max-deliveries); not trying again")
         elif not followed.get(tracked.channel):
-            self._parked.park(tracked)  # its caller left while it was queued: compute nothing
+            self._park(tracked)  # its caller left while it was queued: compute nothing
         else:
             self._admit(tracked)
 
     def _admit(self, tracked: Tracked) -> None:
         qr = tracked.request
         self._spans.admitted(tracked)
-        if qr.deadline_unix and time.time() > qr.deadline_unix:
+        if tracked.is_past_deadline(self._heartbeat.redis_now()):
             return self._reject(tracked, ErrorCode.ERROR_CODE_DEADLINE_EXCEEDED,
                                 "the deadline passed while the request was queued")
         if tracked.key in self._running or tracked.key in self._parked:  # this worker holds it already
@@ -317,6 +317,12 @@ class Consumer:
         self._spans.failed(tracked, code, message)
         self._outbox.publish(tracked.error_event(code, message))
         self._end(tracked)
+
+    def _park(self, tracked: Tracked) -> None:
+        if not self._parked.park(tracked):
+            log.warning("request %s: %d requests parked already (--max-parked); abandoned",
+                        tracked.request_id, len(self._parked), extra=self._spans.log_fields(tracked))
+            self._end(tracked)
 
     def _end(self, tracked: Tracked, final_seq: int | None = None) -> None:
         """The attempt ended: release and acknowledge it; its log goes after the result TTL."""
@@ -364,10 +370,9 @@ class Consumer:
                 if counts.get(self._running[key].channel) == 0:
                     self._running[key].is_parking = True
                     self.engine.abort(key)  # the next step returns its ABORT output
-        now = time.time()
+        now = self._heartbeat.redis_now()
         for key, tracked in self._running.items():
-            deadline = tracked.request.deadline_unix
-            if deadline and now > deadline and tracked.error is None:
+            if tracked.error is None and tracked.is_past_deadline(now):
                 tracked.error = (ErrorCode.ERROR_CODE_DEADLINE_EXCEEDED, "deadline passed while generating")
                 self.engine.abort(key)
 
@@ -410,7 +415,7 @@ class Consumer:
                 return self._spans.left(tracked, "handed over")
             if tracked.is_parking:
                 self._spans.left(tracked, "parked")
-                return self._parked.park(tracked)
+                return self._park(tracked)
         self.num_finished += 1
         if tracked.error is not None and out.finish_reason is FinishReason.ABORT:
             code, message = tracked.error

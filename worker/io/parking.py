@@ -40,8 +40,8 @@ class _Parked:
 
 
 class ParkingLot:
-    def __init__(self, grace_s: float) -> None:
-        self.grace_s = grace_s
+    def __init__(self, grace_s: float, max_parked: int = 1024) -> None:
+        self.grace_s, self.max_parked = grace_s, max_parked
         self._parked: dict[str, _Parked] = {}  # entry key -> parked attempt
         self._next_poll = 0.0
 
@@ -61,9 +61,13 @@ class ParkingLot:
             del self._parked[k]
         return len(gone)
 
-    def park(self, tracked: Tracked) -> None:
+    def park(self, tracked: Tracked) -> bool:
+        """False when the lot is full: the caller abandons the attempt instead."""
         tracked.is_parking = False
+        if len(self._parked) >= self.max_parked:
+            return False
         self._parked[tracked.key] = _Parked(tracked, time.monotonic())
+        return True
 
     def take_all(self) -> list[Tracked]:
         parked, self._parked = self._parked, {}

@@ -76,7 +76,7 @@ def reconcile(client: redis.Redis, config: WorkerConfig, held: Collection[str], 
     """Up to `count` entries pending under this consumer, idle for a while, that it does not hold
     (`held`: Claimed.key of what it runs or parks)."""
     keys, me = config.keys, config.consumer_name
-    min_idle_ms = int(max(5.0, config.heartbeat_ttl_s) * 1000)  # well past any XACK still in flight
+    min_idle_ms = int(max(1.0, config.reconcile_interval_s) * 1000)  # well past any XACK still in flight
     forgotten: list[Claimed] = []
     limit = max(count, 1) + len(held)
     for stream in keys.request_streams:

@@ -225,6 +225,7 @@ class Heartbeat:
         self._script_keys = [self._keys.registry, self._keys.fenced, self._keys.worker(name),
                              self._keys.log(name)]
         self.log_ttl_ms = 0  # how long the log must outlive this worker: its longest result TTL
+        self._clock_offset_s = 0.0  # Redis TIME - time.time(), from the last heartbeat
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
     def start(self) -> None:
@@ -236,6 +237,10 @@ class Heartbeat:
         if any(load.get(k) != self._sent.get(k) for k in HeartbeatField.EVENTS):
             self._changed.set()
 
+    def redis_now(self) -> float:
+        """Redis's unix time, estimated: deadlines are judged on Redis's clock (queue.proto)."""
+        return time.time() + self._clock_offset_s
+
     def beat(self) -> bool:
         """One heartbeat; False if Redis did not answer."""
         load = self._load
@@ -243,12 +248,16 @@ class Heartbeat:
         for name, value in {**load, HeartbeatField.HEARTBEAT_UNIX: repr(time.time())}.items():
             fields += [name, value]
         ttl_ms = int(self._config.heartbeat_ttl_s * 1000)
+        sent_at = time.time()
         try:
-            alive = self._script(keys=self._script_keys, args=[self._config.consumer_name, ttl_ms,
-                                                               ttl_ms + self.log_ttl_ms, *fields])
+            redis_ms = self._script(keys=self._script_keys, args=[self._config.consumer_name, ttl_ms,
+                                                                  ttl_ms + self.log_ttl_ms, *fields])
         except redis.RedisError as e:
             log.warning("heartbeat failed: %s", e)
             return False
+        alive = int(redis_ms) > 0
+        if alive:  # Redis read its clock about halfway through the round trip
+            self._clock_offset_s = int(redis_ms) / 1000 - (sent_at + time.time()) / 2
         self._sent = load
         if not alive and self._on_fenced is not None:
             self._on_fenced()

@@ -232,14 +232,16 @@ return reply
 
 # The heartbeat. KEYS: registry, fenced set, heartbeat hash, own log hash. ARGV: consumer name,
 # TTL ms, log TTL ms, then the hash's field/value pairs. Returns 0 when this consumer is fenced
-# (it must stop: another worker owns what it ran), else 1.
+# (it must stop: another worker owns what it ran), else Redis's clock in unix ms (deadlines
+# are judged on it).
 HEARTBEAT = _LIB + """
 local registry, fenced, beat, log = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local me, ttl, log_ttl = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 if redis.call('SISMEMBER', fenced, me) == 1 then return 0 end
-redis.call('ZADD', registry, now_ms() + ttl, me)
+local now = now_ms()
+redis.call('ZADD', registry, now + ttl, me)
 if #ARGV > 3 then redis.call('HSET', beat, unpack(ARGV, 4, #ARGV)) end
 redis.call('PEXPIRE', beat, ttl)
 redis.call('PEXPIRE', log, log_ttl)
-return 1
+return now
 """

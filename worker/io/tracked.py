@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +59,13 @@ class Tracked:
     @property
     def key(self) -> str:
         return f"{self.stream}/{self.entry_id.decode()}"
+
+    def is_past_deadline(self, redis_now: float) -> bool:
+        """redis_now: Redis's unix time (worker/io/redis_io.py estimates it from the heartbeat)."""
+        if self.request.timeout_s:
+            enqueued = int(self.entry_id.split(b"-")[0]) / 1000  # Redis's clock at the XADD
+            return redis_now > enqueued + self.request.timeout_s
+        return bool(self.request.deadline_unix) and time.time() > self.request.deadline_unix
 
     @property
     def request_id(self) -> str:

@@ -1,0 +1,229 @@
+"""Fencing, revocation and reconciliation on real Redis: the scripts of worker/io/scripts.py, then
+whole workers (the simulated engine) with a zombie and a lost XACK."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import redis
+
+from gateway.server import request_digest
+from protos.convert import build_request
+from protos.keys import STREAM_DATA_FIELD, Keys, LogField, Record
+from protos.tokenrelay.v1 import generate_pb2, queue_pb2
+from tests.service import GatewayThread, WorkerProcess, WorkerThread, stub_for, wait_until, workers_ready
+from worker.config import WorkerConfig
+from worker.engine.sim import SimConfig, SimEngine, sim_token_ids
+from worker.io.reclaim import reconcile
+from worker.io.redis_io import Outbox
+from worker.io.scripts import OWN, RECLAIM, STEP
+
+
+@pytest.fixture
+def client(redis_url: str) -> Iterator[redis.Redis]:
+    c = redis.Redis.from_url(redis_url)
+    yield c
+    c.close()
+
+
+def chunk_event(request_id: str, seq: int, token: int = 7) -> queue_pb2.TokenEvent:
+    return queue_pb2.TokenEvent(request_id=request_id, seq=seq,
+                                chunk=generate_pb2.Chunk(index=seq, token_ids=[token]))
+
+
+def step(client: redis.Redis, keys: Keys, consumer: str, outbox: Outbox) -> list[str]:
+    script = client.register_script(STEP)
+    reply = script(keys=[keys.fenced, keys.revoked(consumer), keys.log(consumer), keys.out(consumer)],
+                   args=outbox.args(keys.group, consumer, "w"))
+    return [r.decode() for r in reply]
+
+
+def own(client: redis.Redis, keys: Keys, consumer: str, request_id: str, entry_id: bytes) -> list:
+    script = client.register_script(OWN)
+    return script(keys=[keys.log(consumer)], args=[consumer, keys.prefix, request_id, keys.record(request_id),
+                                                   entry_id])[0]
+
+
+def enqueue(client: redis.Redis, keys: Keys, request_id: str, **params: object) -> bytes:
+    request = build_request("Once upon a time", temperature=0.0, seed=5, **params)
+    queued = queue_pb2.QueuedRequest(request_id=request_id, request=request, result_ttl_s=60)
+    entry_id = client.xadd(keys.requests, {STREAM_DATA_FIELD: queued.SerializeToString()})
+    client.hset(keys.record(request_id), mapping={Record.DIGEST: "d", Record.ENTRY: entry_id})
+    return entry_id
+
+
+# -- the scripts ----------------------------------------------------------------------------------
+
+def test_a_fenced_consumer_writes_nothing(client: redis.Redis, prefix: str) -> None:
+    keys = Keys(prefix)
+    outbox = Outbox()
+    outbox.log(chunk_event("r", 0))
+    client.sadd(keys.fenced, "zombie")
+    assert step(client, keys, "zombie", outbox) == ["fenced"]
+    assert not client.exists(keys.log("zombie"))
+    assert step(client, keys, "live", outbox) == ["ok"]
+    assert client.hget(keys.log("live"), "r" + LogField.NEXT) == b"1"
+
+
+def test_a_takeover_moves_the_log_and_revokes_the_old_owners_writes(client: redis.Redis, prefix: str) -> None:
+    keys = Keys(prefix)
+    entry_id = enqueue(client, keys, "r")
+    assert own(client, keys, "a", "r", entry_id)[0] == b"own"
+    first = Outbox()
+    for seq in range(3):
+        first.log(chunk_event("r", seq))
+    first.progress["r"] = queue_pb2.Progress(seed=5, worker_id="a").SerializeToString()
+    assert step(client, keys, "a", first) == ["ok"]
+    # b takes it over while a is alive (an entry delivered twice after an AOF loss)
+    state, deliveries, progress, *chunks = own(client, keys, "b", "r", entry_id)
+    assert (state, deliveries, queue_pb2.Progress.FromString(progress).seed) == (b"own", 1, 5)
+    assert [queue_pb2.TokenEvent.FromString(c).seq for c in chunks] == [0, 1, 2]
+    assert client.hget(keys.record("r"), Record.OWNER) == b"b"
+    assert client.hget(keys.log("b"), "r" + LogField.NEXT) == b"3" and not client.exists(keys.log("a"))
+    late = Outbox()
+    late.log(chunk_event("r", 3, token=99))
+    late.log(chunk_event("other", 0))
+    assert step(client, keys, "a", late) == ["ok", "r"]  # refused for r, and a is told
+    assert client.hget(keys.log("b"), "r" + LogField.NEXT) == b"3"  # nothing of a's spliced in
+    assert client.hget(keys.log("a"), "other" + LogField.NEXT) == b"1"  # the rest of its round went out
+    forget = Outbox()
+    forget.forget.append("r")
+    step(client, keys, "a", forget)
+    assert not client.exists(keys.revoked("a"))
+
+
+def test_own_acknowledges_finished_and_stale_attempts(client: redis.Redis, prefix: str) -> None:
+    keys = Keys(prefix)
+    entry_id = enqueue(client, keys, "done")
+    client.hset(keys.record("done"), Record.FINAL, 4)
+    assert own(client, keys, "a", "done", entry_id)[0] == b"finished"
+    old = enqueue(client, keys, "old")
+    client.hset(keys.record("old"), Record.ENTRY, "99-0")  # a later attempt replaced it
+    assert own(client, keys, "a", "old", old)[0] == b"stale"
+
+
+def test_reclaim_fences_dead_consumers_only(client: redis.Redis, prefix: str) -> None:
+    keys = Keys(prefix)
+    client.xgroup_create(keys.requests, keys.group, id="0", mkstream=True)
+    for name in ("alive", "dead"):
+        enqueue(client, keys, name)
+        client.xreadgroup(keys.group, name, {keys.requests: ">"}, count=1)
+    client.zadd(keys.registry, {"alive": (time.time() + 60) * 1000, "dead": (time.time() - 1) * 1000})
+    script = client.register_script(RECLAIM)
+    *claimed, idle = script(keys=[keys.registry, keys.fenced],
+                            args=[keys.group, "me", 86400000, 10, keys.prefix, *keys.request_streams, "--",
+                                  "alive", "dead"])
+    assert [c[0].decode() for c in claimed] == [keys.requests] and idle == [b"dead"]  # emptied: tidy it
+    assert client.smembers(keys.fenced) == {b"dead"} and client.zscore(keys.registry, "dead") is None
+    pending = client.xpending_range(keys.requests, keys.group, min="-", max="+", count=10)
+    assert sorted(p["consumer"] for p in pending) == [b"alive", b"me"]
+
+
+def test_reconcile_finds_pending_entries_the_worker_forgot(client: redis.Redis, redis_url: str,
+                                                           prefix: str) -> None:
+    config = WorkerConfig(redis_url=redis_url, key_prefix=prefix, worker_id="w", reconcile_interval_s=0.2)
+    keys = config.keys
+    client.xgroup_create(keys.requests, keys.group, id="0", mkstream=True)
+    for request_id in ("held", "forgotten"):
+        enqueue(client, keys, request_id)
+    taken = client.xreadgroup(keys.group, config.consumer_name, {keys.requests: ">"}, count=2)[0][1]
+    held = {f"{keys.requests}/{taken[0][0].decode()}"}
+    assert reconcile(client, config, held, 10) == []  # not idle long enough yet
+    time.sleep(1.1)
+    found = reconcile(client, config, held, 10)
+    assert [(c.entry_id, c.request.request_id) for c in found if c.request] == [(taken[1][0], "forgotten")]
+
+
+# -- whole workers ----------------------------------------------------------------------------------
+
+def sim_worker(start_worker: Callable[..., WorkerThread], **overrides: object) -> WorkerThread:
+    engine = SimEngine(SimConfig(step_ms=1.0, ms_per_token=0.0), max_num_seqs=16)
+    return start_worker(engine, **overrides)
+
+
+def test_an_xack_lost_with_the_aof_neither_hangs_a_call_nor_runs_it_twice(
+        client: redis.Redis, prefix: str, start_worker: Callable[..., WorkerThread],
+        make_gateway: Callable[..., GatewayThread]) -> None:
+    keys = Keys(prefix)
+    worker = sim_worker(start_worker, reconcile_interval_s=0.2)
+    channel, stub = stub_for(make_gateway().target)
+    with channel:
+        wait_until(workers_ready(stub, 1), timeout=10)
+        done = build_request("hi", max_tokens=8, seed=11, request_id="done")
+        first = list(stub.Generate(done, timeout=30))
+        # Redis came back from an AOF without its last second: "done"'s XACK and XDEL are lost,
+        # and "lost" was claimed by this worker just before, without it ever hearing of it.
+        for request_id, request in (("done", done), ("lost", build_request("hi", max_tokens=8, seed=12,
+                                                                            request_id="lost"))):
+            queued = queue_pb2.QueuedRequest(request_id=request_id, request=request, result_ttl_s=60)
+            entry_id = client.xadd(keys.requests, {STREAM_DATA_FIELD: queued.SerializeToString()})
+            client.hset(keys.record(request_id), mapping={Record.DIGEST: request_digest(request),
+                                                         Record.ENTRY: entry_id, Record.SEED: 12})
+            client.xreadgroup(keys.group, worker.config.consumer_name, {keys.requests: ">"}, count=1)
+        lost = list(stub.Generate(build_request("hi", max_tokens=8, seed=12, request_id="lost"), timeout=30))
+        wait_until(lambda: client.xlen(keys.requests) == 0, timeout=10)  # both reconciled
+        assert worker.consumer.num_finished == 2  # "done" was not run again
+        again = list(stub.Generate(done, timeout=30))  # answered from the record
+    assert again == first
+    assert [t for r in first[:-1] for t in r.chunk.token_ids] == sim_token_ids(11, 0, 8)
+    assert [t for r in lost[:-1] for t in r.chunk.token_ids] == sim_token_ids(12, 0, 8)
+
+
+@pytest.mark.slow
+def test_a_zombie_worker_is_fenced_and_no_stream_is_spliced(
+        client: redis.Redis, redis_url: str, prefix: str, make_gateway: Callable[..., GatewayThread]) -> None:
+    """SIGSTOP one of two workers for longer than the heartbeat TTL while 8 seeded streams run:
+    the other re-claims its streams; when the zombie wakes its writes are refused and it exits.
+    Each worker salts its tokens, so a stream spliced from two generations would show."""
+    sim = ["--engine", "sim", "--sim-step-ms", "20", "--heartbeat-ttl", "1", "--max-num-seqs", "8"]
+    workers = {salt: WorkerProcess(redis_url, prefix, f"w{salt}", *sim, "--sim-salt", salt) for salt in "ab"}
+    channel, stub = stub_for(make_gateway(liveness_check_s=0.5).target)
+    num_tokens = 120  # 2.4 s of decoding at 20 ms a step
+    try:
+        wait_until(workers_ready(stub, 2), timeout=60)
+
+        def call(i: int) -> list[generate_pb2.GenerateResponse]:
+            request = build_request("hi", max_tokens=num_tokens, seed=i, request_id=f"z{i}", ignore_eos=True)
+            return list(stub.Generate(request, timeout=60))
+
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(call, i) for i in range(8)]
+            time.sleep(0.8)
+            zombie = workers["a"].proc
+            os.kill(zombie.pid, signal.SIGSTOP)
+            time.sleep(3.0)  # > heartbeat TTL + a sweep: worker b fenced it and took its streams
+            keys = Keys(prefix)
+            names = {n.decode() for n in client.smembers(keys.fenced)}
+            zombie_log = keys.log(next(n for n in names if n.startswith("wa.")))
+            os.kill(zombie.pid, signal.SIGCONT)
+            results = [f.result() for f in futures]
+        assert zombie.wait(20) == 3  # it found itself fenced and exited
+        # Its streams' logs moved to the worker that took them; the zombie wrote nothing after.
+        assert not [f for f in client.hkeys(zombie_log) if f.startswith(b"z")]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(workers["a"].proc.pid, signal.SIGCONT)
+        for w in workers.values():
+            with contextlib.suppress(Exception):
+                w.stop()
+        channel.close()
+    took_over = 0
+    for i, responses in enumerate(results):
+        chunks, final = [r.chunk for r in responses[:-1]], responses[-1].final
+        assert [c.index for c in chunks] == list(range(num_tokens)), i  # none lost, none twice
+        ids = [t for c in chunks for t in c.token_ids]
+        a, b = sim_token_ids(i, 0, num_tokens, "a"), sim_token_ids(i, 0, num_tokens, "b")
+        # One generation: a prefix from one worker, then the rest from the worker that took it
+        # over; a splice would interleave them.
+        first, rest = (a, b) if ids[0] == a[0] else (b, a)
+        cut = next((k for k in range(num_tokens) if ids[k] != first[k]), num_tokens)
+        assert ids[cut:] == rest[cut:], i
+        took_over += cut < num_tokens
+        assert final.text == "".join(c.text for c in chunks), i  # the log agrees with what was streamed
+    assert took_over >= 1  # the zombie held some streams
