@@ -39,8 +39,7 @@ def chunk_event(request_id: str, seq: int, token: int = 7) -> queue_pb2.TokenEve
 
 def step(client: redis.Redis, keys: Keys, consumer: str, outbox: Outbox) -> list[str]:
     script = client.register_script(STEP)
-    reply = script(keys=[keys.fenced, keys.revoked(consumer), keys.log(consumer), keys.out(consumer)],
-                   args=outbox.args(keys.group, consumer, "w"))
+    reply = script(args=outbox.args(keys.prefix, consumer))
     return [r.decode() for r in reply]
 
 

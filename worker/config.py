@@ -39,6 +39,11 @@ class WorkerConfig:
     # An idle worker woken by a request claims again after this pause, as long as
     # more keep arriving, so a burst is prefilled in one step, not one by one.
     claim_coalesce_ms: float = 5.0
+    # A busy worker looks for new entries at most this often (3 XREADGROUPs, one per class):
+    # about once per step of a GPU worker (10-50 ms), instead of once per loop of a fast one
+    # (the simulator at 0.5 ms a step read the streams 3 times per token, 2/3 of its Redis
+    # input). An idle worker blocks and wakes at once.
+    claim_poll_ms: float = 10.0
     # How often the worker looks for requests of dead workers to re-claim and resume.
     sweep_interval_s: float = 1.0
     # How often the worker compares its pending list with what it holds (an XACK lost with
@@ -82,6 +87,8 @@ class WorkerConfig:
                              f"{self.heartbeat_interval_s} and {self.heartbeat_ttl_s}")
         if self.claim_block_ms < 1:
             raise ValueError(f"claim_block_ms must be >= 1, got {self.claim_block_ms}")
+        if self.claim_poll_ms < 0:
+            raise ValueError(f"claim_poll_ms must be >= 0, got {self.claim_poll_ms}")
         if self.claim_coalesce_ms < 0:
             raise ValueError(f"claim_coalesce_ms must be >= 0, got {self.claim_coalesce_ms}")
         if self.redis_timeout_s * 1000 <= self.claim_block_ms:

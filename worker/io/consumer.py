@@ -108,6 +108,7 @@ class Consumer:
         self._backoff = Backoff(config.max_backoff_s)
         self._claimer = Claimer(self._client, config)
         self._retry_claim_at = 0.0
+        self._next_poll_at = 0.0  # a busy worker's next look at the streams
         self._next_follow_check = 0.0
         self._expiring: list[tuple[float, list[str]]] = []  # heap: (monotonic, log fields of a result)
         self.num_finished = 0
@@ -243,7 +244,10 @@ class Consumer:
     def _claim(self) -> None:
         is_idle = not self.engine.has_unfinished()
         count = claim_capacity(self.engine.stats())
-        wait = self._retry_claim_at - time.monotonic()
+        now = time.monotonic()
+        wait = self._retry_claim_at - now
+        if not is_idle and now < self._next_poll_at:
+            return
         if count <= 0 or wait > 0:
             if is_idle and wait > 0:
                 self._stopping.wait(wait)  # Redis is down and there is nothing to compute
@@ -260,6 +264,8 @@ class Consumer:
             self._retry_claim_at = time.monotonic() + delay
             self._redis_error()
             return
+        if not entries:  # else look again at once: more of a burst may be arriving
+            self._next_poll_at = now + self.config.claim_poll_ms / 1000
         if self._metrics is not None:
             self._metrics.reclaimed.inc(sum(1 for c in entries if c.num_deliveries > 1))
         for claimed in entries:

@@ -87,9 +87,9 @@ class Outbox:
         self.drops += other.drops
         self.forget += other.forget
 
-    def args(self, group: str, consumer: str, worker_id: str) -> list[bytes | str | int]:
+    def args(self, prefix: str, consumer: str) -> list[bytes | str | int]:
         """ARGV of the STEP script."""
-        args: list[bytes | str | int] = [group, consumer, worker_id, len(self.logged)]
+        args: list[bytes | str | int] = [prefix, consumer, len(self.logged)]
         for request_id, events in self.logged.items():
             args += [request_id, len(events)]
             for event in events:
@@ -128,9 +128,6 @@ class Publisher:
         self._give_up_at = float("inf")
         self._revoked: deque[str] = deque()
         self._step = client.register_script(STEP)
-        name = config.consumer_name
-        self._script_keys = [self._keys.fenced, self._keys.revoked(name), self._keys.log(name),
-                             self._keys.out(name)]
         self.num_rounds = 0
         self._thread = threading.Thread(target=self._run, name="publisher", daemon=True)
 
@@ -177,10 +174,10 @@ class Publisher:
 
     def _send(self, outbox: Outbox) -> None:
         backoff = Backoff(self._config.max_backoff_s)
-        args = outbox.args(self._keys.group, self._config.consumer_name, self._config.worker_id)
+        args = outbox.args(self._keys.prefix, self._config.consumer_name)
         while True:
             try:
-                reply = self._step(keys=self._script_keys, args=args)
+                reply = self._step(args=args)
                 break
             except redis.ResponseError as e:  # a bug in the round, not an outage: resending cannot help
                 log.error("Redis refused a round of %d requests' events: %s", len(outbox.logged), e)

@@ -49,27 +49,31 @@ local function now_ms()
 end
 """
 
-# One round of one worker. KEYS: fenced set, own revoked set, own log hash, own out channel.
-# ARGV: group, consumer name, worker_id (TokenEventBatch.worker_id), then five sections, each
-# a count followed by its items:
+# One round of one worker. No KEYS: its keys derive from ARGV's prefix and consumer name
+# (protos/keys.py), so a round's fixed cost is ~100 bytes, not ~300 (at batch 1 the fixed part
+# was half of what Redis received per token). ARGV: key prefix, consumer name, then six
+# sections, each a count followed by its items:
 #   LOG   request_id, k, (seq, TokenEvent bytes) x k   logged, then published
 #   PUB   request_id, TokenEvent bytes                 published only (errors)
 #   PROG  request_id, Progress bytes
 #   END   request_id (or ''), record key (or ''), final seq (or ''), ttl ms, stream, entry id
 #   DROP  log field names whose results expired
+#   FORGET revoked request ids this worker has dropped
 # Returns {'fenced'} or {'ok', revoked request ids...}.
 STEP = _LIB + f"""
-local fenced, revoked, log, out = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local group, me, worker_id = ARGV[1], ARGV[2], ARGV[3]
+local prefix, me = ARGV[1], ARGV[2]
+local fenced, revoked, group = prefix .. ':fenced', prefix .. ':revoked:' .. me, prefix .. ':workers'
+local log, out = prefix .. ':log:' .. me, prefix .. ':out:' .. me
 if redis.call('SISMEMBER', fenced, me) == 1 then return {{'fenced'}} end
 local lost = {{}}
 local gone = {{}}
 if redis.call('SCARD', revoked) > 0 then
+  -- kept until the worker confirms it dropped them (FORGET): a reply lost on the way must not
+  -- let the next round write for them
   lost = redis.call('SMEMBERS', revoked)
-  redis.call('DEL', revoked)
   for _, r in ipairs(lost) do gone[r] = true end
 end
-local i = 4
+local i = 3
 local flat, msg = {{}}, {{}}
 local n = tonumber(ARGV[i]); i = i + 1
 for _ = 1, n do
@@ -118,7 +122,10 @@ for _ = 1, n do
 end
 n = tonumber(ARGV[i]); i = i + 1
 if n > 0 then hdel_all(log, {{unpack(ARGV, i, i + n - 1)}}) end
-if #msg > 0 then redis.call('PUBLISH', out, field(10, worker_id) .. table.concat(msg)) end
+i = i + n
+n = tonumber(ARGV[i]); i = i + 1
+if n > 0 then redis.call('SREM', revoked, unpack(ARGV, i, i + n - 1)) end
+if #msg > 0 then redis.call('PUBLISH', out, table.concat(msg)) end
 local reply = {{'ok'}}
 for _, r in ipairs(lost) do reply[#reply + 1] = r end
 return reply

@@ -76,10 +76,10 @@ class Tracked:
         return int((self.request.result_ttl_s or DEFAULT_RESULT_TTL_S) * 1000)
 
     def event(self, **kind: Any) -> queue_pb2.TokenEvent:
-        """The next event (a chunk or the final) of the request's stream."""
+        """The next event (a chunk or the final) of the request's stream. It carries no entry id:
+        only errors are judged by attempt, and a chunk is logged and sent for every token."""
         self.seq += 1
-        return queue_pb2.TokenEvent(request_id=self.request_id, seq=self.seq - 1, entry_id=self.entry_id,
-                                    **kind)
+        return queue_pb2.TokenEvent(request_id=self.request_id, seq=self.seq - 1, **kind)
 
     def error_event(self, code: queue_pb2.ErrorCode, message: str) -> queue_pb2.TokenEvent:
         """An error ends this attempt only, so it takes no seq: a later attempt continues at it."""
