@@ -10,15 +10,28 @@ or test runs can share one Redis. ``{p}`` below is that prefix.
 | {p}:requests:low         | stream  | none         | gateway XADD (``data``)   | workers XREADGROUP       |
 | {p}:workers              | group   | (on each     | worker XGROUP CREATE/XACK | gateway XINFO/XPENDING   |
 |                          |         |  stream)     |                           |                          |
-| {p}:request:{request_id} | hash    | lease (*)    | gateway script, worker    | gateways, workers        |
-| {p}:events:{request_id}  | channel | -            | worker PUBLISH            | gateways following it    |
+| {p}:request:{request_id} | hash    | lease (*)    | gateway ATTACH, worker    | gateways, workers        |
+|                          |         |              | OWN/STEP scripts          |                          |
+| {p}:log:{consumer}       | hash    | longest      | that worker's STEP, OWN   | gateways READ_LOG, OWN   |
+|                          |         | result TTL   | of a taker                |                          |
+| {p}:out:{consumer}       | channel | -            | that worker's STEP        | every gateway PSUBSCRIBE |
+| {p}:events:{request_id}  | channel | -            | (nothing: presence only)  | workers PUBSUB NUMSUB    |
+| {p}:registry             | zset    | none         | workers' HEARTBEAT        | everyone (liveness)      |
+| {p}:fenced               | set     | 24 h         | RECLAIM script            | STEP, HEARTBEAT          |
+| {p}:revoked:{consumer}   | set     | 24 h         | OWN script of a taker     | that worker's STEP       |
 | {p}:aborts               | channel | -            | gateway PUBLISH           | every worker (SUBSCRIBE) |
 | {p}:gateway:{gateway_id} | channel | -            | (nobody yet)              | that gateway (SUBSCRIBE) |
-| {p}:worker:{worker_id}   | hash    | worker's TTL | worker HSET+PEXPIRE       | gateway (GetServerInfo)  |
+| {p}:worker:{consumer}    | hash    | worker's TTL | worker HEARTBEAT          | gateway (GetServerInfo)  |
 | {p}:tenant:{name}:calls  | zset    | slot TTL (+) | gateway scripts           | gateways (admission)     |
 | {p}:tenant:{name}:tokens | hash    | 60 s         | gateway script            | gateways (admission)     |
 (*) RECORD_LEASE_S from creation, then the request's result TTL once an attempt ended.
 (+) the gateway's --quota-slot-ttl, renewed with every admission and refresh.
+No key is ever found by SCAN: the registry answers "which workers are alive" in one round
+trip, and every other key is named by a request id or a consumer name.
+
+A worker *process* is one consumer of the group, named ``{worker_id}.{incarnation}``
+(worker/config.py): a restart under the same --worker-id is a new consumer, and the old
+one is re-claimed and fenced like any dead worker.
 
 Requests (one stream per priority class, each with the same consumer group)
   GenerateRequest.priority picks the request's class (`PriorityClass.of`): < 0 LOW,
@@ -42,76 +55,108 @@ Requests (one stream per priority class, each with the same consumer group)
   first only when KV blocks run out). An idle worker blocks on all the streams at once
   and may wake with one entry of each class.
 
-The request record: one generation per request id
-  ``{p}:request:{request_id}`` (fields: `Record` below) names the request's
-  body (a digest), its seed, its current attempt (stream entry id), the
-  workers' `queue.Progress`, and the log of its events: ``e:{seq}`` holds each
-  chunk and the final, so any gateway can replay the stream. The gateway's
-  ATTACH script (gateway/queue.py) creates the record and XADDs the first
-  attempt atomically, or finds the record: the same body attaches to it,
-  another body is refused (FAILED_PRECONDITION). A new attempt is XADDed only
-  when the current entry has left the stream without a final (its worker
-  abandoned or failed it), compare-and-set on ``entry``, so two gateways never
-  start two attempts. The record lives RECORD_LEASE_S from its creation; once
-  an attempt ends (final, error, abandoned) the worker sets its TTL to the
-  request's result TTL (``QueuedRequest.result_ttl_s``, the gateway's
-  --result-ttl), so a finished answer is replayed, not generated again, for
-  that long. The log is bounded: one field per chunk (a chunk holds >= 1
-  token), so at most max_tokens + 1 fields, ~30 bytes per token without
-  logprobs.
+The request record and its log: one generation per request id
+  ``{p}:request:{request_id}`` (fields: `Record` below) names the request's body (a
+  digest), its seed, its current attempt (stream entry id), its owner (the consumer
+  running it, "" once an attempt ended) and the log hash holding its events. The
+  gateway's ATTACH script (gateway/queue.py) creates the record and XADDs the first
+  attempt atomically, or finds the record: the same body attaches to it, another body
+  is refused (FAILED_PRECONDITION). A new attempt is XADDed only when the current entry
+  has left the stream without a final (its worker abandoned or failed it),
+  compare-and-set on ``entry``, so two gateways never start two attempts. The record
+  lives RECORD_LEASE_S from its creation; once an attempt ends (final, error,
+  abandoned) the worker sets its TTL to the request's result TTL
+  (``QueuedRequest.result_ttl_s``, the gateway's --result-ttl), so a finished answer is
+  replayed, not generated again, for that long.
+
+  The events live in the owner's log hash ``{p}:log:{consumer}`` (fields: `LogField`):
+  ``{request_id}:{seq}`` per chunk and the final, ``{request_id}:n`` the next seq, and
+  ``{request_id}:p`` the `queue.Progress` (seed, first-token time: O(1), written when it
+  changes, never the tokens so far). One HSET per worker round logs every request's
+  events, so a round costs O(new tokens) whatever the output length. A claim (OWN
+  script) moves the request's fields into the claimant's log, so a request's whole log
+  is always in one hash; the owner HDELs them once the result TTL passed, and the hash
+  itself expires (its TTL, the longest result TTL, is renewed with every heartbeat) when
+  its worker is gone. A resume reads the chunks it needs with READ_LOG (HMGET of
+  ``{request_id}:{K..}``): its cost is what it returns, never HGETALL.
 
 Delivery guarantee: every chunk exactly once to a caller that keeps resending.
-  Per step a worker sends, for each running request, in ONE pipeline: HSET of
-  the step's events and the new progress into the record (one command, so log
-  and progress never disagree), then PUBLISH of a ``queue.TokenEventBatch`` on
-  the request's channel. A gateway SUBSCRIBEs to the channel (and waits for
-  Redis to confirm) before it reads the log or enqueues anything, so an event
-  is either in the log it reads or arrives on the channel after (or both:
-  duplicates are dropped by ``seq``). Events carry a per-request ``seq`` 0, 1,
-  2, ... that every attempt continues: a chunk's seq is its index and the
-  final's is the number of chunks (errors take none), so a caller resuming at
-  chunk K needs seq K on. A gap that the log cannot fill fails the call with
-  UNAVAILABLE (Redis lost acknowledged writes), never silently.
-  An entry is XACKed and XDELed in the pipeline after its final, so it leaves
-  the stream only once the answer is in the record. Queue depth = XLEN - group
-  pending (entries claimed, not yet finished), summed over the request streams.
+  Per round a worker makes ONE call of its STEP script (worker/io/scripts.py): it checks
+  the fence (below), logs the round's events and progress of every request in one HSET,
+  ends finished attempts (``final`` into the record, XACK+XDEL of the entry), and
+  PUBLISHes every event of the round in one ``queue.TokenEventBatch`` on
+  ``{p}:out:{consumer}``. A script is atomic, so an event is logged before anyone hears
+  of it, and an entry leaves the stream only once its final is logged. Every gateway
+  PSUBSCRIBEs ``{p}:out:*`` once and hands events to its calls by request id
+  (gateway/replies.py): a call registers locally before it reads the log or enqueues
+  anything, so an event is either in the log it reads or arrives after (or both:
+  duplicates are dropped by ``seq``). Events carry a per-request ``seq`` 0, 1, 2, ...
+  that every attempt continues: a chunk's seq is its index and the final's is the number
+  of chunks (errors take none, and are published, not logged), so a caller resuming at
+  chunk K needs seq K on. A gap that the log cannot fill fails the call with DATA_LOSS
+  (Redis lost acknowledged writes; a retry cannot help), never silently.
+  Queue depth = XLEN - group pending (entries claimed, not yet finished), summed over the
+  request streams. Redis commands per round do not grow with the batch; per token, a
+  round costs one HSET field pair and ~100 bytes of one PUBLISH.
 
-  Nobody listening: PUBLISH returns how many subscribers got the message. A
-  worker whose PUBLISH for a request reached nobody (its caller cancelled or
-  disconnected, or the caller's gateway died), or that receives an Abort hint,
-  checks PUBSUB NUMSUB and, if nobody listens, parks the request: it leaves the
-  batch between two steps, its full KV blocks stay in the prefix cache, and the
-  worker keeps its progress. The entry stays pending under this worker. When a
-  listener appears (a resume on any gateway; the worker polls NUMSUB) it is
-  re-admitted with the same tokens and seed, so the continuation is the one it
-  would have had. After the worker's --reattach-grace nobody came: the entry
-  is acknowledged without a final (abandoned) and the record keeps its
-  progress; a later resume starts a new attempt from there.
+  Nobody listening: each call SUBSCRIBEs ``{p}:events:{request_id}``, which carries
+  nothing; its subscriber count says who follows the request. A worker counts them
+  (PUBSUB NUMSUB, one command for all its requests) about once a second and at once on
+  an Abort hint, and parks what nobody follows: it leaves the batch between two steps,
+  its full KV blocks stay in the prefix cache, and the worker keeps its progress (at most
+  --max-parked; a park beyond it abandons the attempt at once). The entry stays pending
+  under this worker. When a listener appears (a resume on any gateway; the worker polls
+  NUMSUB) it is re-admitted with the same tokens and seed, so the continuation is the one
+  it would have had. After the worker's --reattach-grace nobody came: the entry is
+  acknowledged without a final (abandoned) and the log keeps its progress; a later resume
+  starts a new attempt from there.
 
-  If a worker crashes, its claimed entries stay in the group's pending list
-  (PEL) under its consumer name. Every worker sweeps the group about once a
-  second (XINFO CONSUMERS): a consumer whose heartbeat key expired is dead,
-  and its entries that have been idle longer than the heartbeat TTL are
-  XCLAIMed (the idle-time guard makes two sweepers racing for one entry
-  safe) and resumed from the record's progress: the prompt plus the streamed
-  tokens are prefilled, sampling continues with the same seed at the next
-  step, and events continue at the next seq. An entry delivered
-  ``max_deliveries`` times (it keeps killing workers) is failed with
-  UNAVAILABLE instead. Dead consumers with nothing pending are deleted from
-  the group. A worker that drains on SIGTERM hands over what it could not
-  finish in time the same way: it leaves those entries pending, deletes its
-  heartbeat and exits; with no other live worker it fails them with
-  UNAVAILABLE instead. While an entry waits to be re-claimed the gateway keeps
-  the call open (as for a queued request, bounded by the call's deadline).
+Fencing: a zombie's writes fail
+  A worker is alive while its score in ``{p}:registry`` (its heartbeat's expiry, on Redis's
+  clock) is in the future; the heartbeat has its own thread, so a publisher waiting for
+  Redis never stops it. Every worker sweeps the group about once a second: the RECLAIM
+  script takes the consumers not alive in the registry and, atomically, adds each to
+  ``{p}:fenced``, removes it from the registry and XCLAIMs its pending entries to the
+  sweeper. A fenced consumer's STEP and HEARTBEAT scripts refuse every write; it drops
+  all it holds and exits (status 3), like a Kafka producer fenced by a newer epoch. A
+  claim (OWN script) that takes a request from an owner that had not released it names
+  the request in ``{p}:revoked:{owner}`` (an entry delivered twice after an AOF loss, say):
+  that owner's next STEP leaves the request out, tells the worker, which drops it. Since
+  STEP, RECLAIM and OWN are scripts, a round is either wholly before a takeover (and the
+  taker resumes after everything it published) or refused: a caller never receives a
+  stream spliced from two generations, and a zombie's XACK cannot remove the taker's
+  entry. ``deliveries`` in the record counts takeovers from owners that died holding the
+  request, across every attempt (a resend does not reset it): a request that keeps
+  killing its workers fails with UNAVAILABLE after --max-deliveries in all.
 
-  Redis restarts: with AOF (appendfsync everysec, as every Redis tokenrelay
-  starts or deploys) the stream, group, records and progress survive; a
-  worker resends a failed pipeline until Redis answers, and a gateway
-  resubscribes its calls' channels and re-reads their logs, so a call resumes
-  where it was. What the last second before a crash wrote may be lost: an
-  entry that vanished is enqueued again by the gateway following it (same
-  seed: the same tokens), and a chunk that vanished from a log is a gap the
-  gateway reports (UNAVAILABLE) to a resuming caller.
+  Re-claimed entries are resumed from the log: the prompt plus the streamed tokens are
+  prefilled, sampling continues with the same seed at the next step, and events continue
+  at the next seq. A worker that drains on SIGTERM leaves the registry and hands over what
+  it could not finish in time the same way; with no other live worker it fails them with
+  UNAVAILABLE instead. While an entry waits to be re-claimed the gateway keeps the call
+  open (bounded by the call's deadline).
+
+Reconciliation
+  Every --reconcile-interval (5 s) a worker compares XPENDING of its own consumer with what
+  it runs or parks. An entry pending under it that it forgot (an XACK or XDEL lost with
+  the last second of an AOF) is claimed again: OWN finds its final logged and it is only
+  acknowledged, or it is resumed from its log; so no call waits forever and nothing runs
+  twice. A request this worker runs that another worker took over is dropped (above).
+
+Deadlines are judged on one clock
+  ``QueuedRequest.timeout_s`` counts from the time in the attempt's entry id (Redis's clock
+  at XADD), and the worker compares it with Redis TIME as its heartbeat reads it, so
+  neither the gateway's nor the worker's clock skew expires a request early or late.
+
+  Redis restarts: with AOF (appendfsync everysec, as every Redis tokenrelay starts or
+  deploys, with maxmemory and noeviction) the streams, group, records, logs and registry
+  survive; a worker resends a failed round until Redis answers, and a gateway
+  resubscribes and re-reads its calls' logs, so a call resumes where it was. What the last
+  second before a crash wrote may be lost: an entry that vanished is enqueued again by
+  the gateway following it (same seed: the same tokens), a forgotten pending entry is
+  reconciled, and a chunk that vanished from a log is a gap the gateway reports
+  (DATA_LOSS) to a resuming caller. An eviction policy other than noeviction would
+  silently drop heartbeats, registry entries, records and logs: never use one.
 
 Aborts
   A call that ends without its final (cancelled, disconnected, deadline)
@@ -131,10 +176,10 @@ Tenant quotas (gateway/quotas.py; only with --auth-tokens-file)
   script checks both and takes a slot and the tokens together, or neither.
 
 Worker heartbeat
-  Each worker refreshes its hash (fields: `Heartbeat` below) about every half
-  second and whenever its load changes, in one HSET, so the fields a gateway
-  reads always come from one moment; the key expires when the worker stops
-  heart-beating, so a dead worker disappears.
+  Each worker's HEARTBEAT script, about every half second and whenever its load changes
+  (at most 10 times a second), renews its registry score and its hash (fields: `Heartbeat`
+  below) in one HSET, so the fields a gateway reads always come from one moment; the
+  hash expires when the worker stops heart-beating.
 """
 
 from __future__ import annotations

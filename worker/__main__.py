@@ -129,6 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-deliveries", type=int, default=_env("TOKENRELAY_MAX_DELIVERIES", 3),
                    help="a request whose workers died this many times fails with UNAVAILABLE instead of "
                         "being resumed again [env TOKENRELAY_MAX_DELIVERIES]")
+    p.add_argument("--reconcile-interval", type=float, default=_env("TOKENRELAY_RECONCILE_INTERVAL_S", 5),
+                   help="seconds between two comparisons of this worker's pending entries with what it runs "
+                        "(an acknowledgement lost with the last second of an AOF is repaired) "
+                        "[env TOKENRELAY_RECONCILE_INTERVAL_S]")
     p.add_argument("--max-parked", type=int, default=_env("TOKENRELAY_MAX_PARKED", 1024),
                    help="parked requests (nobody follows them) held at most; beyond it a park abandons the "
                         "attempt at once, its progress kept for a later resume [env TOKENRELAY_MAX_PARKED]")
@@ -164,7 +168,7 @@ def config_from_args(argv: list[str] | None = None) -> tuple[WorkerConfig, str]:
                               drain_timeout_s=args.drain_timeout, heartbeat_ttl_s=args.heartbeat_ttl,
                               heartbeat_interval_s=min(0.5, args.heartbeat_ttl / 5),
                               max_deliveries=args.max_deliveries, reattach_grace_s=args.reattach_grace,
-                              max_parked=args.max_parked,
+                              max_parked=args.max_parked, reconcile_interval_s=args.reconcile_interval,
                               metrics_port=args.metrics_port, metrics_compat=args.metrics_compat,
                               otlp_traces_endpoint=args.otlp_traces_endpoint, log_format=args.log_format)
     except ValueError as e:

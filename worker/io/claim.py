@@ -12,6 +12,7 @@ many callers follow them.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from protos.tokenrelay.v1 import queue_pb2
 from worker.config import WorkerConfig
 from worker.io.reclaim import Claimed, parse_entry, reclaim_dead_workers, reconcile
 from worker.io.scripts import OWN
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -41,6 +44,7 @@ class Claimer:
         self._has_group = False
         self._next_sweep_at = 0.0  # the first sweep runs at once: an earlier run may have left work
         self._next_reconcile_at = time.monotonic() + config.reconcile_interval_s
+        self._suspects: set[str] = set()  # Claimed.key pending here but not held, at the last look
         self._own = client.register_script(OWN)
 
     def take(self, count: int, *, is_idle: bool, max_block_ms: int | None = None,
@@ -53,7 +57,15 @@ class Claimer:
             entries = reclaim_dead_workers(self.client, self.config, count)
         if time.monotonic() >= self._next_reconcile_at and count > len(entries):
             self._next_reconcile_at = time.monotonic() + self.config.reconcile_interval_s
-            entries += reconcile(self.client, self.config, held, count - len(entries))
+            # Forgotten = seen pending and not held at two looks in a row: an entry whose XACK is
+            # still on its way (it left `held` a moment ago) is gone by the next look.
+            candidates = reconcile(self.client, self.config, held, count - len(entries))
+            forgotten = [c for c in candidates if c.key in self._suspects]
+            self._suspects = {c.key for c in candidates}
+            if forgotten:
+                log.warning("%d entries are pending under this worker that it forgot; taking them again",
+                            len(forgotten))
+            entries += forgotten
         if count > len(entries):
             entries += self._read(count - len(entries))
         if is_idle and not entries:

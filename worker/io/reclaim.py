@@ -4,9 +4,10 @@
 `reclaim_dead_workers`: the group's consumers (XINFO CONSUMERS, one call per priority stream)
 go to the RECLAIM script, which skips those alive in the registry and, atomically, fences the
 others and XCLAIMs their entries: a zombie that wakes up later finds every write refused.
-`reconcile`: entries pending under this consumer that it no longer holds (an XACK or XDEL lost
-with the last second of an AOF) are taken again, so the claim path resumes or acknowledges them
-instead of leaving their calls waiting.
+`reconcile`: entries pending under this consumer that it does not hold; those found at two
+looks in a row (an XACK or XDEL lost with the last second of an AOF) are taken again
+(worker/io/claim.py), so the claim path resumes or acknowledges them instead of leaving their
+calls waiting.
 """
 
 from __future__ import annotations
@@ -73,10 +74,11 @@ def reclaim_dead_workers(client: redis.Redis, config: WorkerConfig, count: int) 
 
 
 def reconcile(client: redis.Redis, config: WorkerConfig, held: Collection[str], count: int) -> list[Claimed]:
-    """Up to `count` entries pending under this consumer, idle for a while, that it does not hold
-    (`held`: Claimed.key of what it runs or parks)."""
+    """Up to `count` entries pending under this consumer, delivered a while ago, that it does not
+    hold (`held`: Claimed.key of what it runs or parks). An entry whose XACK is on its way is
+    among them too: the caller takes only those it saw at its previous look as well."""
     keys, me = config.keys, config.consumer_name
-    min_idle_ms = int(max(1.0, config.reconcile_interval_s) * 1000)  # well past any XACK still in flight
+    min_idle_ms = int(config.reconcile_interval_s * 1000)  # idle = since the entry's last delivery
     forgotten: list[Claimed] = []
     limit = max(count, 1) + len(held)
     for stream in keys.request_streams:
@@ -96,9 +98,6 @@ def reconcile(client: redis.Redis, config: WorkerConfig, held: Collection[str], 
             fields = found[0][1]
             request = parse_entry(entry_id, fields)
             forgotten.append(Claimed(stream, entry_id, request, int(p["times_delivered"])))
-    if forgotten:
-        log.warning("found %d entries pending under this worker that it had forgotten; taking them again",
-                    len(forgotten))
     return forgotten
 
 
