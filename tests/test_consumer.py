@@ -21,7 +21,8 @@ from tests.service import WorkerThread, wait_until
 from worker.config import WorkerConfig
 from worker.engine.outputs import Admitted
 from worker.engine.text_engine import EngineStats
-from worker.io.consumer import Consumer, claim_capacity
+from worker.io.claim import claim_capacity
+from worker.io.consumer import Consumer
 
 
 def make_stats(running: int = 0, waiting: int = 0, max_num_seqs: int = 8, **fields: object) -> EngineStats:

@@ -28,6 +28,22 @@ from worker.io.scripts import OWN
 log = logging.getLogger(__name__)
 
 
+def claim_capacity(stats: Any) -> int:
+    """Requests to claim now (stats: the engine's `EngineStats`).
+
+    None while the engine has waiting requests: they wait for KV-cache blocks or
+    prefill budget, so this worker is full whatever its free sequence slots say,
+    and a request claimed now would only wait here while another worker could
+    run it. Otherwise the free sequence slots. KV blocks are not counted ahead:
+    how many a request needs depends on its prefix-cache hits and on how long it
+    generates, so the scheduler decides, and what it cannot fit waits, which
+    stops claiming.
+    """
+    if stats.num_waiting:
+        return 0
+    return max(0, stats.max_num_seqs - stats.num_running)
+
+
 @dataclass
 class Owned:
     """What the OWN script found in a claimed entry's record (worker/io/scripts.py)."""

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import redis
 
 from protos.convert import chunk_to_pb, finish_reason_to_pb, params_from_pb, usage_to_pb
-from protos.keys import Heartbeat, LogField
+from protos.keys import LogField
 from protos.metrics import MetricsServer
 from protos.params import FinishReason, PromptInput, SamplingParams
 from protos.redis_conn import Backoff
@@ -40,11 +40,11 @@ from protos.tokenrelay.v1 import generate_pb2, queue_pb2
 from protos.tracing import WORKER_SERVICE, Tracing
 from worker.config import WorkerConfig
 from worker.engine.outputs import Admitted, RequestOutput, Resume
-from worker.io.claim import Claimer, Owned
+from worker.io.claim import Claimer, Owned, claim_capacity
 from worker.io.metrics import WorkerMetrics
 from worker.io.parking import POLL_INTERVAL_S, ParkingLot, listeners
-from worker.io.reclaim import Claimed
-from worker.io.redis_io import AbortListener, Outbox, Publisher, connect
+from worker.io.reclaim import Claimed, other_workers_alive
+from worker.io.redis_io import AbortListener, Outbox, Publisher, connect, heartbeat_fields
 from worker.io.redis_io import Heartbeat as HeartbeatThread
 from worker.io.tracing import RequestSpans
 from worker.io.tracked import Tracked
@@ -64,22 +64,6 @@ class TextEngineProtocol(Protocol):
     def step(self) -> list[RequestOutput]: ...
     def has_unfinished(self) -> bool: ...
     def stats(self) -> Any: ...
-
-
-def claim_capacity(stats: Any) -> int:
-    """Requests to claim now (stats: the engine's `EngineStats`).
-
-    None while the engine has waiting requests: they wait for KV-cache blocks or
-    prefill budget, so this worker is full whatever its free sequence slots say,
-    and a request claimed now would only wait here while another worker could
-    run it. Otherwise the free sequence slots. KV blocks are not counted ahead:
-    how many a request needs depends on its prefix-cache hits and on how long it
-    generates, so the scheduler decides, and what it cannot fit waits, which
-    stops claiming.
-    """
-    if stats.num_waiting:
-        return 0
-    return max(0, stats.max_num_seqs - stats.num_running)
 
 
 class Consumer:
@@ -135,7 +119,8 @@ class Consumer:
         self._stopping.set()
 
     def run(self) -> None:
-        self._heartbeat.set_load(self._load(self.engine.stats()))  # the first heartbeat describes the worker
+        # the first heartbeat describes the worker
+        self._heartbeat.set_load(heartbeat_fields(self.config.worker_id, self.engine.stats(), 0, 0))
         self._metrics_server.start()
         self._heartbeat.start()
         self._publisher.start()
@@ -194,7 +179,7 @@ class Consumer:
         deadline = time.monotonic() + self.config.drain_timeout_s
         while self.engine.has_unfinished() and time.monotonic() < deadline and not self.is_fenced:
             self._run_once(can_claim=False)
-        handoff = bool(self._running or len(self._parked)) and self._other_workers_alive()
+        handoff = bool(self._running or len(self._parked)) and other_workers_alive(self._client, self.config)
         if self._running:
             log.warning("drain timeout: %s %d running requests", "handing over" if handoff else "failing",
                         len(self._running))
@@ -227,17 +212,6 @@ class Consumer:
             if not self.engine.has_unfinished():
                 break
             self._step()
-
-    def _other_workers_alive(self) -> bool:
-        """Another consumer in the registry with a heartbeat in the future (Redis clock)."""
-        try:
-            seconds, micros = self._client.time()
-            now_ms = int(seconds) * 1000 + int(micros) // 1000
-            alive = self._client.zrangebyscore(self.keys.registry, now_ms, "+inf")
-        except redis.RedisError:
-            return False
-        mine = self.config.consumer_name.encode()
-        return any(name != mine for name in alive)  # type: ignore[union-attr]
 
     # -- claiming ---------------------------------------------------------------------------------
 
@@ -441,7 +415,8 @@ class Consumer:
 
     def _flush(self) -> None:
         stats = self.engine.stats()
-        self._heartbeat.set_load(self._load(stats))
+        self._heartbeat.set_load(heartbeat_fields(self.config.worker_id, stats, self.num_finished,
+                                                   len(self._parked)))
         if self._metrics is not None:
             self._metrics.update(stats, len(self._parked))
         now = time.monotonic()
@@ -450,21 +425,3 @@ class Consumer:
         if self._outbox and not self.is_fenced:
             self._publisher.submit(self._outbox)
             self._outbox = Outbox()
-
-    def _load(self, s: Any) -> dict[str, str]:
-        """Heartbeat fields from the engine's stats (strings: they go into a Redis hash); the
-        publisher adds the time."""
-        H = Heartbeat
-        fields = {
-            H.WORKER_ID: self.config.worker_id, H.MODEL: s.model_name, H.WEIGHTS: s.weights,
-            H.NUM_FINISHED: self.num_finished,
-            H.NUM_RUNNING: s.num_running, H.NUM_WAITING: s.num_waiting, H.MAX_NUM_SEQS: s.max_num_seqs,
-            H.MAX_MODEL_LEN: s.max_model_len, H.BLOCK_SIZE: s.block_size, H.NUM_BLOCKS: s.num_blocks,
-            H.NUM_FREE_BLOCKS: s.num_free_blocks, H.KV_CACHE_USAGE: s.kv_cache_usage,
-            H.NUM_PREFIX_CACHE_HIT_TOKENS: s.num_prefix_cache_hit_tokens,
-            H.NUM_PREFIX_CACHE_QUERY_TOKENS: s.num_prefix_cache_query_tokens,
-            H.NUM_PREEMPTIONS: s.num_preemptions, H.NUM_PARKED: len(self._parked),
-            H.NUM_SPEC_DRAFT_TOKENS: s.num_spec_draft_tokens,
-            H.NUM_SPEC_ACCEPTED_TOKENS: s.num_spec_accepted_tokens,
-        }
-        return {k: str(v) for k, v in fields.items()}

@@ -101,6 +101,18 @@ def reconcile(client: redis.Redis, config: WorkerConfig, held: Collection[str], 
     return forgotten
 
 
+def other_workers_alive(client: redis.Redis, config: WorkerConfig) -> bool:
+    """Another consumer in the registry with a heartbeat in the future (Redis's clock)."""
+    try:
+        seconds, micros = client.time()
+        now_ms = int(seconds) * 1000 + int(micros) // 1000
+        alive = cast(list[bytes], client.zrangebyscore(config.keys.registry, now_ms, "+inf"))
+    except redis.RedisError:
+        return False
+    mine = config.consumer_name.encode()
+    return any(name != mine for name in alive)
+
+
 def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
 

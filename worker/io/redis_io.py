@@ -20,6 +20,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis
 
@@ -200,6 +201,24 @@ class Publisher:
             if self._on_fenced is not None:
                 self._on_fenced()
         self._revoked.extend(revoked)
+
+
+def heartbeat_fields(worker_id: str, s: Any, num_finished: int, num_parked: int) -> dict[str, str]:
+    """Heartbeat fields from the engine's stats (`EngineStats`; strings: they go into a Redis
+    hash); `Heartbeat` adds the time."""
+    H = HeartbeatField
+    fields = {
+        H.WORKER_ID: worker_id, H.MODEL: s.model_name, H.WEIGHTS: s.weights, H.NUM_FINISHED: num_finished,
+        H.NUM_RUNNING: s.num_running, H.NUM_WAITING: s.num_waiting, H.MAX_NUM_SEQS: s.max_num_seqs,
+        H.MAX_MODEL_LEN: s.max_model_len, H.BLOCK_SIZE: s.block_size, H.NUM_BLOCKS: s.num_blocks,
+        H.NUM_FREE_BLOCKS: s.num_free_blocks, H.KV_CACHE_USAGE: s.kv_cache_usage,
+        H.NUM_PREFIX_CACHE_HIT_TOKENS: s.num_prefix_cache_hit_tokens,
+        H.NUM_PREFIX_CACHE_QUERY_TOKENS: s.num_prefix_cache_query_tokens,
+        H.NUM_PREEMPTIONS: s.num_preemptions, H.NUM_PARKED: num_parked,
+        H.NUM_SPEC_DRAFT_TOKENS: s.num_spec_draft_tokens,
+        H.NUM_SPEC_ACCEPTED_TOKENS: s.num_spec_accepted_tokens,
+    }
+    return {k: str(v) for k, v in fields.items()}
 
 
 class Heartbeat:
