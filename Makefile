@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= What is the capital of France? Answer in one sentence.
 
-.PHONY: demo serve test lint deploy-check bench-engine bench-kv bench-e2e bench-llamacpp bench-speculative chaos protos clean
+.PHONY: demo serve test lint deploy-check bench-engine bench-kv bench-e2e bench-fleet bench-llamacpp bench-speculative chaos protos clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -52,6 +52,9 @@ bench-kv: $(STAMP)  ## paged KV cache: 48 chats with one system prompt, prefix c
 
 bench-e2e: $(STAMP)
 	$(BIN)/python benchmarks/e2e.py
+
+bench-fleet: $(STAMP)  ## G gateways + W sim workers + Redis (AOF), S streams; FLEET_ARGS=--quick for a smoke run
+	$(BIN)/python benchmarks/fleet.py $(FLEET_ARGS)
 
 bench-llamacpp: $(STAMP)  ## vs llama.cpp on the same GGUF; needs the llamacpp extra (it says how to install it)
 	$(BIN)/python benchmarks/llamacpp.py

@@ -110,12 +110,14 @@ class Stack:
             child.state = "up"
 
     def is_ready(self, child: Child) -> bool:
-        """A gateway answers SERVING; a worker's heartbeat key exists (its model is loaded)."""
+        """A gateway answers SERVING; a worker is in the registry (its model is loaded; its consumer
+        is ``{worker_id}.{incarnation}``, a new one per process)."""
         if child.family == "gateway":
             return is_serving(f"127.0.0.1:{child.port}")
         client = redis.Redis.from_url(self.redis.url, socket_timeout=1)
         try:
-            return bool(client.exists(self.keys.worker(child.instance_id)))
+            names = client.zrangebyscore(self.keys.registry, time.time() * 1000, "+inf")
+            return any(name.decode().startswith(f"{child.instance_id}.") for name in names)
         except redis.RedisError:
             return False
         finally:

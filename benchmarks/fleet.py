@@ -1,0 +1,426 @@
+"""A fleet on one machine: G gateways and W simulated workers on one Redis, S streams.
+
+Every part is its own process over loopback: one Redis (gateway/redis_server.py, AOF
+fsynced every second as the product runs, or $REDIS_URL), G `python -m gateway`, W
+`python -m worker --engine sim`, and this process as the grpc.aio load generator, which
+keeps S streams open (round-robin over the gateways; a finished request is followed at
+once by a new one) and checks every token against `sim_token_ids(seed, i, 1)`.
+
+Sweep points (W, S) = (2, 64), (8, 256), (16, 1024), each with 64- and 4096-token
+outputs. A point warms up until all S streams have their first token, then measures
+over a fixed window (a 2-core machine cannot finish 1024 x 4096 tokens), then cancels
+what is open. The sim step time is chosen per point so the offered load is one budget
+(step_ms = 1000 * S / --token-budget): every point offers the same tokens/s, so a cost
+per 1,000 tokens that grows with S is a cost of the number of streams. Measured over
+the window only (INFO and /proc read at its two ends):
+
+  tokens/s; Redis CPU s per 1k tokens (INFO cpu, children included: an AOF rewrite);
+  Redis bytes in per token (total_net_input_bytes) and AOF growth per token; Redis
+  commands per token (total_commands_processed) and calls per token (commandstats,
+  which also counts commands run inside scripts); gateway, worker and load-generator
+  CPU s per 1k tokens (/proc/<pid>/stat); added inter-token latency (gap between
+  chunks minus the step time) and TTFT overhead (send -> first chunk minus one step)
+  p50/p99; lost, duplicated and mismatched tokens (over the whole point); machine busy
+  (/proc/stat). All processes share the machine's cores: compare points within one run.
+
+Then a shedding test: one more gateway with --max-queue-depth 16 on a key prefix no
+worker serves; 16 calls fill its queue, then 500 calls at once are refused
+(RESOURCE_EXHAUSTED) and each refusal's latency is measured.
+
+Prints a table, "TARGETS FAILED: ..." if any target fails, and one JSON line last; writes
+a PNG (gateway and Redis CPU per 1k tokens against S). Exit status 0 even when a target
+fails; 1 on lost/duplicated/mismatched tokens, 2 when a process crashed.
+
+    python benchmarks/fleet.py [--quick] [--points 2x64,8x256] [--output-lens 64,4096]
+        [--window-s 15] [--warmup-s 5] [--token-budget 3000] [--gateways 2] [--plot PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import grpc  # noqa: E402
+import redis  # noqa: E402
+
+from benchmarks.fleet_procs import ChildDied, Fleet  # noqa: E402
+from benchmarks.fleet_shed import shedding_test  # noqa: E402
+from benchmarks.fleet_stats import (  # noqa: E402
+    Errors,
+    PointResult,
+    StreamCheck,
+    cpu_busy,
+    evaluate_targets,
+    format_table,
+    headline,
+    redis_counters,
+)
+from gateway.redis_server import EmbeddedRedis  # noqa: E402
+from protos.convert import build_request  # noqa: E402
+from protos.tokenrelay.v1 import generate_pb2_grpc  # noqa: E402
+from worker.engine.sim import sim_text, sim_token_ids  # noqa: E402
+
+FULL_POINTS = ((2, 64), (8, 256), (16, 1024))
+FULL_OUTPUT_LENS = (64, 4096)
+QUICK_POINTS, QUICK_OUTPUT_LENS = ((1, 16), (2, 32)), (16, 256)
+PROMPT = "fleet"  # 2 prompt tokens in the sim engine
+SHED_BURST = 500
+MAX_WARMUP_S = 90.0  # all S streams must have their first token by then
+CANCEL_TIMEOUT_S = 15.0
+
+
+def proc_stat_cpu() -> list[int]:
+    """The aggregate 'cpu' line of /proc/stat (jiffies)."""
+    return [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+class Load:
+    """S streams kept open over the gateways; chunk timings and token checks."""
+
+    def __init__(self, stubs: list[Any], num_streams: int, output_len: int, seed_base: int,
+                 call_timeout_s: float) -> None:
+        self.stubs, self.num_streams, self.output_len = stubs, num_streams, output_len
+        self.seed_base, self.call_timeout_s = seed_base, call_timeout_s
+        self.is_stopping = self.is_measuring = False
+        self.window_start = math.inf
+        self.num_tokens = 0  # tokens that arrived while measuring
+        self.gaps_s: list[float] = []
+        self.ttfts_s: list[float] = []
+        self.errors = Errors()
+        self.opened: set[int] = set()  # slots whose first stream has had its first chunk
+        self.num_refused = 0
+        self.last_refusal = ""
+
+    async def slot(self, slot: int) -> None:
+        stub = self.stubs[slot % len(self.stubs)]
+        for n in range(1 << 20):
+            if self.is_stopping:
+                return
+            seed = self.seed_base + (slot << 20) + n
+            check = StreamCheck(seed, sim_token_ids, sim_text)
+            try:
+                await self.stream(stub, slot, check)
+            except grpc.aio.AioRpcError as e:
+                self.num_refused += 1
+                self.last_refusal = f"{e.code().name}: {e.details()}"
+                await asyncio.sleep(0.1)
+            finally:
+                self.errors.add(check)
+
+    async def stream(self, stub: Any, slot: int, check: StreamCheck) -> None:
+        request = build_request(PROMPT, max_tokens=self.output_len, seed=check.seed, ignore_eos=True)
+        sent = time.perf_counter()
+        last: float | None = None
+        async for response in stub.Generate(request, timeout=self.call_timeout_s):
+            now = time.perf_counter()
+            if not response.HasField("chunk"):
+                check.finish(response.final.usage.completion_tokens)
+                continue
+            chunk = response.chunk
+            if self.is_measuring:
+                self.num_tokens += len(chunk.token_ids)
+                if last is None and sent >= self.window_start:
+                    self.ttfts_s.append(now - sent)
+                elif last is not None and last >= self.window_start:
+                    self.gaps_s.append(now - last)
+            if last is None:
+                self.opened.add(slot)
+            last = now
+            check.feed(chunk.index, chunk.token_ids, chunk.text)
+
+
+def snapshot(client: redis.Redis, fleet: Fleet) -> dict[str, Any]:
+    times = os.times()
+    return {"redis": redis_counters(client.info("all")), "gateways": fleet.cpu_s(fleet.gateways),
+            "workers": fleet.cpu_s(fleet.workers), "client": times.user + times.system,
+            "stat": proc_stat_cpu(), "t": time.perf_counter()}
+
+
+async def watch(fleet: Fleet, seconds: float, until: Any = None) -> None:
+    """Sleep `seconds` (or until `until()` after them, at most MAX_WARMUP_S), checking the
+    children every 0.25 s: ChildDied names the one that exited."""
+    start = time.monotonic()
+    while True:
+        fleet.check()
+        elapsed = time.monotonic() - start
+        if elapsed >= seconds and (until is None or until() or elapsed >= MAX_WARMUP_S):
+            return
+        await asyncio.sleep(0.25)
+
+
+async def drive(fleet: Fleet, client: redis.Redis, result: PointResult, args: argparse.Namespace,
+                seed_base: int) -> None:
+    channels = [grpc.aio.insecure_channel(t) for t in fleet.targets]
+    stubs = [generate_pb2_grpc.TokenRelayStub(c) for c in channels]
+    call_timeout = MAX_WARMUP_S + args.window_s + 60
+    load = Load(stubs, result.num_streams, result.output_len, seed_base, call_timeout)
+    tasks = [asyncio.ensure_future(load.slot(i)) for i in range(result.num_streams)]
+    try:
+        await watch(fleet, args.warmup_s, until=lambda: len(load.opened) == result.num_streams)
+        result.num_open_at_start = len(load.opened)
+        load.window_start = time.perf_counter()
+        load.is_measuring = True
+        start = snapshot(client, fleet)
+        await watch(fleet, args.window_s)
+        load.is_measuring = False
+        end = snapshot(client, fleet)
+    finally:
+        load.is_stopping = True
+        for task in tasks:
+            task.cancel()
+        await asyncio.wait(tasks, timeout=CANCEL_TIMEOUT_S)
+        for channel in channels:
+            await channel.close()
+        result.errors = load.errors  # checked up to a crash, too
+    if failed := [t.exception() for t in tasks if t.done() and not t.cancelled() and t.exception()]:
+        raise RuntimeError(f"{len(failed)} load-generator streams failed") from failed[0]
+    if result.num_open_at_start < result.num_streams:
+        print(f"  only {result.num_open_at_start} of {result.num_streams} streams had a token after "
+              f"{MAX_WARMUP_S:.0f} s of warm-up", file=sys.stderr)
+    result.window_s = end["t"] - start["t"]
+    result.num_tokens = load.num_tokens
+    result.redis = {k: end["redis"][k] - start["redis"][k] for k in start["redis"]}
+    result.redis["commands"] -= 1  # the INFO that took the first reading
+    result.gateway_cpu_s = end["gateways"] - start["gateways"]
+    result.worker_cpu_s = end["workers"] - start["workers"]
+    result.client_cpu_s = end["client"] - start["client"]
+    result.machine_busy = cpu_busy(start["stat"], end["stat"])
+    result.gaps_s, result.ttfts_s = load.gaps_s, load.ttfts_s
+    result.num_refused = load.num_refused
+    if load.num_refused:
+        print(f"  {load.num_refused} calls failed, the last: {load.last_refusal}", file=sys.stderr)
+
+
+def reset_redis(client: redis.Redis) -> None:
+    """Our own Redis only: empty it and compact the AOF, so no rewrite lands in a window."""
+    client.flushall()
+    client.bgrewriteaof()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if not int(client.info("persistence").get("aof_rewrite_in_progress", 0)):
+            return
+        time.sleep(0.1)
+
+
+def run_point(redis_url: str, client: redis.Redis, is_own_redis: bool, num_workers: int,
+              num_streams: int, output_len: int, args: argparse.Namespace, log_dir: Path,
+              number: int) -> PointResult:
+    step_ms = 1000 * num_streams / args.token_budget
+    result = PointResult(num_workers, num_streams, output_len, step_ms, args.window_s)
+    if is_own_redis:
+        reset_redis(client)
+    prefix = f"fleet-{number}-{uuid.uuid4().hex[:6]}"
+    max_model_len = max(args.output_lens) + 64
+    fleet = Fleet(redis_url, prefix, log_dir / prefix, num_gateways=args.gateways,
+                  num_workers=num_workers, max_num_seqs=math.ceil(1.25 * num_streams / num_workers),
+                  max_queue_depth=2 * num_streams + 16, step_ms=step_ms, max_model_len=max_model_len)
+    print(f"point W={num_workers} S={num_streams} len={output_len} step={step_ms:.1f} ms ...",
+          file=sys.stderr)
+    try:
+        fleet.start(timeout_s=60 + 3 * num_workers)
+        asyncio.run(drive(fleet, client, result, args, seed_base=number << 48))
+    except ChildDied as e:
+        result.error = str(e)
+        print(f"  CRASHED: {e}", file=sys.stderr)
+    finally:
+        fleet.stop()
+    return result
+
+
+# -- report ------------------------------------------------------------------------------------------
+
+def write_plot(rows: list[dict[str, Any]], path: Path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, title in ((axes[0], "gateway_cpu_s_per_1k_tokens", "gateway CPU s / 1k tokens"),
+                           (axes[1], "redis_cpu_s_per_1k_tokens", "Redis CPU s / 1k tokens")):
+        for output_len in sorted({r["output_len"] for r in rows}):
+            points = sorted((r["streams"], r[key]) for r in rows
+                            if r["output_len"] == output_len and r[key] is not None)
+            if points:
+                ax.plot(*zip(*points, strict=True), marker="o", label=f"{output_len}-token outputs")
+                ax.legend()
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent streams S")
+        ax.set_title(title)
+        ax.set_ylim(bottom=0)
+    fig.suptitle("tokenrelay fleet: cost per 1,000 tokens at one offered load (compare within a run)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def parse_points(text: str) -> list[tuple[int, int]]:
+    try:
+        points = [(int(w), int(s)) for w, s in (p.split("x") for p in text.split(","))]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"points are WxS,WxS,...: {text!r}") from None
+    if any(w < 1 or s < 1 for w, s in points):
+        raise argparse.ArgumentTypeError("W and S must be at least 1")
+    return points
+
+
+def parse_lens(text: str) -> list[int]:
+    lens = [int(x) for x in text.split(",")]
+    if any(n < 1 for n in lens):
+        raise argparse.ArgumentTypeError("output lengths must be at least 1")
+    return lens
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="smoke test: points 1x16 and 2x32, outputs 16 and 256, 1 s warm-up, 2 s windows, "
+                        "burst 100")
+    p.add_argument("--points", type=parse_points, help="WxS,... (default 2x64,8x256,16x1024)")
+    p.add_argument("--output-lens", type=parse_lens, help="tokens per request, e.g. 64,4096")
+    p.add_argument("--window-s", type=float, help="measuring window per point (default 15)")
+    p.add_argument("--warmup-s", type=float,
+                   help="at least this long, and until all S streams have their first token (default 5)")
+    p.add_argument("--token-budget", type=float, default=3000,
+                   help="tokens/s offered at every point: step_ms = 1000 * S / budget")
+    p.add_argument("--gateways", type=int, default=2, help="gateway processes G (streams round-robin)")
+    p.add_argument("--shed-burst", type=int, help=f"calls fired at the full queue (default {SHED_BURST})")
+    p.add_argument("--plot", type=Path, default=ROOT / "benchmarks" / "fleet.png", help="PNG to write")
+    p.add_argument("--keep-logs", action="store_true", help="keep the children's logs (kept on a crash)")
+    args = p.parse_args(argv)
+    quick = args.quick
+    args.points = args.points or list(QUICK_POINTS if quick else FULL_POINTS)
+    args.output_lens = args.output_lens or list(QUICK_OUTPUT_LENS if quick else FULL_OUTPUT_LENS)
+    args.window_s = args.window_s if args.window_s is not None else (2.0 if quick else 15.0)
+    args.warmup_s = args.warmup_s if args.warmup_s is not None else (1.0 if quick else 5.0)
+    args.shed_burst = args.shed_burst or (100 if quick else SHED_BURST)
+    if args.window_s <= 0 or args.token_budget <= 0 or args.gateways < 1:
+        p.error("--window-s, --token-budget and --gateways must be positive")
+    return args
+
+
+def summarize(rows: list[dict[str, Any]], shed: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    summary: dict[str, Any] = {"points": rows, **headline(rows),
+                               "reject_p50_ms": shed.get("reject_p50_ms"),
+                               "reject_p99_ms": shed.get("reject_p99_ms"), "shedding": shed}
+    for key in ("lost", "duplicated", "mismatched"):
+        summary[key] = sum(r[key] for r in rows)
+    summary["machine"] = (f"{platform.machine()} {os.cpu_count()} CPUs, {platform.system()} "
+                          f"{platform.release()}; every process shares these cores: compare points "
+                          "within one run")
+    summary["cpu_model"] = cpu_model()
+    summary["date"] = datetime.now(UTC).isoformat(timespec="seconds")
+    summary["config"] = {"gateways": args.gateways, "token_budget": args.token_budget,
+                         "window_s": args.window_s, "warmup_s": args.warmup_s, "quick": args.quick,
+                         "redis": "REDIS_URL" if os.environ.get("REDIS_URL") else "embedded, AOF everysec"}
+    summary["targets"] = evaluate_targets(summary)
+    return summary
+
+
+def rounded(value: Any) -> Any:
+    if isinstance(value, float):
+        return round(value, 6)
+    if isinstance(value, dict):
+        return {k: rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [rounded(v) for v in value]
+    return value
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # SIGTERM (and SIGINT, even if ignored when started) stop the children
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
+    log_dir = Path(tempfile.mkdtemp(prefix="tokenrelay-fleet-"))
+    external = os.environ.get("REDIS_URL")
+    server = None if external else EmbeddedRedis()
+    rows: list[dict[str, Any]] = []
+    try:
+        redis_url = external or server.start()  # type: ignore[union-attr]
+        client = redis.Redis.from_url(redis_url, socket_timeout=30)
+        number = 0
+        for num_workers, num_streams in args.points:
+            for output_len in args.output_lens:
+                number += 1
+                rows.append(run_point(redis_url, client, server is not None, num_workers, num_streams,
+                                      output_len, args, log_dir, number).row())
+        try:
+            shed = shedding_test(redis_url, log_dir, args.shed_burst)
+        except (ChildDied, RuntimeError, grpc.RpcError) as e:
+            print(f"  shedding test CRASHED: {e}", file=sys.stderr)
+            shed = {"error": str(e), "outcomes": {}, "reject_p50_ms": None, "reject_p99_ms": None}
+        client.close()
+    except KeyboardInterrupt:
+        shutil.rmtree(log_dir, ignore_errors=True)
+        raise
+    finally:
+        if server is not None:
+            server.stop()
+    summary = summarize(rows, shed, args)
+    print(format_table(rows))
+    if shed.get("error"):
+        print(f"CRASHED shedding test: {shed['error']}")
+    elif shed["reject_p99_ms"] is not None:
+        print(f"shedding, {shed['burst']} calls at once at a full queue: {shed['outcomes']}; refused in "
+              f"p50 {shed['reject_p50_ms']:.1f} ms, p99 {shed['reject_p99_ms']:.1f} ms (no-op gRPC server, "
+              f"same burst: p50 {shed['floor_reject_p50_ms']:.1f}, p99 {shed['floor_reject_p99_ms']:.1f})")
+    else:
+        print(f"shedding: {shed['outcomes']}, nothing refused")
+    if write_plot(rows, args.plot):
+        print(f"plot: {args.plot}")
+    print(f"machine busy is all of this machine's CPUs ({os.cpu_count()}): every process shares them, "
+          "so compare points within one run")
+    is_crashed = any(r["error"] for r in rows) or bool(shed.get("error"))
+    if is_crashed or args.keep_logs:
+        print(f"logs: {log_dir}")
+    else:
+        shutil.rmtree(log_dir, ignore_errors=True)
+    failed = [k for k, t in summary["targets"].items() if t["passed"] is False]
+    unmeasured = [k for k, t in summary["targets"].items() if t["passed"] is None]
+    if unmeasured:
+        print(f"TARGETS NOT MEASURED: {', '.join(unmeasured)}")
+    if failed:
+        print(f"TARGETS FAILED: {', '.join(failed)}")
+    print(json.dumps(rounded(summary)))
+    if is_crashed:
+        return 2
+    return 1 if summary["lost"] or summary["duplicated"] or summary["mismatched"] else 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("interrupted: every process this bench started is stopped", file=sys.stderr)
+        sys.exit(130)
