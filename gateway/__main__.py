@@ -13,6 +13,7 @@ import signal
 import sys
 
 from gateway.config import DEFAULT_LISTEN, GatewayConfig
+from gateway.limits import KEEPALIVE_TIMEOUT_MS, MAX_PING_STRIKES
 from gateway.server import Gateway
 from protos.keys import DEFAULT_PREFIX, default_instance_id
 from protos.logs import configure
@@ -57,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(new calls get UNAVAILABLE at once) [env TOKENRELAY_MAX_REDIS_OUTAGE_S]")
     p.add_argument("--shutdown-grace", type=float, default=_env("TOKENRELAY_SHUTDOWN_GRACE_S", 10),
                    help="seconds in-flight calls get to finish on SIGTERM [env TOKENRELAY_SHUTDOWN_GRACE_S]")
+    _add_limit_args(p)
     s = p.add_argument_group("security")
     s.add_argument("--tls-cert", default=_env("TOKENRELAY_TLS_CERT", ""),
                    help="PEM certificate (chain) of the gRPC port; with --tls-key the port speaks TLS only "
@@ -80,6 +82,54 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _add_limit_args(p: argparse.ArgumentParser) -> None:
+    """What one caller can make this process hold: gRPC transport limits and request caps."""
+    d = GatewayConfig  # the defaults live in one place
+    g = p.add_argument_group("limits", "bounded memory: gRPC transport limits, then caps on one request "
+                             "(checked before anything reaches Redis; a refusal is INVALID_ARGUMENT "
+                             "naming the field, the limit and its flag)")
+    g.add_argument("--max-receive-message-bytes", type=int,
+                   default=_env("TOKENRELAY_MAX_RECEIVE_MESSAGE_BYTES", d.max_receive_message_bytes),
+                   help="largest gRPC request message; grpc refuses a larger one with RESOURCE_EXHAUSTED "
+                        "[env TOKENRELAY_MAX_RECEIVE_MESSAGE_BYTES]")
+    g.add_argument("--max-concurrent-rpcs", type=int,
+                   default=_env("TOKENRELAY_MAX_CONCURRENT_RPCS", d.max_concurrent_rpcs),
+                   help="calls open at once (health checks included); grpc refuses the next with "
+                        "RESOURCE_EXHAUSTED [env TOKENRELAY_MAX_CONCURRENT_RPCS]")
+    g.add_argument("--min-client-ping-interval-s", type=float,
+                   default=_env("TOKENRELAY_MIN_CLIENT_PING_INTERVAL_S", d.min_client_ping_interval_s),
+                   help="seconds a client's keepalive pings must be apart, with or without calls; a "
+                        f"client pinging faster gets {MAX_PING_STRIKES} warnings, then GOAWAY "
+                        "(too_many_pings) [env TOKENRELAY_MIN_CLIENT_PING_INTERVAL_S]")
+    g.add_argument("--keepalive-time-s", type=float, default=_env("TOKENRELAY_KEEPALIVE_TIME_S",
+                                                                  d.keepalive_time_s),
+                   help="seconds of silence after which the server pings a connection; one that does "
+                        f"not answer within {KEEPALIVE_TIMEOUT_MS // 1000} s is closed and its calls "
+                        "cancelled [env TOKENRELAY_KEEPALIVE_TIME_S]")
+    g.add_argument("--max-connection-age-s", type=float,
+                   default=_env("TOKENRELAY_MAX_CONNECTION_AGE_S", d.max_connection_age_s),
+                   help="seconds (+-10%% jitter) after which a connection gets GOAWAY, so clients "
+                        "reconnect and a load balancer spreads them over new gateways; 0 = never "
+                        "[env TOKENRELAY_MAX_CONNECTION_AGE_S]")
+    g.add_argument("--max-connection-age-grace-s", type=float,
+                   default=_env("TOKENRELAY_MAX_CONNECTION_AGE_GRACE_S", d.max_connection_age_grace_s),
+                   help="seconds calls open at that GOAWAY get to finish before the connection is "
+                        "closed (UNAVAILABLE, resumable) [env TOKENRELAY_MAX_CONNECTION_AGE_GRACE_S]")
+    g.add_argument("--max-prompt-bytes", type=int, default=_env("TOKENRELAY_MAX_PROMPT_BYTES",
+                                                                d.max_prompt_bytes),
+                   help="UTF-8 bytes of a prompt, or of a chat's message contents together "
+                        "[env TOKENRELAY_MAX_PROMPT_BYTES]")
+    g.add_argument("--max-messages", type=int, default=_env("TOKENRELAY_MAX_MESSAGES", d.max_messages),
+                   help="messages of a chat request [env TOKENRELAY_MAX_MESSAGES]")
+    g.add_argument("--max-stop-strings", type=int, default=_env("TOKENRELAY_MAX_STOP_STRINGS",
+                                                                d.max_stop_strings),
+                   help="stopping.stop strings of a request, at most 16 (what workers accept) "
+                        "[env TOKENRELAY_MAX_STOP_STRINGS]")
+    g.add_argument("--max-stop-token-ids", type=int, default=_env("TOKENRELAY_MAX_STOP_TOKEN_IDS",
+                                                                  d.max_stop_token_ids),
+                   help="stopping.stop_token_ids of a request [env TOKENRELAY_MAX_STOP_TOKEN_IDS]")
+
+
 def config_from_args(argv: list[str] | None = None) -> tuple[GatewayConfig, str]:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -92,7 +142,14 @@ def config_from_args(argv: list[str] | None = None) -> tuple[GatewayConfig, str]
             metrics_compat=args.metrics_compat, shutdown_grace_s=args.shutdown_grace,
             otlp_traces_endpoint=args.otlp_traces_endpoint, log_format=args.log_format,
             tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
-            auth_tokens_file=args.auth_tokens_file, quota_slot_ttl_s=args.quota_slot_ttl)
+            auth_tokens_file=args.auth_tokens_file, quota_slot_ttl_s=args.quota_slot_ttl,
+            max_receive_message_bytes=args.max_receive_message_bytes,
+            max_concurrent_rpcs=args.max_concurrent_rpcs,
+            min_client_ping_interval_s=args.min_client_ping_interval_s,
+            keepalive_time_s=args.keepalive_time_s, max_connection_age_s=args.max_connection_age_s,
+            max_connection_age_grace_s=args.max_connection_age_grace_s,
+            max_prompt_bytes=args.max_prompt_bytes, max_messages=args.max_messages,
+            max_stop_strings=args.max_stop_strings, max_stop_token_ids=args.max_stop_token_ids)
     except ValueError as e:
         parser.error(str(e))
     return config, args.log_level

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gateway.auth import load_tenants
+from gateway.limits import MIB, RequestLimits
 from gateway.tls import check_server_files
 from protos.keys import DEFAULT_PREFIX, Keys, PriorityClass, check_name, default_instance_id
 from protos.logs import check_log_format
@@ -69,6 +70,29 @@ class GatewayConfig:
     # A call's max_concurrent slot in Redis expires this long after its last refresh
     # (gateway/quotas.py), so a gateway that died holding slots frees them.
     quota_slot_ttl_s: float = 30.0
+    # Events queued for one call before it is sent RESYNC instead (it then re-reads the log):
+    # what a call that reads slower than it generates can hold in this gateway's memory.
+    max_queued_events: int = 1024
+    # -- what one caller can make this process hold (gateway/limits.py) --
+    # gRPC messages larger than this are refused by grpc (RESOURCE_EXHAUSTED) before parsing.
+    max_receive_message_bytes: int = MIB
+    # Calls open at once on this gateway (health checks included); grpc refuses the next
+    # with RESOURCE_EXHAUSTED. Bounds the tasks, relay queues and subscriptions it holds.
+    max_concurrent_rpcs: int = 4096
+    # Keepalive: clients may ping at most once per this interval (faster ones get GOAWAY);
+    # the server pings each connection after this long without activity.
+    min_client_ping_interval_s: float = 10.0
+    keepalive_time_s: float = 60.0
+    # GOAWAY after this long, so clients reconnect and a load balancer spreads them over new
+    # gateways; 0 = never. Calls open then get max_connection_age_grace_s more to finish
+    # (a longer one is cut with UNAVAILABLE, and a resumable client resumes it).
+    max_connection_age_s: float = 0.0
+    max_connection_age_grace_s: float = 30.0
+    # Caps on one request (RequestLimits), refused with INVALID_ARGUMENT before Redis sees it.
+    max_prompt_bytes: int = RequestLimits.max_prompt_bytes
+    max_messages: int = RequestLimits.max_messages
+    max_stop_strings: int = RequestLimits.max_stop_strings
+    max_stop_token_ids: int = RequestLimits.max_stop_token_ids
 
     def __post_init__(self) -> None:
         Keys(self.key_prefix)  # validates the prefix
@@ -77,13 +101,15 @@ class GatewayConfig:
             raise ValueError(f"listen must be host:port, got {self.listen!r}")
         check_redis_url(self.redis_url)
         check_name("gateway_id", self.gateway_id)
-        for name in ("max_queue_depth", "retry_pushback_ms"):
+        for name in ("max_queue_depth", "retry_pushback_ms", "max_queued_events",
+                     "max_receive_message_bytes", "max_concurrent_rpcs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.depth_cache_ms < 0:
             raise ValueError(f"depth_cache_ms must be >= 0, got {self.depth_cache_ms}")
         for name in ("redis_timeout_s", "liveness_check_s", "max_backoff_s", "result_ttl_s",
-                     "max_redis_outage_s", "quota_slot_ttl_s"):
+                     "max_redis_outage_s", "quota_slot_ttl_s", "min_client_ping_interval_s",
+                     "keepalive_time_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         check_metrics_options(self.metrics_port, self.metrics_compat)
@@ -92,8 +118,14 @@ class GatewayConfig:
         check_server_files(self.tls_cert, self.tls_key, self.tls_client_ca)
         if self.auth_tokens_file:
             load_tenants(self.auth_tokens_file)  # the gateway loads it again; here only its errors count
-        if self.shutdown_grace_s < 0:
-            raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        for name in ("shutdown_grace_s", "max_connection_age_s", "max_connection_age_grace_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        limits = self.request_limits  # RequestLimits validates its caps
+        if limits.max_prompt_bytes > self.max_receive_message_bytes:
+            raise ValueError(f"max_prompt_bytes ({limits.max_prompt_bytes}) must not exceed "
+                             f"max_receive_message_bytes ({self.max_receive_message_bytes}): grpc "
+                             "refuses a larger message before the prompt is measured")
 
     def max_queue_depth_of(self, priority_class: PriorityClass) -> int:
         """The queue depth at which new calls of this class are refused (see max_queue_depth)."""
@@ -102,6 +134,11 @@ class GatewayConfig:
         if priority_class is PriorityClass.HIGH:
             return self.max_queue_depth + max(1, self.max_queue_depth // 2)
         return self.max_queue_depth
+
+    @property
+    def request_limits(self) -> RequestLimits:
+        return RequestLimits(self.max_prompt_bytes, self.max_messages, self.max_stop_strings,
+                             self.max_stop_token_ids)
 
     @property
     def keys(self) -> Keys:

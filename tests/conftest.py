@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from gateway.config import GatewayConfig
-from gateway.redis_server import EmbeddedRedis, free_port
+from gateway.redis_server import DEFAULT_MAXMEMORY, EVICTION_ARGS, PERSISTENCE_ARGS, EmbeddedRedis, free_port
 from protos.keys import Keys
 from tests.service import (
     GatewayThread,
@@ -37,8 +37,9 @@ TEST_MAX_MODEL_LEN = 512
 TEST_MAX_NUM_SEQS = 8
 
 
-# Like every Redis tokenrelay starts (gateway/redis_server.py): AOF fsynced every second, no RDB.
-CONTAINER_COMMAND = ["redis-server", "--appendonly", "yes", "--appendfsync", "everysec", "--save", ""]
+# Like every Redis tokenrelay starts (gateway/redis_server.py): AOF fsynced every second, no RDB,
+# bounded memory that is never evicted.
+CONTAINER_COMMAND = ["redis-server", *PERSISTENCE_ARGS, "--maxmemory", DEFAULT_MAXMEMORY, *EVICTION_ARGS]
 DOCKER_PING_TIMEOUT_S = 2  # no Docker engine: fall through to the binary at once
 
 

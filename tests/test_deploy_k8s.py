@@ -204,7 +204,7 @@ def test_compose_file_is_valid() -> None:
     spec = yaml.safe_load(compose.read_text())
     assert set(spec) <= {"services", "volumes", "networks", "configs", "secrets", "name"}
     service_keys = {"image", "build", "command", "environment", "ports", "expose", "depends_on", "volumes",
-                    "profiles", "stop_grace_period"}
+                    "profiles", "stop_grace_period", "mem_limit"}
     for name, service in spec["services"].items():
         assert set(service) <= service_keys, (name, set(service) - service_keys)
         assert "image" in service or "build" in service, name
@@ -308,3 +308,45 @@ def test_the_service_monitor_scrapes_gateway_and_worker_metrics_ports(overlay: s
             port_name = monitor["endpoints"][0]["port"]
             ports |= {p["port"] for p in service["spec"]["ports"] if p["name"] == port_name}
     assert ports == {9400, 9401}
+
+
+# -- Redis memory: bounded, never evicted -------------------------------------------------------------
+
+# Byte multipliers of the suffixes used: Redis's (1mb = 1024*1024, 1m = 10**6), Kubernetes' quantities
+# and docker's mem_limit (1g = 1024**3).
+_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "kb": 1024, "mb": 1024**2, "gb": 1024**3,
+          "ki": 1024, "mi": 1024**2, "gi": 1024**3}
+DOCKER_UNITS = {"b": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
+
+
+def to_bytes(size: str, units: dict[str, int] = _UNITS) -> int:
+    number, unit = re.fullmatch(r"(\d+)([a-zA-Z]*)", str(size)).groups()  # type: ignore[union-attr]
+    return int(number) * units[unit.lower()]
+
+
+def redis_servers() -> list[tuple[str, list[str], int]]:
+    """(where, redis-server arguments, memory limit in bytes) of every Redis under deploy/: the
+    compose service and each overlay's StatefulSet container (not the ACL init container)."""
+    servers = []
+    for name, service in yaml.safe_load((DEPLOY / "compose.yaml").read_text())["services"].items():
+        if service.get("image", "").startswith("redis") and service["command"][0] == "redis-server":
+            servers.append((f"compose {name}", service["command"][1:], to_bytes(service["mem_limit"],
+                                                                                 DOCKER_UNITS)))
+    for overlay, docs in RENDERED.items():
+        for doc in docs:
+            if doc["kind"] in ("StatefulSet", "Deployment"):
+                for c in doc["spec"]["template"]["spec"]["containers"]:
+                    if c["image"].startswith("redis"):  # the image's entrypoint runs redis-server
+                        servers.append((f"{overlay} {doc['metadata']['name']}", c["args"],
+                                        to_bytes(c["resources"]["limits"]["memory"])))
+    return servers
+
+
+def test_every_redis_in_deploy_bounds_its_memory_and_never_evicts() -> None:
+    servers = redis_servers()
+    assert len(servers) == 1 + len(OVERLAYS)
+    for where, args, limit in servers:
+        assert args[args.index("--maxmemory-policy") + 1] == "noeviction", where
+        maxmemory = to_bytes(args[args.index("--maxmemory") + 1])
+        # headroom for fragmentation, client buffers and the AOF rewrite's fork
+        assert 0 < maxmemory <= limit - 128 * 1024**2, (where, maxmemory, limit)

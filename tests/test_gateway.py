@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from gateway.config import GatewayConfig
 from gateway.errors import PUSHBACK_TRAILER, DataLoss, OutOfRange, QueueFull, Unavailable, WorkerError
 from gateway.queue import Attached, EntryState, RequestQueue, connect
-from gateway.redis_server import free_port
+from gateway.redis_server import EmbeddedRedis, free_port
 from gateway.relay import Follow, relay
 from gateway.replies import RESYNC
 from protos.convert import build_request
@@ -245,6 +245,21 @@ def test_redis_unreachable_from_the_start_is_unavailable_not_a_hang(prefix: str)
             assert time.monotonic() - start < 1
     finally:
         gateway.stop()
+
+
+def test_a_full_redis_is_resource_exhausted_naming_its_memory(prefix: str) -> None:
+    """noeviction: Redis refuses the enqueue (OOM) and the caller is told so, not "unreachable"."""
+    with EmbeddedRedis(maxmemory="1") as server:  # below what any Redis uses by itself
+        gateway = GatewayThread(GatewayConfig(listen="127.0.0.1:0", redis_url=server.url,
+                                              key_prefix=prefix)).start()
+        try:
+            channel, stub = stub_for(gateway.target)
+            with channel, pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(build_request("hi"), timeout=5))
+        finally:
+            gateway.stop()
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "maxmemory" in (e.value.details() or "")
 
 
 class IdleEngine:

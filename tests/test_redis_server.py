@@ -48,6 +48,19 @@ def test_append_only_file_fsynced_every_second(server: EmbeddedRedis) -> None:
         assert r.config_get("save") == {"save": ""}
 
 
+def test_memory_is_bounded_and_never_evicted(server: EmbeddedRedis) -> None:
+    with client_for(server) as r:
+        assert r.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
+        assert int(r.config_get("maxmemory")["maxmemory"]) == 1024**3  # DEFAULT_MAXMEMORY, 1gb
+
+
+def test_a_full_redis_refuses_writes_instead_of_evicting() -> None:
+    with EmbeddedRedis(maxmemory="1") as server, client_for(server) as r:  # below any Redis's own use
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            r.set("k", "v")
+        assert r.ping()  # reads and pings still work
+
+
 def test_stream_group_and_hash_survive_restart_on_the_same_port(server: EmbeddedRedis) -> None:
     entry_id = write_sample(server)
     port = server.port
