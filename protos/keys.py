@@ -17,8 +17,8 @@ or test runs can share one Redis. ``{p}`` below is that prefix.
 | {p}:out:{consumer}       | channel | -            | that worker's STEP        | every gateway PSUBSCRIBE |
 | {p}:events:{request_id}  | channel | -            | (nothing: presence only)  | workers PUBSUB NUMSUB    |
 | {p}:registry             | zset    | none         | workers' HEARTBEAT        | everyone (liveness)      |
-| {p}:fenced               | set     | 24 h         | RECLAIM script            | STEP, HEARTBEAT          |
-| {p}:revoked:{consumer}   | set     | 24 h         | OWN script of a taker     | that worker's STEP       |
+| {p}:fenced               | set     | 24 h         | RECLAIM script            | operators (who was fenced)|
+| {p}:revoked:{consumer}   | set     | 24 h         | RECLAIM, OWN of a taker   | its STEP, HEARTBEAT      |
 | {p}:aborts               | channel | -            | gateway PUBLISH           | every worker (SUBSCRIBE) |
 | {p}:gateway:{gateway_id} | channel | -            | (nobody yet)              | that gateway (SUBSCRIBE) |
 | {p}:worker:{consumer}    | hash    | worker's TTL | worker HEARTBEAT          | gateway (GetServerInfo)  |
@@ -115,9 +115,11 @@ Fencing: a zombie's writes fail
   A worker is alive while its score in ``{p}:registry`` (its heartbeat's expiry, on Redis's
   clock) is in the future; the heartbeat has its own thread, so a publisher waiting for
   Redis never stops it. Every worker sweeps the group about once a second: the RECLAIM
-  script takes the consumers not alive in the registry and, atomically, adds each to
-  ``{p}:fenced``, removes it from the registry and XCLAIMs its pending entries to the
-  sweeper. A fenced consumer's STEP and HEARTBEAT scripts refuse every write; it drops
+  script takes the consumers not alive in the registry and, atomically, fences each (the
+  member ``*`` in its ``{p}:revoked:{consumer}``, and its name in ``{p}:fenced`` for
+  operators), removes it from the registry and XCLAIMs its pending entries to the
+  sweeper. A fenced consumer's STEP (one SMEMBERS of that set per round checks the fence
+  and the revocations together) and HEARTBEAT refuse every write; it drops
   all it holds and exits (status 3), like a Kafka producer fenced by a newer epoch. A
   claim (OWN script) that takes a request from an owner that had not released it names
   the request in ``{p}:revoked:{owner}`` (an entry delivered twice after an AOF loss, say):
@@ -196,6 +198,7 @@ STREAM_DATA_FIELD = b"data"  # the field of a request stream entry holding Queue
 # generation); the worker shortens it to the result TTL once an attempt ends.
 RECORD_LEASE_S = 24 * 3600
 WORKER_KEY_MARK = ":worker:"
+FENCE_MARK = "*"  # the member of {p}:revoked:{consumer} that fences the whole consumer
 
 
 def check_name(what: str, name: str) -> None:

@@ -15,7 +15,7 @@ import redis
 
 from gateway.server import request_digest
 from protos.convert import build_request
-from protos.keys import STREAM_DATA_FIELD, Keys, LogField, Record
+from protos.keys import FENCE_MARK, STREAM_DATA_FIELD, Keys, LogField, Record
 from protos.tokenrelay.v1 import generate_pb2, queue_pb2
 from tests.service import GatewayThread, WorkerProcess, WorkerThread, stub_for, wait_until, workers_ready
 from worker.config import WorkerConfig
@@ -63,7 +63,7 @@ def test_a_fenced_consumer_writes_nothing(client: redis.Redis, prefix: str) -> N
     keys = Keys(prefix)
     outbox = Outbox()
     outbox.log(chunk_event("r", 0))
-    client.sadd(keys.fenced, "zombie")
+    client.sadd(keys.revoked("zombie"), FENCE_MARK)  # what RECLAIM leaves for a consumer it fenced
     assert step(client, keys, "zombie", outbox) == ["fenced"]
     assert not client.exists(keys.log("zombie"))
     assert step(client, keys, "live", outbox) == ["ok"]
@@ -120,6 +120,7 @@ def test_reclaim_fences_dead_consumers_only(client: redis.Redis, prefix: str) ->
                                   "alive", "dead"])
     assert [c[0].decode() for c in claimed] == [keys.requests] and idle == [b"dead"]  # emptied: tidy it
     assert client.smembers(keys.fenced) == {b"dead"} and client.zscore(keys.registry, "dead") is None
+    assert client.smembers(keys.revoked("dead")) == {FENCE_MARK.encode()}
     pending = client.xpending_range(keys.requests, keys.group, min="-", max="+", count=10)
     assert sorted(p["consumer"] for p in pending) == [b"alive", b"me"]
 

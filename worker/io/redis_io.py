@@ -238,7 +238,7 @@ class Heartbeat:
         self._closed = threading.Event()
         self._script = client.register_script(HEARTBEAT)
         name = config.consumer_name
-        self._script_keys = [self._keys.registry, self._keys.fenced, self._keys.worker(name),
+        self._script_keys = [self._keys.registry, self._keys.revoked(name), self._keys.worker(name),
                              self._keys.log(name)]
         self.log_ttl_ms = 0  # how long the log must outlive this worker: its longest result TTL
         self._clock_offset_s = 0.0  # Redis TIME - time.time(), from the last heartbeat

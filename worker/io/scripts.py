@@ -18,7 +18,7 @@ commands per token with the per-request pipeline; see benchmarks/fleet.py).
 
 from __future__ import annotations
 
-from protos.keys import STREAM_DATA_FIELD, WORKER_KEY_MARK, LogField, Record
+from protos.keys import FENCE_MARK, STREAM_DATA_FIELD, WORKER_KEY_MARK, LogField, Record
 
 # Lua helpers shared by the scripts: a protobuf length-delimited field, and HSET/HDEL of long
 # argument lists in slices (Lua's unpack() is limited to a few thousand values).
@@ -62,16 +62,16 @@ end
 # Returns {'fenced'} or {'ok', revoked request ids...}.
 STEP = _LIB + f"""
 local prefix, me = ARGV[1], ARGV[2]
-local fenced, revoked, group = prefix .. ':fenced', prefix .. ':revoked:' .. me, prefix .. ':workers'
+local revoked, group = prefix .. ':revoked:' .. me, prefix .. ':workers'
 local log, out = prefix .. ':log:' .. me, prefix .. ':out:' .. me
-if redis.call('SISMEMBER', fenced, me) == 1 then return {{'fenced'}} end
-local lost = {{}}
+-- One read per round checks both: '{FENCE_MARK}' (this consumer is fenced) and the request ids
+-- taken over from it, kept until the worker confirms it dropped them (FORGET), so a reply lost
+-- on the way cannot let the next round write for them.
+local lost = redis.call('SMEMBERS', revoked)
 local gone = {{}}
-if redis.call('SCARD', revoked) > 0 then
-  -- kept until the worker confirms it dropped them (FORGET): a reply lost on the way must not
-  -- let the next round write for them
-  lost = redis.call('SMEMBERS', revoked)
-  for _, r in ipairs(lost) do gone[r] = true end
+for _, r in ipairs(lost) do
+  if r == '{FENCE_MARK}' then return {{'fenced'}} end
+  gone[r] = true
 end
 local i = 3
 local flat, msg = {{}}, {{}}
@@ -205,6 +205,8 @@ for _, name in ipairs(consumers) do
   if name ~= me and (not score or tonumber(score) <= now) then
     redis.call('SADD', fenced, name)
     redis.call('PEXPIRE', fenced, fence_ttl)
+    redis.call('SADD', prefix .. ':revoked:' .. name, '{FENCE_MARK}')
+    redis.call('PEXPIRE', prefix .. ':revoked:' .. name, fence_ttl)
     redis.call('ZREM', registry, name)
     redis.call('DEL', prefix .. '{WORKER_KEY_MARK}' .. name)
     local left = 0
@@ -237,14 +239,14 @@ reply[#reply + 1] = idle
 return reply
 """
 
-# The heartbeat. KEYS: registry, fenced set, heartbeat hash, own log hash. ARGV: consumer name,
+# The heartbeat. KEYS: registry, own revoked set, heartbeat hash, own log hash. ARGV: consumer name,
 # TTL ms, log TTL ms, then the hash's field/value pairs. Returns 0 when this consumer is fenced
 # (it must stop: another worker owns what it ran), else Redis's clock in unix ms (deadlines
 # are judged on it).
-HEARTBEAT = _LIB + """
-local registry, fenced, beat, log = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+HEARTBEAT = _LIB + f"""
+local registry, revoked, beat, log = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local me, ttl, log_ttl = ARGV[1], tonumber(ARGV[2]), ARGV[3]
-if redis.call('SISMEMBER', fenced, me) == 1 then return 0 end
+if redis.call('SISMEMBER', revoked, '{FENCE_MARK}') == 1 then return 0 end
 local now = now_ms()
 redis.call('ZADD', registry, now + ttl, me)
 if #ARGV > 3 then redis.call('HSET', beat, unpack(ARGV, 4, #ARGV)) end
