@@ -20,6 +20,7 @@ from protos.tokenrelay.v1 import generate_pb2, queue_pb2
 from tests.service import GatewayThread, WorkerProcess, WorkerThread, stub_for, wait_until, workers_ready
 from worker.config import WorkerConfig
 from worker.engine.sim import SimConfig, SimEngine, sim_token_ids
+from worker.io.claim import Claimer
 from worker.io.reclaim import reconcile
 from worker.io.redis_io import Outbox
 from worker.io.scripts import OWN, RECLAIM, STEP
@@ -227,3 +228,21 @@ def test_a_zombie_worker_is_fenced_and_no_stream_is_spliced(
         took_over += cut < num_tokens
         assert final.text == "".join(c.text for c in chunks), i  # the log agrees with what was streamed
     assert took_over >= 1  # the zombie held some streams
+
+
+def test_after_a_redis_outage_the_sweep_waits_a_heartbeat_ttl(client: redis.Redis, redis_url: str,
+                                                              prefix: str) -> None:
+    """Every heartbeat stopped with the outage: a sweep at once would fence live workers."""
+    config = WorkerConfig(redis_url=redis_url, key_prefix=prefix, worker_id="w", heartbeat_interval_s=0.1,
+                          heartbeat_ttl_s=0.5)
+    keys = config.keys
+    client.xgroup_create(keys.requests, keys.group, id="0", mkstream=True)
+    enqueue(client, keys, "r")
+    client.xreadgroup(keys.group, "silent", {keys.requests: ">"}, count=1)  # not in the registry
+    claimer = Claimer(client, config)
+    claimer.defer_sweep()  # as the consumer does after a failed claim
+    assert claimer.take(4, is_idle=False) == []
+    assert not client.smembers(keys.fenced)
+    time.sleep(0.6)
+    assert [c.request.request_id for c in claimer.take(4, is_idle=False) if c.request] == ["r"]
+    assert client.smembers(keys.fenced) == {b"silent"}

@@ -91,6 +91,12 @@ class Claimer:
             entries += self._read_burst(count - len(entries))
         return entries
 
+    def defer_sweep(self) -> None:
+        """Redis failed: sweep no sooner than one heartbeat TTL from now. Every worker's heartbeat
+        stopped with the outage; once Redis is back they renew within an interval, and a sweep
+        before then would fence live workers (they would exit) for an outage, not a death."""
+        self._next_sweep_at = max(self._next_sweep_at, time.monotonic() + self.config.heartbeat_ttl_s)
+
     def own(self, entries: list[Claimed]) -> tuple[dict[str, Owned], dict[str, int]]:
         """Per claimed request, in one round trip: its record taken over (by Claimed.key), and how
         many callers follow it (by event channel)."""

@@ -236,6 +236,7 @@ class Consumer:
             delay = self._backoff.failed()
             log.warning("claiming failed (%s); retrying in %.2fs", e, delay)
             self._retry_claim_at = time.monotonic() + delay
+            self._claimer.defer_sweep()
             self._redis_error()
             return
         if not entries:  # else look again at once: more of a burst may be arriving
