@@ -199,13 +199,18 @@ class Consumer:
         """Fenced: every request belongs to another worker now; write nothing more for any."""
         log.error("fenced: dropping %d running and %d parked requests; stopping", len(self._running),
                   len(self._parked))
-        self.num_dropped += len(self._running) + len(self._parked)
+        self._count_taken_over(len(self._running) + len(self._parked))
         for key, tracked in self._running.items():
             tracked.is_handed_off = True
             self.engine.abort(key)
         self._finish_aborted()
         self._parked.take_all()
         self._outbox = Outbox()
+
+    def _count_taken_over(self, n: int) -> None:
+        self.num_dropped += n
+        if self._metrics is not None:
+            self._metrics.taken_over.inc(n)
 
     def _finish_aborted(self) -> None:
         for _ in range(3):  # aborted requests finish in the next step
@@ -326,7 +331,7 @@ class Consumer:
         dropped = self._parked.drop(revoked)
         log.warning("another worker took over %d requests (%d parked here); dropped them", len(revoked),
                     dropped)
-        self.num_dropped += len(revoked)
+        self._count_taken_over(len(revoked))
         self._outbox.forget += list(revoked)
 
     def _apply_aborts(self) -> None:

@@ -45,6 +45,8 @@ class WorkerMetrics:
                                             "Speculative tokens accepted (equal to the model's own).")
         self.reclaimed = counter("requests_reclaimed", "Requests of dead workers this worker re-claimed.")
         self.redis_errors = counter("redis_errors", "Redis commands or pipelines that failed.")
+        self.taken_over = counter("requests_taken_over", "Requests another worker took over from this one "
+                                  "(fencing): dropped here, their writes refused.")
         self._step = Histogram("tokenrelay_engine_step_seconds", "Time of one engine step, by what it ran.",
                                [*names, "kind"], buckets=STEP_BUCKETS, registry=registry)
         self._step_labels = labels
