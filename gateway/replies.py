@@ -80,7 +80,6 @@ class ReplyRouter:
         self._ready = asyncio.Event()
         self._tried = asyncio.Event()  # the first connection attempt ended, either way
         self._task: asyncio.Task[None] | None = None
-        self.num_overflows = 0
 
     @property
     def is_ready(self) -> bool:
@@ -214,8 +213,6 @@ class ReplyRouter:
         calls = self._calls
         for event in batch.events:
             for queue in calls.get(event.request_id, ()):
-                if queue.full():
-                    self.num_overflows += 1
                 offer(queue, event)
 
     def _set_ready(self, is_ready: bool) -> None:

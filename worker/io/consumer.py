@@ -96,7 +96,6 @@ class Consumer:
         self._next_follow_check = 0.0
         self._expiring: list[tuple[float, list[str]]] = []  # heap: (monotonic, log fields of a result)
         self.num_finished = 0
-        self.num_dropped = 0  # requests another worker took over (fencing)
 
     def stop(self) -> None:
         """Stop claiming; `run` finishes what runs (up to drain_timeout_s) and returns.
@@ -208,7 +207,6 @@ class Consumer:
         self._outbox = Outbox()
 
     def _count_taken_over(self, n: int) -> None:
-        self.num_dropped += n
         if self._metrics is not None:
             self._metrics.taken_over.inc(n)
 

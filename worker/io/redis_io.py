@@ -129,7 +129,6 @@ class Publisher:
         self._give_up_at = float("inf")
         self._revoked: deque[str] = deque()
         self._step = client.register_script(STEP)
-        self.num_rounds = 0
         self._thread = threading.Thread(target=self._run, name="publisher", daemon=True)
 
     def start(self) -> None:
@@ -193,7 +192,6 @@ class Publisher:
                 delay = backoff.failed()
                 log.warning("publish failed (%s); retrying in %.2fs", e, delay)
                 time.sleep(delay)  # nothing else for this thread to do until Redis answers
-        self.num_rounds += 1
         status, *revoked = [r.decode() if isinstance(r, bytes) else str(r) for r in reply]
         if status == "fenced":
             log.error("this worker (%s) was fenced: another worker re-claimed its requests; its round of "
