@@ -128,6 +128,11 @@ def _add_limit_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-stop-token-ids", type=int, default=_env("TOKENRELAY_MAX_STOP_TOKEN_IDS",
                                                                   d.max_stop_token_ids),
                    help="stopping.stop_token_ids of a request [env TOKENRELAY_MAX_STOP_TOKEN_IDS]")
+    g.add_argument("--max-queued-events", type=int, default=_env("TOKENRELAY_MAX_QUEUED_EVENTS",
+                                                                 d.max_queued_events),
+                   help="events queued in this gateway for one call; a call that reads slower than its "
+                        "request generates is told to re-read the log instead (bounded memory) "
+                        "[env TOKENRELAY_MAX_QUEUED_EVENTS]")
 
 
 def config_from_args(argv: list[str] | None = None) -> tuple[GatewayConfig, str]:
@@ -149,7 +154,8 @@ def config_from_args(argv: list[str] | None = None) -> tuple[GatewayConfig, str]
             keepalive_time_s=args.keepalive_time_s, max_connection_age_s=args.max_connection_age_s,
             max_connection_age_grace_s=args.max_connection_age_grace_s,
             max_prompt_bytes=args.max_prompt_bytes, max_messages=args.max_messages,
-            max_stop_strings=args.max_stop_strings, max_stop_token_ids=args.max_stop_token_ids)
+            max_stop_strings=args.max_stop_strings, max_stop_token_ids=args.max_stop_token_ids,
+            max_queued_events=args.max_queued_events)
     except ValueError as e:
         parser.error(str(e))
     return config, args.log_level
