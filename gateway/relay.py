@@ -39,6 +39,9 @@ from protos.tokenrelay.v1 import generate_pb2, queue_pb2
 # a final already on its way (XDEL lands right after it in the same pipeline).
 MAX_BAD_CHECKS = 2
 MAX_ATTEMPTS_PER_CALL = 3  # new attempts one call may start before it gives up
+# How long the attempt a gap made the call start again may take to regenerate the lost
+# events (claim, prefill, decode up to the gap) before the gap fails the call.
+REGENERATE_GRACE_S = 10.0
 
 
 @dataclass
@@ -55,6 +58,7 @@ class Follow:
     # Seconds left of this call's deadline (None = no deadline).
     time_remaining: Callable[[], float | None] = lambda: None
     next_seq: int = -1  # -1: resume_from
+    gap_deadline: float | None = None  # monotonic: a gap the log could not fill fails the call then
     num_attempts: int = 0
     pending: dict[int, queue_pb2.TokenEvent] = field(default_factory=dict)  # seq -> event, not yet relayed
 
@@ -76,10 +80,16 @@ async def relay(follow: Follow, calls: asyncio.Queue[CallItem], queue: RequestQu
             else:
                 yield generate_pb2.GenerateResponse(request_id=follow.request_id, final=event.final)
                 return
+        if follow.next_seq in follow.pending:
+            follow.gap_deadline = None
+        elif follow.gap_deadline is not None and time.monotonic() > follow.gap_deadline:
+            await _fill_gap(follow, queue, checks, grace_s=0)
         try:
             async with asyncio.timeout(liveness_check_s):
                 item = await calls.get()
         except TimeoutError:
+            if follow.gap_deadline is not None:
+                continue  # judged above
             if await checks.has_ended(follow.entry_id, follow.stream):
                 await _start_next_attempt(follow, queue)
             continue
@@ -93,7 +103,7 @@ async def relay(follow: Follow, calls: asyncio.Queue[CallItem], queue: RequestQu
         else:
             _add(follow, item)
             if item.seq > follow.next_seq:
-                await _fill_gap(follow, queue, checks)
+                await _fill_gap(follow, queue, checks, grace_s=liveness_check_s)
 
 
 def _add(follow: Follow, event: queue_pb2.TokenEvent) -> None:
@@ -119,10 +129,24 @@ async def _fill_from_log(follow: Follow, queue: RequestQueue, checks: _Liveness 
     return True
 
 
-async def _fill_gap(follow: Follow, queue: RequestQueue, checks: _Liveness) -> None:
+async def _fill_gap(follow: Follow, queue: RequestQueue, checks: _Liveness, *, grace_s: float) -> None:
     """A live event came after a gap: the missing ones must be in the log (a worker logs an
-    event before it publishes it), or Redis lost them."""
+    event before it publishes it), or Redis lost them. A gap the log cannot fill fails the call
+    after grace_s, or, when Redis lost the attempt's entry too (it came back empty), after the
+    next attempt (started at once, same seed) had time to regenerate the lost events."""
     if await _fill_from_log(follow, queue, checks) and follow.next_seq not in follow.pending:
+        if follow.gap_deadline is None and grace_s > 0:
+            follow.gap_deadline = time.monotonic() + grace_s
+            try:
+                is_gone = await queue.entry_state(follow.entry_id, follow.stream) is EntryState.GONE
+            except RedisError as e:
+                raise redis_unavailable(e) from e
+            if is_gone:
+                follow.gap_deadline = time.monotonic() + REGENERATE_GRACE_S
+                await _start_next_attempt(follow, queue)
+            return
+        if follow.gap_deadline is not None and time.monotonic() <= follow.gap_deadline:
+            return
         first = min(follow.pending)
         raise DataLoss(f"lost token events {follow.next_seq}..{first - 1} of request {follow.request_id} "
                        "(Redis lost them, say in a failover); the stream cannot continue without a gap, "

@@ -177,6 +177,8 @@ def _text(value: str | bytes) -> str:
 
 def _owned(item: list[Any]) -> Owned:
     state, deliveries, progress, *chunks = item
+    if not all(chunks):  # Redis lost part of the log (it came back empty, say): start over, same seed
+        return Owned(_text(state), int(deliveries))
     return Owned(_text(state), int(deliveries),
                  queue_pb2.Progress.FromString(progress) if progress else None,
-                 [queue_pb2.TokenEvent.FromString(c) for c in chunks if c])
+                 [queue_pb2.TokenEvent.FromString(c) for c in chunks])

@@ -88,9 +88,11 @@ class Outbox:
         self.drops += other.drops
         self.forget += other.forget
 
-    def args(self, prefix: str, consumer: str) -> list[bytes | str | int]:
-        """ARGV of the STEP script."""
-        args: list[bytes | str | int] = [prefix, consumer, len(self.logged)]
+    def args(self, prefix: str, consumer: str, *, is_resent: bool = False) -> list[bytes | str | int]:
+        """ARGV of the STEP script; is_resent: the round failed once (Redis may have come back
+        empty), so it also points its requests' records at this worker's log (REOWN)."""
+        reown = list(self.logged) if is_resent else []
+        args: list[bytes | str | int] = [prefix, consumer, len(reown), *reown, len(self.logged)]
         for request_id, events in self.logged.items():
             args += [request_id, len(events)]
             for event in events:
@@ -190,6 +192,7 @@ class Publisher:
                               len(outbox.logged), e)
                     return
                 delay = backoff.failed()
+                args = outbox.args(self._keys.prefix, self._config.consumer_name, is_resent=True)
                 log.warning("publish failed (%s); retrying in %.2fs", e, delay)
                 time.sleep(delay)  # nothing else for this thread to do until Redis answers
         status, *revoked = [r.decode() if isinstance(r, bytes) else str(r) for r in reply]

@@ -18,7 +18,7 @@ commands per token with the per-request pipeline; see benchmarks/fleet.py).
 
 from __future__ import annotations
 
-from protos.keys import FENCE_MARK, STREAM_DATA_FIELD, WORKER_KEY_MARK, LogField, Record
+from protos.keys import FENCE_MARK, RECORD_LEASE_S, STREAM_DATA_FIELD, WORKER_KEY_MARK, LogField, Record
 
 # Lua helpers shared by the scripts: a protobuf length-delimited field, and HSET/HDEL of long
 # argument lists in slices (Lua's unpack() is limited to a few thousand values).
@@ -53,6 +53,7 @@ end
 # (protos/keys.py), so a round's fixed cost is ~100 bytes, not ~300 (at batch 1 the fixed part
 # was half of what Redis received per token). ARGV: key prefix, consumer name, then six
 # sections, each a count followed by its items:
+#   REOWN request_id                                   (a resent round: see below)
 #   LOG   request_id, k, (seq, TokenEvent bytes) x k   logged, then published
 #   PUB   request_id, TokenEvent bytes                 published only (errors)
 #   PROG  request_id, Progress bytes
@@ -75,7 +76,18 @@ for _, r in ipairs(lost) do
 end
 local i = 3
 local flat, msg = {{}}, {{}}
+-- REOWN: a round resent after a failure may land in a Redis that came back empty; its
+-- requests' records then name no log, and a gateway could not find what this round logs.
 local n = tonumber(ARGV[i]); i = i + 1
+for _ = 1, n do
+  local rec = prefix .. ':request:' .. ARGV[i]
+  if not gone[ARGV[i]] and redis.call('HSETNX', rec, '{Record.LOG}', log) == 1 then
+    redis.call('HSET', rec, '{Record.OWNER}', me)
+    redis.call('PEXPIRE', rec, {int(RECORD_LEASE_S * 1000)})
+  end
+  i = i + 1
+end
+n = tonumber(ARGV[i]); i = i + 1
 for _ = 1, n do
   local rid, k = ARGV[i], tonumber(ARGV[i + 1]); i = i + 2
   if not gone[rid] then
