@@ -157,7 +157,12 @@ Deadlines are judged on one clock
   second before a crash wrote may be lost: an entry that vanished is enqueued again by
   the gateway following it (same seed: the same tokens), a forgotten pending entry is
   reconciled, and a chunk that vanished from a log is a gap the gateway reports
-  (DATA_LOSS) to a resuming caller. An eviction policy other than noeviction would
+  (DATA_LOSS) to a resuming caller. A Redis that comes back empty under a running call:
+  the worker's resent round points the requests' records at its log again (STEP's REOWN
+  section), a claim over a log with holes starts the request over with the same seed, and
+  a gateway that sees a gap it cannot fill starts the next attempt at once when the entry
+  is gone too, and fails the call with DATA_LOSS only if that attempt does not fill the
+  gap within REGENERATE_GRACE_S (gateway/relay.py). An eviction policy other than noeviction would
   silently drop heartbeats, registry entries, records and logs: never use one.
 
 Aborts
