@@ -73,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
                         '"tokens_per_minute": N, "max_priority": N}}}: callers must send '
                         "'authorization: Bearer <token>'; SIGHUP re-reads it; unset = no authentication "
                         "[env TOKENRELAY_AUTH_TOKENS_FILE]")
+    s.add_argument("--reflection", action=argparse.BooleanOptionalAction,
+                   default=_env("TOKENRELAY_REFLECTION", "0") not in ("", "0", "false"),
+                   help="serve gRPC server reflection (unauthenticated: it lists the API, nothing else); "
+                        "off by default [env TOKENRELAY_REFLECTION=1]")
     s.add_argument("--quota-slot-ttl", type=float, default=_env("TOKENRELAY_QUOTA_SLOT_TTL_S", 30),
                    help="seconds after which a max_concurrent slot of a gateway that died is free again "
                         "[env TOKENRELAY_QUOTA_SLOT_TTL_S]")
@@ -148,6 +152,7 @@ def config_from_args(argv: list[str] | None = None) -> tuple[GatewayConfig, str]
             otlp_traces_endpoint=args.otlp_traces_endpoint, log_format=args.log_format,
             tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
             auth_tokens_file=args.auth_tokens_file, quota_slot_ttl_s=args.quota_slot_ttl,
+            enable_reflection=args.reflection,
             max_receive_message_bytes=args.max_receive_message_bytes,
             max_concurrent_rpcs=args.max_concurrent_rpcs,
             min_client_ping_interval_s=args.min_client_ping_interval_s,

@@ -18,6 +18,7 @@ from gateway.client import TokenRelayClient, add_generation_args, generation_par
 from gateway.launcher import Stack, StackConfig
 from gateway.redis_server import free_port
 from protos.metrics import DEFAULT_GATEWAY_PORT
+from protos.redis_conn import redact_url
 
 DEFAULT_DEMO_PROMPT = "What is the capital of France? Answer in one sentence."
 
@@ -80,7 +81,7 @@ def _stack_config(args: argparse.Namespace, listen: str, log_level: str) -> Stac
 def up(args: argparse.Namespace) -> int:
     with Stack(_stack_config(args, args.listen, "INFO")) as stack:
         info = stack.wait_ready()
-        print(f"tokenrelay is up: gRPC on {stack.target}, Redis at {stack.redis_url}, "
+        print(f"tokenrelay is up: gRPC on {stack.target}, Redis at {redact_url(stack.redis_url)}, "
               f"{len(info.workers)} worker(s). Try:\n  tokenrelay-client --target {stack.target} --chat "
               f"'Hello!'\nCtrl-C stops everything.", flush=True)
         stack.wait()

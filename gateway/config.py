@@ -67,6 +67,9 @@ class GatewayConfig:
     tls_client_ca: str = ""
     # Tenants and their tokens and limits (gateway/auth.py); "" = no authentication.
     auth_tokens_file: str = ""
+    # gRPC server reflection (grpcurl without .proto files). Off by default: it answers
+    # without a token; `tokenrelay up` and the demo turn it on.
+    enable_reflection: bool = False
     # A call's max_concurrent slot in Redis expires this long after its last refresh
     # (gateway/quotas.py), so a gateway that died holding slots frees them.
     quota_slot_ttl_s: float = 30.0

@@ -55,8 +55,9 @@ class Stack:
             self.redis_url = self.redis.start()
         cfg = self.config
         common = ["--redis-url", self.redis_url, "--log-level", cfg.log_level]
+        # reflection on: `tokenrelay up` and the demo are for trying the API out (grpcurl)
         self._spawn("gateway", ["gateway", "--listen", cfg.listen, *common, *self._metrics_args(-1),
-                                *cfg.gateway_args])
+                                "--reflection", *cfg.gateway_args])
         for i in range(cfg.num_workers):
             self._spawn(f"worker-{i}", ["worker", *common, *self._metrics_args(i), *cfg.worker_args])
 

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from gateway.config import GatewayConfig
 
 MIB = 1024 * 1024
+MAX_CACHE_SALT_CHARS = 256  # GenerateRequest.cache_salt (generate.proto)
 # The server drops a connection whose keepalive ping it sent is not acknowledged this long.
 KEEPALIVE_TIMEOUT_MS = 20_000
 # Pings closer together than --min-client-ping-interval-s tolerated before GOAWAY (grpc's default).
@@ -65,6 +66,9 @@ class RequestLimits:
                "--max-stop-strings")
         _check("stopping.stop_token_ids", len(stopping.stop_token_ids), "has {} ids", self.max_stop_token_ids,
                "--max-stop-token-ids")
+        if len(request.cache_salt) > MAX_CACHE_SALT_CHARS:  # it travels in every attempt's entry
+            raise InvalidArgument(f"cache_salt is {len(request.cache_salt)} characters; the limit is "
+                                  f"{MAX_CACHE_SALT_CHARS}")
 
 
 def _check(field: str, value: int, size: str, limit: int, flag: str) -> None:

@@ -48,7 +48,7 @@ REGENERATE_GRACE_S = 10.0
 class Follow:
     """What one call follows, and how far it got."""
 
-    request_id: str
+    request_id: str  # the request's key in Redis: tenant-scoped (Tenant.request_key)
     entry_id: bytes  # the attempt whose errors count
     resume_from: int = 0  # chunks the caller already has: the first seq to relay
     stream: str = ""  # the request stream of its priority class ("" = the NORMAL one)
@@ -61,6 +61,10 @@ class Follow:
     gap_deadline: float | None = None  # monotonic: a gap the log could not fill fails the call then
     num_attempts: int = 0
     pending: dict[int, queue_pb2.TokenEvent] = field(default_factory=dict)  # seq -> event, not yet relayed
+    caller_id: str = ""  # the request_id the caller knows ("" = request_id): in responses and errors
+
+    def __post_init__(self) -> None:
+        self.caller_id = self.caller_id or self.request_id
 
 
 async def relay(follow: Follow, calls: asyncio.Queue[CallItem], queue: RequestQueue, *, read_log: bool,
@@ -76,9 +80,9 @@ async def relay(follow: Follow, calls: asyncio.Queue[CallItem], queue: RequestQu
             follow.next_seq += 1
             checks.reset()
             if event.HasField("chunk"):
-                yield generate_pb2.GenerateResponse(request_id=follow.request_id, chunk=event.chunk)
+                yield generate_pb2.GenerateResponse(request_id=follow.caller_id, chunk=event.chunk)
             else:
-                yield generate_pb2.GenerateResponse(request_id=follow.request_id, final=event.final)
+                yield generate_pb2.GenerateResponse(request_id=follow.caller_id, final=event.final)
                 return
         if follow.next_seq in follow.pending:
             follow.gap_deadline = None
@@ -111,7 +115,7 @@ def _add(follow: Follow, event: queue_pb2.TokenEvent) -> None:
         follow.pending.setdefault(event.seq, event)
     elif event.HasField("final"):  # only a caller resuming past the end is beyond the final
         raise OutOfRange(f"resume_from_index ({follow.resume_from}) is past the end of the stream: "
-                         f"request {follow.request_id} finished after {event.seq} chunks")
+                         f"request {follow.caller_id} finished after {event.seq} chunks")
 
 
 async def _fill_from_log(follow: Follow, queue: RequestQueue, checks: _Liveness | None = None) -> bool:
@@ -148,7 +152,7 @@ async def _fill_gap(follow: Follow, queue: RequestQueue, checks: _Liveness, *, g
         if follow.gap_deadline is not None and time.monotonic() <= follow.gap_deadline:
             return
         first = min(follow.pending)
-        raise DataLoss(f"lost token events {follow.next_seq}..{first - 1} of request {follow.request_id} "
+        raise DataLoss(f"lost token events {follow.next_seq}..{first - 1} of request {follow.caller_id} "
                        "(Redis lost them, say in a failover); the stream cannot continue without a gap, "
                        "and resending cannot bring them back: start a new request")
 
@@ -165,7 +169,7 @@ async def _on_error(follow: Follow, queue: RequestQueue, error: queue_pb2.Reques
 async def _start_next_attempt(follow: Follow, queue: RequestQueue) -> None:
     follow.num_attempts += 1
     if follow.next_attempt is None or follow.num_attempts > MAX_ATTEMPTS_PER_CALL:
-        raise Unavailable(f"request {follow.request_id} left the queue without an answer "
+        raise Unavailable(f"request {follow.caller_id} left the queue without an answer "
                           f"{follow.num_attempts} times (was Redis restarted without its data?); retry")
     try:
         entry_id = await follow.next_attempt(follow.entry_id)

@@ -48,14 +48,16 @@ from gateway.replies import ReplyRouter
 from gateway.tls import bind
 from gateway.tracing import CallTrace
 from protos.convert import check_request_id, params_from_pb
-from protos.keys import PriorityClass
+from protos.keys import PriorityClass, tenant_request_key
 from protos.logs import bind_request
 from protos.metrics import MetricsServer
+from protos.redis_conn import redact_url
 from protos.tokenrelay.v1 import generate_pb2, generate_pb2_grpc, queue_pb2
 from protos.tracing import GATEWAY_SERVICE, Tracing
 
 log = logging.getLogger(__name__)
 
+SERVER_INFO_TTL_S = 0.5  # GetServerInfo answers from what Redis said at most this long ago
 MAX_ATTACH_RACES = 3  # new attempts started by other gateways in a row before giving up
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["TokenRelay"].full_name
@@ -100,8 +102,8 @@ def add_servicer(servicer: TokenRelayServicer, server: grpc.aio.Server) -> None:
 
 def request_digest(request: generate_pb2.GenerateRequest, tenant: str = "") -> str:
     """What names a request's body: the same digest = the same request (request_id and
-    resume_from_index left out), so a resend attaches to its generation. The tenant is part
-    of it: another tenant's call with the same request_id is refused, never attached."""
+    resume_from_index left out), so a resend attaches to its generation. Request keys are
+    per tenant already (protos/keys.py); the tenant in the digest is a second wall."""
     body = generate_pb2.GenerateRequest()
     body.CopyFrom(request)
     body.ClearField("request_id")
@@ -127,6 +129,7 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
         self.limits = config.request_limits
         self.admission = Admission(queue, router, metrics, quotas)
         self._background: set[asyncio.Task[None]] = set()
+        self._server_state_cache: tuple[float, int, int, list[generate_pb2.WorkerInfo]] | None = None
 
     async def Generate(self, request: generate_pb2.GenerateRequest | MalformedRequest,  # noqa: N802
                        context: grpc.aio.ServicerContext) -> AsyncIterator[generate_pb2.GenerateResponse]:
@@ -173,25 +176,26 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
             tenant, request.priority, params.max_tokens, is_resume=bool(resume_from),
             shed_above=None if request.request_id else max_depth, pushback_ms=self.config.retry_pushback_ms)
         try:
-            async for response in self._follow(request, request_id, context, call, tenant.name, depth):
+            async for response in self._follow(request, request_id, context, call, tenant, depth):
                 yield response
         finally:
             if slot is not None:
                 self._in_background(self.admission.release(slot))
 
     async def _follow(self, request: generate_pb2.GenerateRequest, request_id: str,
-                      context: grpc.aio.ServicerContext, call: CallTrace, tenant: str,
+                      context: grpc.aio.ServicerContext, call: CallTrace, tenant: Tenant,
                       depth: int) -> AsyncIterator[generate_pb2.GenerateResponse]:
         """Attach to (or enqueue) the request and relay its events to the caller."""
         resume_from = request.resume_from_index
         follow: Follow | None = None
         is_done = False
-        calls = await self.router.follow(request_id)  # before anything is read or enqueued: protos/keys.py
+        key = tenant_request_key(tenant.name, request_id)  # what Redis knows it by: protos/keys.py
+        calls = await self.router.follow(key)  # before anything is read or enqueued: protos/keys.py
         try:
-            queued = self._queued(request_id, request, context)
+            queued = self._queued(key, request, context, tenant)
             with call.enqueue(queued):
-                follow, is_new = await self._attach(queued, request_digest(request, tenant), depth,
-                                                    resume_from)
+                follow, is_new = await self._attach(queued, request_digest(request, tenant.name), depth,
+                                                    resume_from, request_id)
             log.debug("request %s: %s entry %s", request_id, "enqueued" if is_new else "following",
                       follow.entry_id.decode())
             follow.time_remaining = context.time_remaining
@@ -200,20 +204,21 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
                                         liveness_check_s=liveness_s, max_outage_s=outage_s):
                 is_done = response.HasField("final")
                 if is_done:
-                    response.final.tenant = tenant
+                    response.final.tenant = tenant.name
                 yield response
         except WorkerError:
             is_done = True  # the worker reported and dropped the attempt itself
             raise
         finally:
-            self.router.unfollow(request_id, calls)
+            self.router.unfollow(key, calls)
             if follow is not None and not is_done:
                 # Cancelled, disconnected, deadline passed or failed here: the worker parks it.
-                self.abort_later(request_id, "the caller went away", follow.entry_id)
+                self.abort_later(key, "the caller went away", follow.entry_id)
 
     async def _attach(self, queued: queue_pb2.QueuedRequest, digest: str, depth: int,
-                      resume_from: int) -> tuple[Follow, bool]:
-        """The attempt to follow, and whether this call created the request (nothing logged yet)."""
+                      resume_from: int, request_id: str) -> tuple[Follow, bool]:
+        """The attempt to follow, and whether this call created the request (nothing logged yet).
+        request_id: the caller's (queued.request_id is its tenant-scoped key)."""
         max_depth = self.config.max_queue_depth_of(PriorityClass.of(queued.request.priority))
         has_room = depth < max_depth
         try:
@@ -223,7 +228,6 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
                 found = await self._next_attempt(queued, digest, found)
         except RedisError as e:
             raise redis_unavailable(e) from e
-        request_id = queued.request_id
         if found.state == "mismatch":
             raise FailedPrecondition(f"request_id {request_id!r} belongs to a request with another body; "
                                      "resend that request unchanged to resume it, or use a new request_id")
@@ -243,7 +247,8 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
             return again.entry_id if again.state in ("created", "live") else None
 
         stream = self.queue.stream_of(queued.request)
-        return Follow(request_id, found.entry_id, resume_from, stream, next_attempt=next_attempt), is_new
+        return Follow(queued.request_id, found.entry_id, resume_from, stream, next_attempt=next_attempt,
+                      caller_id=request_id), is_new
 
     async def _next_attempt(self, queued: queue_pb2.QueuedRequest, digest: str, found: Attached, *,
                             may_create: bool = False) -> Attached:
@@ -255,18 +260,21 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
             found = await self.queue.attach(queued, digest, may_create=may_create, expect=found.entry_id)
             if found.state != "ended":
                 return found
-        raise Unavailable(f"request {queued.request_id}: attempts keep ending without an answer; retry")
+        raise Unavailable(f"request {queued.request.request_id}: attempts keep ending without an answer; "
+                          "retry")
 
-    def _queued(self, request_id: str, request: generate_pb2.GenerateRequest,
-                context: grpc.aio.ServicerContext) -> queue_pb2.QueuedRequest:
+    def _queued(self, key: str, request: generate_pb2.GenerateRequest,
+                context: grpc.aio.ServicerContext, tenant: Tenant) -> queue_pb2.QueuedRequest:
+        """key: the request's tenant-scoped key (protos/keys.py), its request_id from here on."""
         now = time.time()
         remaining = context.time_remaining()
         queued = queue_pb2.QueuedRequest(
-            request_id=request_id, request=request, enqueued_unix=now,
+            request_id=key, request=request, enqueued_unix=now,
             deadline_unix=now + remaining if remaining is not None else 0.0,
             timeout_s=remaining if remaining is not None else 0.0,
-            gateway_id=self.config.gateway_id, result_ttl_s=self.config.result_ttl_s)
-        queued.request.request_id = request_id
+            gateway_id=self.config.gateway_id, result_ttl_s=self.config.result_ttl_s,
+            tenant=tenant.name, cache_scope=tenant.cache_scope(request.cache_salt))
+        queued.request.request_id = key
         queued.request.ClearField("resume_from_index")
         if not queued.request.sampling.HasField("seed"):  # used only if this call creates the request
             queued.request.sampling.seed = secrets.randbits(64)
@@ -274,22 +282,42 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
 
     async def GetServerInfo(self, request: generate_pb2.GetServerInfoRequest | MalformedRequest,  # noqa: N802
                             context: grpc.aio.ServicerContext) -> generate_pb2.ServerInfo:
+        """An admin's view has every worker; a tenant's only the queue, the models and its own
+        limits. What Redis says is read at most once per SERVER_INFO_TTL_S for all callers, so
+        this call costs Redis nothing however often tenants ask."""
         try:
-            self._authenticate(context)
+            tenant = self._authenticate(context)
         except GatewayError as e:
             await context.abort(e.code, str(e))
         if isinstance(request, MalformedRequest):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
         try:
-            queued, in_flight = await self.queue.read_depth()
-            workers = await self.queue.workers()
+            queued, in_flight, workers = await self._server_state()
         except RedisError as e:
             error = redis_unavailable(e)
             await context.abort(error.code, str(error))
-        workers.sort(key=lambda w: w.worker_id)
-        return generate_pb2.ServerInfo(
-            version=_version(), gateway_id=self.config.gateway_id, queue_depth=queued,
-            max_queue_depth=self.config.max_queue_depth, num_in_flight=in_flight, workers=workers)
+        info = generate_pb2.ServerInfo(
+            version=_version(), queue_depth=queued, max_queue_depth=self.config.max_queue_depth,
+            num_in_flight=in_flight, models=sorted({w.model for w in workers if w.model}))
+        if tenant.is_admin:
+            info.gateway_id = self.config.gateway_id
+            info.workers.extend(workers)
+        if tenant.name:
+            info.tenant.CopyFrom(generate_pb2.TenantInfo(
+                name=tenant.name, max_concurrent=tenant.max_concurrent or 0,
+                tokens_per_minute=tenant.tokens_per_minute or 0, max_priority=tenant.max_priority,
+                is_admin=tenant.is_admin))
+        return info
+
+    async def _server_state(self) -> tuple[int, int, list[generate_pb2.WorkerInfo]]:
+        """(queued, in flight, live workers by name), cached for SERVER_INFO_TTL_S."""
+        now = time.monotonic()
+        if self._server_state_cache is None or now - self._server_state_cache[0] > SERVER_INFO_TTL_S:
+            queued, in_flight = await self.queue.read_depth()
+            workers = sorted(await self.queue.workers(), key=lambda w: w.worker_id)
+            self._server_state_cache = (now, queued, in_flight, workers)
+        _, queued, in_flight, workers = self._server_state_cache
+        return queued, in_flight, workers
 
     def abort_later(self, request_id: str, reason: str, entry_id: bytes) -> None:
         """Publish an abort without blocking (the caller may be a cancelled task)."""
@@ -334,9 +362,10 @@ class Gateway:
                                            self.auth, self.quotas)
         add_servicer(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME), self.server)
+        if config.enable_reflection:
+            reflection.enable_server_reflection(
+                (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                 reflection.SERVICE_NAME), self.server)
         self.port = 0
         self._health_tasks: set[asyncio.Task[None]] = set()
         self._queue_gauges: asyncio.Task[None] | None = None
@@ -354,7 +383,7 @@ class Gateway:
                          is_authenticated=self.auth is not None)
         if not await self.router.start(timeout_s=subscribe_timeout_s):
             log.warning("Redis at %s is not reachable yet; serving UNAVAILABLE until it is",
-                        self.config.redis_url)
+                        redact_url(self.config.redis_url))
         await self.server.start()
         self.metrics_server.start()
         if (metrics := self.servicer.metrics) is not None:

@@ -80,6 +80,14 @@ The request record and its log: one generation per request id
   its worker is gone. A resume reads the chunks it needs with READ_LOG (HMGET of
   ``{request_id}:{K..}``): its cost is what it returns, never HGETALL.
 
+Request ids are per tenant
+  Below, ``{request_id}`` is the request's key: ``{tenant}/{request_id}`` with
+  authentication on (`tenant_request_key`), the caller's id alone with it off. A
+  tenant name is [A-Za-z0-9._-] and a caller's id [A-Za-z0-9._:-], so the "/" cannot be
+  forged from either side: two tenants' ``order-123`` are two records, another tenant's id
+  reads exactly like a never-used one (no FAILED_PRECONDITION oracle), and nobody can
+  squat another tenant's ids. Callers only ever see their own id (GenerateResponse).
+
 Delivery guarantee: every chunk exactly once to a caller that keeps resending.
   Per round a worker makes ONE call of its STEP script (worker/io/scripts.py): it checks
   the fence (below), logs the round's events and progress of every request in one HSET,
@@ -212,6 +220,12 @@ def check_name(what: str, name: str) -> None:
         raise ValueError(f"{what} must be non-empty without spaces, got {name!r}")
 
 
+def tenant_request_key(tenant: str, request_id: str) -> str:
+    """The request's key (see "Request ids are per tenant"): what records, logs, events and
+    channels are named by. tenant "" (authentication off): the caller's id itself."""
+    return f"{tenant}/{request_id}" if tenant else request_id
+
+
 def default_instance_id() -> str:
     """host-pid-random: unique per process (a gateway's reply channel, a worker's consumer
     name and heartbeat key) and readable in GetServerInfo."""
@@ -290,8 +304,8 @@ class Record:
 class LogField:
     """Field names of a request's entries in a worker log hash ``{p}:log:{consumer}``.
 
-    A request id is [A-Za-z0-9._:-]; a suffix never contains ':' after its first character, so
-    the fields of two request ids can never coincide."""
+    A request key is [A-Za-z0-9._:/-]; a suffix never contains ':' after its first character, so
+    the fields of two request keys can never coincide."""
 
     PROGRESS = ":p"  # {request_id}:p -> queue.Progress (O(1): no token ids)
     NEXT = ":n"  # {request_id}:n -> decimal: seq of the next event (= events logged)

@@ -21,6 +21,7 @@ asks the sentinels for the master again (redis-py's SentinelConnectionPool).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -55,19 +56,20 @@ class SentinelUrl:
     @classmethod
     def parse(cls, url: str) -> SentinelUrl:
         """ValueError naming what is wrong unless `url` is a well-formed sentinel URL."""
+        shown = redact_url(url)  # error messages never show the password
         if not url.startswith(SENTINEL_SCHEME):
-            raise ValueError(f"a sentinel URL must start with {SENTINEL_SCHEME}, got {url!r}")
+            raise ValueError(f"a sentinel URL must start with {SENTINEL_SCHEME}, got {shown!r}")
         rest = url.removeprefix(SENTINEL_SCHEME)
         if "?" in rest or "#" in rest:
-            raise ValueError(f"a sentinel URL takes no query options or fragment, got {url!r}")
+            raise ValueError(f"a sentinel URL takes no query options or fragment, got {shown!r}")
         netloc, _, path = rest.partition("/")
         userinfo, _, host_list = netloc.rpartition("@")
         username, _, password = userinfo.partition(":")
         service_name, _, db = path.partition("/")
         if not service_name:
-            raise ValueError(f"a sentinel URL needs a service name: .../SERVICE_NAME[/DB], got {url!r}")
+            raise ValueError(f"a sentinel URL needs a service name: .../SERVICE_NAME[/DB], got {shown!r}")
         if db and not db.isdigit():
-            raise ValueError(f"the DB of a sentinel URL must be a number >= 0, got {db!r} in {url!r}")
+            raise ValueError(f"the DB of a sentinel URL must be a number >= 0, got {db!r} in {shown!r}")
         return cls(hosts=tuple(_host_port(h, url) for h in host_list.split(",")),
                    service_name=unquote(service_name), db=int(db or 0),
                    username=unquote(username) or None, password=unquote(password) or None)
@@ -75,22 +77,35 @@ class SentinelUrl:
 
 def _host_port(address: str, url: str) -> tuple[str, int]:
     """'host', 'host:port' or '[ipv6]:port' -> (host, port)."""
+    shown = redact_url(url)
     if address.startswith("["):
         host, _, port = address[1:].partition("]")
         port = port.removeprefix(":")
     else:
         host, _, port = address.partition(":")
     if not host:
-        raise ValueError(f"a sentinel URL needs host[:port] for every sentinel, got {url!r}")
+        raise ValueError(f"a sentinel URL needs host[:port] for every sentinel, got {shown!r}")
     if port and not (port.isdigit() and 0 < int(port) < 65536):
-        raise ValueError(f"sentinel port must be 1..65535, got {port!r} in {url!r}")
+        raise ValueError(f"sentinel port must be 1..65535, got {port!r} in {shown!r}")
     return host, int(port or DEFAULT_SENTINEL_PORT)
 
 
+_USERINFO_PASSWORD = re.compile(r"(?P<head>^[A-Za-z][A-Za-z0-9+.-]*://[^:@/?#]*):[^@/?#]*@")
+_QUERY_PASSWORD = re.compile(r"(?P<head>[?&]password=)[^&#]*", re.IGNORECASE)
+
+
+def redact_url(url: str) -> str:
+    """`url` with its password (userinfo or ?password=) replaced by ***: the only form of a
+    Redis URL that may be logged or put in an error message."""
+    return _QUERY_PASSWORD.sub(r"\g<head>***", _USERINFO_PASSWORD.sub(r"\g<head>:***@", url))
+
+
 def check_redis_url(url: str) -> None:
-    """ValueError unless `url` has a scheme redis-py connects with (and, for sentinels, parses)."""
+    """ValueError unless `url` has a scheme redis-py connects with (and, for sentinels, parses).
+    The messages show the URL without its password."""
     if not url.startswith(REDIS_URL_SCHEMES):
-        raise ValueError(f"redis_url must start with one of {', '.join(REDIS_URL_SCHEMES)}, got {url!r}")
+        raise ValueError(f"redis_url must start with one of {', '.join(REDIS_URL_SCHEMES)}, "
+                         f"got {redact_url(url)!r}")
     if url.startswith(SENTINEL_SCHEME):
         SentinelUrl.parse(url)
 

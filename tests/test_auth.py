@@ -118,7 +118,8 @@ def test_an_unreadable_tenants_file_is_a_clean_usage_error(
 def test_calls_need_a_known_token_but_health_and_reflection_stay_open(
         tmp_path: Path, make_gateway: Callable[..., GatewayThread]) -> None:
     token = new_token()
-    gateway = make_gateway(auth_tokens_file=write_tenants(tmp_path / "t.json", {"acme": {"tokens": [token]}}))
+    gateway = make_gateway(auth_tokens_file=write_tenants(tmp_path / "t.json", {"acme": {"tokens": [token]}}),
+                           enable_reflection=True)
     channel, stub = stub_for(gateway.target)
     with channel:
         for metadata in ((), bearer(new_token())):
@@ -130,7 +131,7 @@ def test_calls_need_a_known_token_but_health_and_reflection_stay_open(
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
             assert "authorization" in (e.value.details() or "") or "not valid" in (e.value.details() or "")
         info = stub.GetServerInfo(generate_pb2.GetServerInfoRequest(), timeout=5, metadata=bearer(token))
-        assert info.gateway_id == gateway.config.gateway_id
+        assert info.tenant.name == "acme"
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
         assert health.status == health_pb2.HealthCheckResponse.SERVING
         assert "tokenrelay.v1.TokenRelay" in ProtoReflectionDescriptorDatabase(channel).get_services()
@@ -149,7 +150,7 @@ def test_priority_above_the_tenants_max_is_permission_denied(
     assert "priority 3 is above the max_priority of tenant 'acme' (2)" in (e.value.details() or "")
 
 
-def test_the_final_names_the_tenant_and_a_request_id_is_private_to_its_tenant(
+def test_the_final_names_the_tenant_and_a_request_id_belongs_to_its_tenant(
         tmp_path: Path, make_gateway: Callable[..., GatewayThread], counting_worker: WorkerThread) -> None:
     a, b = new_token(), new_token()
     path = write_tenants(tmp_path / "t.json", {"acme": {"tokens": [a], "max_priority": 5},
@@ -161,15 +162,16 @@ def test_the_final_names_the_tenant_and_a_request_id_is_private_to_its_tenant(
     with TokenRelayClient(gateway.target, token=a) as client:
         responses = list(client.stub.Generate(request, timeout=10, metadata=client.metadata))
     assert responses[-1].final.tenant == "acme" and responses[-1].final.text == "xxx"
-    with TokenRelayClient(gateway.target, token=b) as client, pytest.raises(grpc.RpcError) as e:
-        list(client.stub.Generate(request, timeout=10, metadata=client.metadata))
-    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    request.priority = 0  # "other" has the default max_priority, 0
+    with TokenRelayClient(gateway.target, token=b) as client:  # its own "shared-id": a request of its own
+        responses = list(client.stub.Generate(request, timeout=10, metadata=client.metadata))
+    assert responses[-1].final.tenant == "other" and responses[-1].request_id == "shared-id"
     with grpc.insecure_channel(gateway.target) as channel, pytest.raises(grpc.RpcError):
         list(generate_pb2_grpc.TokenRelayStub(channel).Generate(request, timeout=10))
     samples = scrape_samples(metrics_port)
     counts = {(s.name, s.labels.get("tenant"), s.labels.get("reason")): s.value for s in samples}
     assert counts[("tokenrelay_request_success_total", "acme", None)] == 1
-    assert counts[("tokenrelay_requests_rejected_total", "other", "invalid")] == 1
+    assert counts[("tokenrelay_request_success_total", "other", None)] == 1
     assert counts[("tokenrelay_requests_rejected_total", "", "unauthenticated")] == 1
     assert not any(s.name.startswith("tokenrelay_e2e") and "tenant" in s.labels for s in samples)
 

@@ -195,8 +195,15 @@ def test_relay_keeps_waiting_while_queued_running_or_waiting_to_be_resumed() -> 
 
 # -- a real gateway, no workers ---------------------------------------------------------------------
 
+def test_reflection_is_off_unless_asked_for(make_gateway: Callable[..., GatewayThread]) -> None:
+    channel, _ = stub_for(make_gateway().target)
+    with channel, pytest.raises(grpc.RpcError) as e:
+        ProtoReflectionDescriptorDatabase(channel).get_services()
+    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
 def test_health_and_reflection(make_gateway: Callable[..., GatewayThread]) -> None:
-    gateway = make_gateway()
+    gateway = make_gateway(enable_reflection=True)
     channel, _ = stub_for(gateway.target)
     with channel:
         status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
