@@ -43,13 +43,14 @@ class Admission:
             raise QueueFull(depth, shed_above, pushback_ms)
         await self.check_fits(max_tokens)
         slot = None
-        if self.quotas is not None:  # a resume follows a generation already paid for: no tokens
-            slot = await self.quotas.admit(tenant, max_tokens, reserve_tokens=not is_resume)
+        if self.quotas is not None:
+            slot = await self.quotas.admit(tenant, max_tokens, is_resume=is_resume)
         return depth, slot
 
-    async def release(self, slot: Slot) -> None:
+    async def release(self, slot: Slot, used_tokens: int) -> None:
+        """The call ended having used used_tokens (gateway/quotas.py says which count)."""
         if self.quotas is not None:
-            await self.quotas.release(slot)
+            await self.quotas.release(slot, used_tokens)
 
     async def queue_depth(self) -> int:
         """Requests waiting in the queue; UNAVAILABLE if the gateway cannot reach Redis."""

@@ -2,20 +2,28 @@
 
 One Lua script (ADMIT_SCRIPT) admits a call atomically: it drops the tenant's expired
 slots, checks max_concurrent and the token bucket, and takes a slot and the tokens
-together, or nothing. Times come from Redis's own clock (TIME), so gateways with skewed
-clocks agree. Keys and their TTLs: protos/keys.py.
+together, or nothing; another (SETTLE_SCRIPT) ends the call: it frees the slot and settles
+the tokens. Times come from Redis's own clock (TIME), so gateways with skewed clocks
+agree. Keys and their TTLs: protos/keys.py.
 
 max_concurrent: a slot is a member of the tenant's sorted set scored by its expiry. The
 gateway renews the slots of its open calls every slot_ttl / 3 and removes a slot when its
 call ends; a gateway that crashed stops renewing, and its slots expire after slot_ttl.
 
-tokens_per_minute: a token bucket of tokens_per_minute, refilled continuously. A call that
-can start a generation reserves its stopping.max_tokens (the server default when unset) at
-admission. Prompt tokens are not counted (the gateway does not tokenize; the worker does)
-and unused tokens are not given back, so a tenant never gets more than tokens_per_minute
-generated tokens a minute, and short answers use up the budget faster than they need. A
-resume (resume_from_index > 0) only follows a generation already paid for: it takes a
-slot but no tokens.
+tokens_per_minute: a token bucket of tokens_per_minute, refilled continuously. Tokens are
+reserved at admission and settled at the end, when the call is charged what it used:
+- a call that can start a generation reserves its stopping.max_tokens (the server default
+  when unset); a resume (resume_from_index > 0) reserves 1, so a tenant that is out of
+  tokens cannot replay either;
+- at its end a call is charged the tokens it was sent (every chunk's token ids, a replay
+  of the log included: a replay costs what it returns), plus, for the call that created
+  the generation, its prompt tokens as the worker counted them (Final.usage.prompt_tokens:
+  the gateway does not tokenize);
+- the difference is given back, or taken: a prompt longer than the unused max_tokens puts
+  the bucket below zero, and the tenant's next calls wait until it refilled.
+Not charged: the prompt of a generation whose creating call left before its final (the
+gateway never learns its length), and what a gateway that died mid-call had reserved is
+neither charged nor given back (it stays spent, as before settling existed).
 """
 
 from __future__ import annotations
@@ -37,36 +45,63 @@ from protos.keys import Bucket, Keys
 log = logging.getLogger(__name__)
 
 ADMITTED, OVER_CONCURRENT, OVER_TOKENS = 0, 1, 2
-BUCKET_TTL_MS = 60_000  # an untouched bucket is full after a minute: dropping it = full
+RESUME_TOKENS = 1  # what a resume reserves: it needs a bucket that is not empty
+
+# Lua: `tokens` = the bucket KEYS[2] refilled up to now (tpm, now defined before); store(t)
+# writes it back with a TTL of the time it takes to be full again (dropping a full bucket
+# = full), so a bucket in debt is not forgotten early.
+_BUCKET_LUA = f"""
+local b = redis.call('HMGET', KEYS[2], '{Bucket.TOKENS}', '{Bucket.UPDATED_MS}')
+local tokens = tpm
+if b[1] then tokens = math.min(tpm, tonumber(b[1]) + (now - tonumber(b[2])) * tpm / 60000) end
+local function store(t)
+  redis.call('HSET', KEYS[2], '{Bucket.TOKENS}', tostring(t), '{Bucket.UPDATED_MS}', now)
+  redis.call('PEXPIRE', KEYS[2], math.max(1, math.ceil((tpm - t) * 60000 / tpm)) + 1000)
+end
+"""
+_NOW_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
 
 # KEYS: calls zset, bucket hash. ARGV: call id, max_concurrent (0 = none), slot TTL ms,
 # tokens_per_minute (0 = none), tokens to reserve. -> {status, retry ms, open calls or tokens left}
 ADMIT_SCRIPT = f"""
-local calls, bucket = KEYS[1], KEYS[2]
+local calls = KEYS[1]
 local call_id, max_calls, ttl_ms = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local tpm, need = tonumber(ARGV[4]), tonumber(ARGV[5])
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+{_NOW_LUA}
 if max_calls > 0 then
   redis.call('ZREMRANGEBYSCORE', calls, '-inf', now)
   local open = redis.call('ZCARD', calls)
   if open >= max_calls then return {{{OVER_CONCURRENT}, 0, open}} end
 end
 if tpm > 0 and need > 0 then
-  local b = redis.call('HMGET', bucket, '{Bucket.TOKENS}', '{Bucket.UPDATED_MS}')
-  local tokens = tpm
-  if b[1] then tokens = math.min(tpm, tonumber(b[1]) + (now - tonumber(b[2])) * tpm / 60000) end
+  {_BUCKET_LUA}
   if tokens < need then
     return {{{OVER_TOKENS}, math.ceil((need - tokens) * 60000 / tpm), math.floor(tokens)}}
   end
-  redis.call('HSET', bucket, '{Bucket.TOKENS}', tostring(tokens - need), '{Bucket.UPDATED_MS}', now)
-  redis.call('PEXPIRE', bucket, {BUCKET_TTL_MS})
+  store(tokens - need)
 end
 if max_calls > 0 then
   redis.call('ZADD', calls, now + ttl_ms, call_id)
   redis.call('PEXPIRE', calls, ttl_ms)
 end
 return {{{ADMITTED}, 0, 0}}
+"""
+
+# KEYS: calls zset, bucket hash. ARGV: call id ("" = no slot), tokens_per_minute (0 = none),
+# tokens to give back (negative: to take). Frees the slot and settles the bucket, which may
+# go below zero. -> tokens in the bucket after (0 without a bucket)
+SETTLE_SCRIPT = f"""
+if ARGV[1] ~= '' then redis.call('ZREM', KEYS[1], ARGV[1]) end
+local tpm, back = tonumber(ARGV[2]), tonumber(ARGV[3])
+if tpm == 0 or back == 0 then return 0 end
+{_NOW_LUA}
+{_BUCKET_LUA}
+tokens = math.min(tpm, tokens + back)
+store(tokens)
+return math.floor(tokens)
 """
 
 # KEYS: calls zsets; ARGV: slot TTL ms, then the call id of each key. A slot that already
@@ -91,10 +126,14 @@ class QuotaExceeded(GatewayError):
 
 @dataclass(frozen=True)
 class Slot:
-    """A call's place in its tenant's max_concurrent budget."""
+    """A call's place in its tenant's budgets: its max_concurrent slot (call_id "" = none)
+    and the tokens it reserved from tokens_per_minute (tpm 0 = no bucket)."""
 
     key: str
     call_id: str
+    bucket: str = ""
+    tpm: int = 0
+    reserved: int = 0
 
 
 class Quotas:
@@ -106,44 +145,50 @@ class Quotas:
         self.slot_ttl_ms = max(1, round(slot_ttl_s * 1000))
         self.retry_pushback_ms = retry_pushback_ms
         self._admit = client.register_script(ADMIT_SCRIPT)
+        self._settle = client.register_script(SETTLE_SCRIPT)
         self._refresh = client.register_script(REFRESH_SCRIPT)
         self._open: set[Slot] = set()
 
-    async def admit(self, tenant: Tenant, max_tokens: int, *, reserve_tokens: bool) -> Slot | None:
-        """Take a slot (if the tenant has max_concurrent) and reserve max_tokens (if it has
-        tokens_per_minute and reserve_tokens); QuotaExceeded naming the limit otherwise."""
+    async def admit(self, tenant: Tenant, max_tokens: int, *, is_resume: bool) -> Slot | None:
+        """Take a slot (if the tenant has max_concurrent) and reserve tokens (if it has
+        tokens_per_minute: max_tokens, or RESUME_TOKENS for a resume); QuotaExceeded naming
+        the limit otherwise. None: nothing to settle."""
         tpm = tenant.tokens_per_minute or 0
-        need = max_tokens if reserve_tokens and tpm else 0
+        need = 0 if not tpm else RESUME_TOKENS if is_resume else max_tokens
         if need > tpm > 0:
             raise InvalidArgument(f"stopping.max_tokens ({max_tokens}) is more than the tokens_per_minute of "
                                   f"tenant {tenant.name!r} ({tpm}): the call could never be admitted")
         if not tenant.max_concurrent and not need:
             return None
-        slot = Slot(self.keys.tenant_calls(tenant.name), f"{self.gateway_id}:{uuid.uuid4().hex}")
-        keys = [slot.key, self.keys.tenant_tokens(tenant.name)]
-        args: list[str | int] = [slot.call_id, tenant.max_concurrent or 0, self.slot_ttl_ms, tpm, need]
+        call_id = f"{self.gateway_id}:{uuid.uuid4().hex}" if tenant.max_concurrent else ""
+        slot = Slot(self.keys.tenant_calls(tenant.name), call_id, self.keys.tenant_tokens(tenant.name),
+                    tpm, need)
+        args: list[str | int] = [call_id, tenant.max_concurrent or 0, self.slot_ttl_ms, tpm, need]
         try:
-            status, retry_ms, value = await self._admit(keys=keys, args=args)
+            status, retry_ms, value = await self._admit(keys=[slot.key, slot.bucket], args=args)
         except RedisError as e:
             raise redis_unavailable(e) from e
         if status == OVER_CONCURRENT:
             raise QuotaExceeded(f"tenant {tenant.name!r} is at its max_concurrent ({tenant.max_concurrent} "
                                 f"calls open, {value} now)", self.retry_pushback_ms)
         if status == OVER_TOKENS:
-            raise QuotaExceeded(f"tenant {tenant.name!r} is over its tokens_per_minute ({tpm}): the call "
-                                f"reserves its stopping.max_tokens ({max_tokens}), {value} are left",
-                                int(retry_ms))
-        if not tenant.max_concurrent:
-            return None
-        self._open.add(slot)
+            what = (f"a resume reserves {RESUME_TOKENS}" if is_resume
+                    else f"the call reserves its stopping.max_tokens ({max_tokens})")
+            raise QuotaExceeded(f"tenant {tenant.name!r} is over its tokens_per_minute ({tpm}): {what}, "
+                                f"{value} are left", int(retry_ms))
+        if call_id:
+            self._open.add(slot)
         return slot
 
-    async def release(self, slot: Slot) -> None:
+    async def release(self, slot: Slot, used_tokens: int = 0) -> None:
+        """End the call: free its slot, and charge it used_tokens of its reservation (the rest
+        goes back; more than it reserved is taken)."""
         self._open.discard(slot)
         try:
-            await self.client.zrem(slot.key, slot.call_id)
-        except RedisError as e:  # the slot expires by itself after slot_ttl
-            log.info("quota slot %s not released (it expires): %s", slot.call_id, e)
+            await self._settle(keys=[slot.key, slot.bucket],
+                               args=[slot.call_id, slot.tpm, slot.reserved - used_tokens])
+        except RedisError as e:  # the slot expires by itself after slot_ttl; the tokens stay spent
+            log.info("quota slot %s not settled (it expires): %s", slot.call_id, e)
 
     async def refresh_forever(self) -> None:
         """Every slot_ttl / 3: renew the expiry of every slot this gateway holds, in one script."""

@@ -70,6 +70,13 @@ def _version() -> str:
         return "unknown"
 
 
+@dataclass
+class UsedTokens:
+    """What a call is charged against its tenant's tokens_per_minute when it ends."""
+
+    num_tokens: int = 0
+
+
 @dataclass(frozen=True)
 class MalformedRequest:
     """Request bytes that do not parse as the method's message (grpc would answer UNKNOWN)."""
@@ -175,17 +182,19 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
         depth, slot = await self.admission.admit(
             tenant, request.priority, params.max_tokens, is_resume=bool(resume_from),
             shed_above=None if request.request_id else max_depth, pushback_ms=self.config.retry_pushback_ms)
+        used = UsedTokens()
         try:
-            async for response in self._follow(request, request_id, context, call, tenant, depth):
+            async for response in self._follow(request, request_id, context, call, tenant, depth, used):
                 yield response
         finally:
             if slot is not None:
-                self._in_background(self.admission.release(slot))
+                self._in_background(self.admission.release(slot, used.num_tokens))
 
     async def _follow(self, request: generate_pb2.GenerateRequest, request_id: str,
                       context: grpc.aio.ServicerContext, call: CallTrace, tenant: Tenant,
-                      depth: int) -> AsyncIterator[generate_pb2.GenerateResponse]:
-        """Attach to (or enqueue) the request and relay its events to the caller."""
+                      depth: int, used: UsedTokens) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        """Attach to (or enqueue) the request and relay its events to the caller, counting in
+        `used` what the tenant is charged for (gateway/quotas.py)."""
         resume_from = request.resume_from_index
         follow: Follow | None = None
         is_done = False
@@ -205,6 +214,10 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
                 is_done = response.HasField("final")
                 if is_done:
                     response.final.tenant = tenant.name
+                    if is_new:  # the call that created the generation pays for its prompt
+                        used.num_tokens += response.final.usage.prompt_tokens
+                else:
+                    used.num_tokens += len(response.chunk.token_ids)
                 yield response
         except WorkerError:
             is_done = True  # the worker reported and dropped the attempt itself
@@ -323,6 +336,11 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
         """Publish an abort without blocking (the caller may be a cancelled task)."""
         self._in_background(self._abort(request_id, reason, entry_id))
 
+    async def finish_background(self, timeout_s: float) -> None:
+        """Let the aborts and quota settlements of ended calls reach Redis (at shutdown)."""
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=timeout_s)
+
     def _in_background(self, coro: Coroutine[object, object, None]) -> None:
         task = asyncio.ensure_future(coro)
         self._background.add(task)
@@ -401,6 +419,7 @@ class Gateway:
             if task is not None:
                 task.cancel()
         self.metrics_server.stop()
+        await self.servicer.finish_background(self.config.redis_timeout_s)
         await asyncio.to_thread(self.tracing.shutdown)  # exports the last spans: may wait on the collector
         await self.router.close()
         await self.client.aclose()

@@ -23,7 +23,7 @@ or test runs can share one Redis. ``{p}`` below is that prefix.
 | {p}:gateway:{gateway_id} | channel | -            | (nobody yet)              | that gateway (SUBSCRIBE) |
 | {p}:worker:{consumer}    | hash    | worker's TTL | worker HEARTBEAT          | gateway (GetServerInfo)  |
 | {p}:tenant:{name}:calls  | zset    | slot TTL (+) | gateway scripts           | gateways (admission)     |
-| {p}:tenant:{name}:tokens | hash    | 60 s         | gateway script            | gateways (admission)     |
+| {p}:tenant:{name}:tokens | hash    | until full   | gateway script            | gateways (admission)     |
 (*) RECORD_LEASE_S from creation, then the request's result TTL once an attempt ended.
 (+) the gateway's --quota-slot-ttl, renewed with every admission and refresh.
 No key is ever found by SCAN: the registry answers "which workers are alive" in one round
@@ -187,8 +187,11 @@ Tenant quotas (gateway/quotas.py; only with --auth-tokens-file)
   admission drops every member past its score, so a crashed gateway's slots come back
   after one slot TTL. ``{p}:tenant:{name}:tokens`` (fields: `Bucket`): the tenant's
   tokens_per_minute token bucket, refilled continuously at tokens_per_minute / 60 s up to
-  tokens_per_minute; it expires after 60 s untouched, when it would be full anyway. One
-  script checks both and takes a slot and the tokens together, or neither.
+  tokens_per_minute; it expires when it would be full again (a second after, so 60 s at
+  most unless it is in debt). One script checks both and takes a slot and the tokens
+  together, or neither; another (SETTLE) ends a call: it frees the slot and gives back what
+  the call reserved but did not use, or takes what it used beyond (a long prompt): the
+  bucket may go below zero.
 
 Worker heartbeat
   Each worker's HEARTBEAT script, about every half second and whenever its load changes

@@ -19,8 +19,10 @@ from gateway.errors import PUSHBACK_TRAILER
 from protos.convert import build_request
 from protos.keys import Keys
 from protos.tokenrelay.v1 import generate_pb2
-from tests.service import GatewayProcess, GatewayThread, stub_for, wait_until
+from tests.factories import CountingEngine
+from tests.service import GatewayProcess, GatewayThread, WorkerThread, stub_for, wait_until
 from tests.test_auth import bearer, new_token, write_tenants
+from worker.config import WorkerConfig
 
 TENANT = "acme"
 MakeGateway = Callable[..., GatewayThread]
@@ -104,13 +106,24 @@ def test_a_dead_gateways_slots_expire_while_a_live_ones_are_renewed(
         doomed.kill()
 
 
+def open_request(target: str, token: str, request: generate_pb2.GenerateRequest,
+                 timeout: float = 10) -> tuple[grpc.Channel, Any]:
+    channel, stub = stub_for(target)
+    return channel, stub.Generate(request, timeout=timeout, metadata=bearer(token))
+
+
+def bucket_tokens(sync_redis: redis.Redis, prefix: str) -> float:
+    return float(sync_redis.hget(Keys(prefix).tenant_tokens(TENANT), "tokens") or "nan")
+
+
 def test_tokens_per_minute_reserves_max_tokens_and_pushes_back_until_they_refill(
-        tmp_path: Path, make_gateway: MakeGateway) -> None:
+        tmp_path: Path, make_gateway: MakeGateway, sync_redis: redis.Redis, prefix: str) -> None:
     token = new_token()
     path = write_tenants(tmp_path / "t.json", {TENANT: {"tokens": [token], "tokens_per_minute": 100}})
     target = make_gateway(auth_tokens_file=path).target
     first = build_request("hi", max_tokens=60, request_id="first")
-    assert call(target, token, timeout=0.5, request=first).code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    held = open_request(target, token, first)  # waits in the queue, holding its 60 tokens
+    wait_until(lambda: bucket_tokens(sync_redis, prefix) < 50, timeout=5)
     error = call(target, token, timeout=5, max_tokens=60)
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     details = error.details() or ""
@@ -118,12 +131,67 @@ def test_tokens_per_minute_reserves_max_tokens_and_pushes_back_until_they_refill
     assert "stopping.max_tokens (60), 40 are left" in details
     assert 11_000 <= pushback_ms(error) <= 12_000  # 20 tokens at 100 a minute
     assert call(target, token, timeout=0.5, max_tokens=30).code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    first.resume_from_index = 1  # a resume follows a generation already paid for
+    first.resume_from_index = 1  # a resume reserves 1 token, and pays what it is sent
     assert call(target, token, timeout=0.5, request=first).code() == grpc.StatusCode.DEADLINE_EXCEEDED
     error = call(target, token, timeout=5, max_tokens=101)
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     details = error.details() or ""
     assert "max_tokens (101) is more than the tokens_per_minute of tenant 'acme' (100)" in details
+    held[0].close()  # it ends having been sent nothing: all 60 come back
+    wait_until(lambda: bucket_tokens(sync_redis, prefix) > 90, timeout=5)
+
+
+@pytest.fixture
+def counting_worker(redis_url: str, prefix: str) -> Iterator[WorkerThread]:
+    config = WorkerConfig(redis_url=redis_url, key_prefix=prefix, worker_id="counting", drain_timeout_s=5.0,
+                          claim_block_ms=50)
+    worker = WorkerThread(CountingEngine(), config).start()
+    yield worker
+    worker.stop()
+
+
+def test_a_call_pays_its_prompt_and_output_and_a_replay_on_another_gateway_pays_what_it_returns(
+        tmp_path: Path, make_gateway: MakeGateway, sync_redis: redis.Redis, prefix: str,
+        counting_worker: WorkerThread) -> None:
+    """tokens_per_minute 60 refills 1 token a second; the counting worker's prompt is 1 token."""
+    token = new_token()
+    path = write_tenants(tmp_path / "t.json", {TENANT: {"tokens": [token], "tokens_per_minute": 60}})
+    first, second = make_gateway(auth_tokens_file=path), make_gateway(auth_tokens_file=path)
+    request = build_request("hi", max_tokens=10, request_id="paid")
+    started = time.monotonic()
+    for target in (first.target, second.target):  # the bucket starts full: 60
+        channel, stub = stub_for(target)
+        with channel:
+            assert list(stub.Generate(request, timeout=10, metadata=bearer(token)))[-1].HasField("final")
+        request.resume_from_index = 7  # then the replay of chunks 7..9 on the other gateway
+    # charged 10 + 1 (prompt) by the first call, 3 by the replay (no prompt: it created nothing);
+    # without settling it would stay at 60 - 10 - 1 = 49 (+ the refill since the start)
+    expected = 60 - 14
+
+    def refill() -> float:
+        return time.monotonic() - started
+
+    wait_until(lambda: bucket_tokens(sync_redis, prefix) <= expected + refill(), timeout=5)
+    left = bucket_tokens(sync_redis, prefix)
+    assert expected <= left <= expected + refill() < 49, left
+
+
+def test_a_long_prompt_puts_the_bucket_in_debt_and_the_next_call_waits(
+        tmp_path: Path, make_gateway: MakeGateway, sync_redis: redis.Redis, prefix: str) -> None:
+    """SETTLE takes what a call used beyond its reservation, below zero if need be."""
+    from gateway.quotas import SETTLE_SCRIPT
+
+    keys = Keys(prefix)
+    settle = sync_redis.register_script(SETTLE_SCRIPT)
+    now_ms = str(int(time.time() * 1000))
+    sync_redis.hset(keys.tenant_tokens(TENANT), mapping={"tokens": "5", "updated_ms": now_ms})
+    assert settle(keys=[keys.tenant_calls(TENANT), keys.tenant_tokens(TENANT)], args=["", 60, -30]) < 0
+    token = new_token()
+    path = write_tenants(tmp_path / "t.json", {TENANT: {"tokens": [token], "tokens_per_minute": 60}})
+    error = call(make_gateway(auth_tokens_file=path).target, token, timeout=5, max_tokens=1)
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert pushback_ms(error) > 20_000  # ~25 tokens of debt at 1 a second
+    assert sync_redis.pttl(keys.tenant_tokens(TENANT)) > 60_000  # kept until it is full again
 
 
 def test_tenants_without_limits_and_other_tenants_are_not_counted(
@@ -139,6 +207,6 @@ def test_tenants_without_limits_and_other_tenants_are_not_counted(
     info_channel, stub = stub_for(target)
     with info_channel:
         info = stub.GetServerInfo(generate_pb2.GetServerInfoRequest(), timeout=5, metadata=bearer(busy))
-    assert info.gateway_id  # GetServerInfo takes no slot
+    assert info.tenant.name == TENANT  # GetServerInfo takes no slot
     del pending
     channel.close()
