@@ -1,6 +1,7 @@
 """`tokenrelay-gateway` / `python -m gateway`: the gRPC front end.
 
-Every flag has an environment variable (shown in --help); flags win.
+Every flag has an environment variable (shown in --help); flags win. SIGHUP re-reads the
+tenants file and the TLS files (a bad new file is logged and the old one stays in force).
 """
 
 from __future__ import annotations
@@ -61,17 +62,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_limit_args(p)
     s = p.add_argument_group("security")
     s.add_argument("--tls-cert", default=_env("TOKENRELAY_TLS_CERT", ""),
-                   help="PEM certificate (chain) of the gRPC port; with --tls-key the port speaks TLS only "
+                   help="PEM certificate (chain) of the gRPC port; with --tls-key the port speaks TLS only. "
+                        "It, the key and --tls-client-ca are read again on SIGHUP and when they change "
+                        "(checked at each new connection): new connections get the new certificate, open "
+                        "ones keep theirs; a bad new file is logged and the old one kept "
                         "[env TOKENRELAY_TLS_CERT]")
     s.add_argument("--tls-key", default=_env("TOKENRELAY_TLS_KEY", ""),
                    help="PEM private key of --tls-cert (unencrypted) [env TOKENRELAY_TLS_KEY]")
     s.add_argument("--tls-client-ca", default=_env("TOKENRELAY_TLS_CLIENT_CA", ""),
-                   help="mTLS: PEM CA(s); every client must present a certificate one of them signed "
+                   help="mTLS: PEM CA(s); every client must present a certificate one of them signed, "
+                        "which the tenants file's client_identities can bind to a tenant "
                         "[env TOKENRELAY_TLS_CLIENT_CA]")
     s.add_argument("--auth-tokens-file", default=_env("TOKENRELAY_AUTH_TOKENS_FILE", ""),
-                   help='JSON {"tenants": {NAME: {"tokens": [...], "max_concurrent": N, '
-                        '"tokens_per_minute": N, "max_priority": N}}}: callers must send '
-                        "'authorization: Bearer <token>'; SIGHUP re-reads it; unset = no authentication "
+                   help='JSON {"tenants": {NAME: {"tokens": [...], "client_identities": [...], '
+                        '"max_concurrent": N, "tokens_per_minute": N, "max_priority": N}}}: callers must '
+                        "send 'authorization: Bearer <token>', or (with --tls-client-ca) a client "
+                        'certificate whose "CN=name", "DNS:name", "URI:uri" or "email:address" a tenant '
+                        "lists; SIGHUP re-reads it; unset = no authentication "
                         "[env TOKENRELAY_AUTH_TOKENS_FILE]")
     s.add_argument("--reflection", action=argparse.BooleanOptionalAction,
                    default=_env("TOKENRELAY_REFLECTION", "0") not in ("", "0", "false"),
@@ -168,7 +175,7 @@ def config_from_args(argv: list[str] | None = None) -> tuple[GatewayConfig, str]
 
 async def serve(config: GatewayConfig) -> None:
     """Run until SIGTERM/SIGINT, then stop admitting and let calls finish; SIGHUP re-reads
-    the tenants file."""
+    the tenants file and the TLS certificate, key and client CA."""
     gateway = Gateway(config)
     port = await gateway.start()
     print(f"tokenrelay gateway listening on {config.listen.rpartition(':')[0]}:{port}", flush=True)
@@ -176,7 +183,12 @@ async def serve(config: GatewayConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, gateway.reload_auth)
+
+    def reload() -> None:  # both, whether or not the first one's file is good
+        gateway.reload_auth()
+        gateway.reload_tls()
+
+    loop.add_signal_handler(signal.SIGHUP, reload)
     await stop.wait()
     logging.getLogger(__name__).info("shutting down (grace %.1fs)", config.shutdown_grace_s)
     await gateway.stop()

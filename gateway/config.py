@@ -61,7 +61,8 @@ class GatewayConfig:
     # "text" or "json" (one object per line, protos/logs.py).
     log_format: str = "text"
     # PEM files of the gRPC port's TLS identity; "" = plaintext. With tls_client_ca (mTLS)
-    # every client must present a certificate that CA signed.
+    # every client must present a certificate that CA signed. All three are read again on
+    # SIGHUP and when they change (gateway/tls.py).
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""
@@ -120,7 +121,8 @@ class GatewayConfig:
         check_log_format(self.log_format)
         check_server_files(self.tls_cert, self.tls_key, self.tls_client_ca)
         if self.auth_tokens_file:
-            load_tenants(self.auth_tokens_file)  # the gateway loads it again; here only its errors count
+            # the gateway loads it again; here only its errors count
+            load_tenants(self.auth_tokens_file, can_verify_client_certs=bool(self.tls_client_ca))
         for name in ("shutdown_grace_s", "max_connection_age_s", "max_connection_age_grace_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

@@ -45,7 +45,7 @@ from gateway.queue import Attached, RequestQueue, connect
 from gateway.quotas import Quotas
 from gateway.relay import Follow, relay
 from gateway.replies import ReplyRouter
-from gateway.tls import bind
+from gateway.tls import ServerCertificates, bind
 from gateway.tracing import CallTrace
 from protos.convert import check_request_id, params_from_pb
 from protos.keys import PriorityClass, tenant_request_key
@@ -158,7 +158,10 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
             await context.abort(e.code, str(e), trailing_metadata=e.trailers)
 
     def _authenticate(self, context: grpc.aio.ServicerContext) -> Tenant:
-        return ANONYMOUS if self.auth is None else self.auth.authenticate(context.invocation_metadata())
+        """The call's tenant, by its bearer token and/or its verified client certificate."""
+        if self.auth is None:
+            return ANONYMOUS
+        return self.auth.authenticate(context.invocation_metadata(), context.auth_context())
 
     async def _generate(self, request: generate_pb2.GenerateRequest | MalformedRequest,
                         context: grpc.aio.ServicerContext, call: CallTrace,
@@ -373,7 +376,11 @@ class Gateway:
         self.server = grpc.aio.server(interceptors=interceptors, options=server_options(config),
                                       maximum_concurrent_rpcs=config.max_concurrent_rpcs)
         self.tracing = Tracing(config.otlp_traces_endpoint, GATEWAY_SERVICE, config.gateway_id)
-        self.auth = Authenticator(config.auth_tokens_file) if config.auth_tokens_file else None
+        is_mtls = bool(config.tls_client_ca)
+        self.auth = (Authenticator(config.auth_tokens_file, can_verify_client_certs=is_mtls)
+                     if config.auth_tokens_file else None)
+        self.certificates = (ServerCertificates(config.tls_cert, config.tls_key, config.tls_client_ca)
+                             if config.tls_cert else None)  # reloaded on SIGHUP and when the files change
         self.quotas = None if self.auth is None else Quotas(
             self.client, config.keys, config.gateway_id, config.quota_slot_ttl_s, config.retry_pushback_ms)
         self.servicer = TokenRelayServicer(config, self.queue, self.router, metrics, self.tracing,
@@ -397,7 +404,7 @@ class Gateway:
         """
         await self._set_health(False)
         config = self.config
-        self.port = bind(self.server, config.listen, config.tls_cert, config.tls_key, config.tls_client_ca,
+        self.port = bind(self.server, config.listen, self.certificates,
                          is_authenticated=self.auth is not None)
         if not await self.router.start(timeout_s=subscribe_timeout_s):
             log.warning("Redis at %s is not reachable yet; serving UNAVAILABLE until it is",
@@ -428,6 +435,12 @@ class Gateway:
         """Re-read the tenants file (SIGHUP); open calls keep their tenant. False: the file is
         bad (logged) and the previous one stays, or authentication is off."""
         return self.auth is not None and self.auth.reload()
+
+    def reload_tls(self) -> bool:
+        """Re-read the TLS certificate, key and client CA (SIGHUP; a change of the files is also
+        seen at the next handshake): new connections get them, open ones keep theirs. False: a
+        bad file (logged, the previous material stays), the same files, or no TLS."""
+        return self.certificates is not None and self.certificates.reload()
 
     async def wait_for_termination(self) -> None:
         await self.server.wait_for_termination()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import signal
 import threading
@@ -230,3 +231,77 @@ def _code_of(call: Any) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
+
+
+# -- client certificates (the real mTLS calls are in tests/test_tls.py) -------------------------------------
+
+def peer(cn: str = "", dns: tuple[str, ...] = (), uris: tuple[str, ...] = (),
+         transport: bytes = b"ssl") -> dict[str, list[bytes]]:
+    """An auth context as gRPC gives it for a verified client certificate."""
+    context = {"transport_security_type": [transport], "peer_dns": [d.encode() for d in dns],
+               "peer_uri": [u.encode() for u in uris]}
+    return {**context, "x509_common_name": [cn.encode()]} if cn else context
+
+
+@pytest.mark.parametrize(("tenants", "message"), [
+    ({"a": {"client_identities": ["CN=x"]}, "b": {"client_identities": ["DNS:y", "CN=x"]}},
+     "tenant 'b' client_identities[1] 'CN=x' is also bound to tenant 'a'"),
+    ({"a": {"client_identities": ["spiffe://corp/s"]}, "b": {"client_identities": ["URI:spiffe://corp/s"]}},
+     "'URI:spiffe://corp/s' is also bound to tenant 'a'"),
+    ({"a": {"client_identities": ["DNS:Svc.Corp"]}, "b": {"client_identities": ["DNS:svc.corp"]}},
+     "'DNS:svc.corp' is also bound to tenant 'a'"),
+    ({"a": {"client_identities": []}}, 'or "client_identities" a non-empty list'),
+    ({"a": {"tokens": [], "client_identities": []}}, '"tokens" must be a non-empty list'),
+    ({"a": {"client_identities": "CN=x"}}, '"tokens" must be a non-empty list'),
+    ({"a": {"client_identities": [3]}}, "client_identities must be a list of strings"),
+    ({"a": {"client_identities": ["svc-a"]}}, "client_identities[0] 'svc-a' is not CN=<common name>, DNS:"),
+    ({"a": {"client_identities": ["CN="]}}, "client_identities[0] 'CN=' is not"),
+    ({"a": {"client_identities": ["CN= x"]}}, "client_identities[0] 'CN= x' is not"),
+    ({"a": {"client_identities": ["cn=x"]}}, "client_identities[0] 'cn=x' is not"),
+])
+def test_bad_client_identities_are_refused_naming_the_problem(
+        tmp_path: Path, tenants: dict[str, dict[str, Any]], message: str) -> None:
+    with pytest.raises(ValueError) as e:
+        load_tenants(write_tenants(tmp_path / "t.json", tenants), can_verify_client_certs=True)
+    assert message in str(e.value)
+
+
+def test_client_identities_need_a_gateway_that_verifies_client_certificates(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    write_tenants(path, {"acme": {"client_identities": ["CN=svc-a"]}})
+    with pytest.raises(ValueError, match="has client_identities, but the gateway has no --tls-client-ca"):
+        load_tenants(str(path))
+    write_tenants(path, {"acme": {"tokens": [TOKEN]}})
+    auth = Authenticator(str(path))
+    write_tenants(path, {"acme": {"tokens": [TOKEN], "client_identities": ["CN=svc-a"]}})
+    assert not auth.reload()  # on SIGHUP too: the old file stays
+    assert auth.authenticate(bearer(TOKEN), peer("svc-a")).name == "acme"
+
+
+def test_a_client_certificate_names_its_tenant(tmp_path: Path) -> None:
+    token = new_token()
+    path = write_tenants(tmp_path / "t.json", {
+        "acme": {"client_identities": ["CN=svc-a", "DNS:Svc-A.corp"]},
+        "mesh": {"client_identities": ["spiffe://corp/ns/a/sa/b"], "tokens": [token]},
+        "tok": {"tokens": [TOKEN]}})
+    auth = Authenticator(path, can_verify_client_certs=True)
+    assert len(auth.tenants) == 3
+    assert auth.authenticate([], peer("svc-a")).name == "acme"
+    assert auth.authenticate([], peer("x", dns=("svc-a.CORP",))).name == "acme"
+    assert auth.authenticate(None, peer(uris=("https://x", "spiffe://corp/ns/a/sa/b"))).name == "mesh"
+    assert auth.authenticate(bearer(token), peer(uris=("spiffe://corp/ns/a/sa/b",))).name == "mesh"
+    assert auth.authenticate(bearer(TOKEN), peer("stranger")).name == "tok"
+    refused = [
+        ([], peer("stranger"), "the client certificate (CN=stranger) is bound to no tenant"),
+        ([], peer("svc-a", transport=b"insecure"), "no authorization metadata and no client certificate"),
+        ([], None, "no authorization metadata and no client certificate"),
+        (bearer(TOKEN), peer("svc-a"), "bound to tenant 'acme' but the bearer token names tenant 'tok'"),
+        (bearer(new_token()), peer("svc-a"), "the bearer token is not valid"),
+        ([], peer("svc-a", uris=("spiffe://corp/ns/a/sa/b",)), "bound to more than one tenant"),
+    ]
+    for metadata, context, message in refused:
+        with pytest.raises(Unauthenticated, match=re.escape(message)):
+            auth.authenticate(metadata, context)
+    without_mtls = Authenticator(write_tenants(tmp_path / "t2.json", {"tok": {"tokens": [TOKEN]}}))
+    with pytest.raises(Unauthenticated, match="send 'authorization: Bearer <token>'$"):
+        without_mtls.authenticate([], peer("svc-a"))

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import json
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +22,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.client import TokenRelayClient
 from gateway.tls import channel_credentials
 from protos.tokenrelay.v1 import generate_pb2, generate_pb2_grpc
-from tests.service import ROOT, GatewayThread
+from tests.factories import CountingEngine
+from tests.service import ROOT, GatewayThread, WorkerThread
 
 
 @dataclass(frozen=True)
@@ -55,14 +57,18 @@ class CertFactory:
         path.write_bytes(data)
         return str(path)
 
-    def issue(self, name: str, *, is_server: bool) -> Identity:
+    def issue(self, name: str, *, is_server: bool, dns: Sequence[str] = (), uris: Sequence[str] = ()
+              ) -> Identity:
+        """A certificate with CN=name (and these DNS and URI SANs) and its key, in name.crt/.key."""
         key = ec.generate_private_key(ec.SECP256R1())
         subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
         usage = ExtendedKeyUsageOID.SERVER_AUTH if is_server else ExtendedKeyUsageOID.CLIENT_AUTH
         builder = (self._builder(subject, key.public_key()).issuer_name(self.cert.subject)
                    .add_extension(x509.ExtendedKeyUsage([usage]), critical=False))
+        names: list[x509.GeneralName] = [*map(x509.DNSName, dns), *map(x509.UniformResourceIdentifier, uris)]
         if is_server:
-            names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            names += [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+        if names:
             builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
         cert = builder.sign(self.key, hashes.SHA256())
         key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
@@ -148,13 +154,12 @@ def test_the_client_command_checks_its_tls_flags(certs: CertFactory) -> None:
 def test_the_bench_connects_with_tls_and_a_token(certs: CertFactory, tmp_path: Path,
                                                  make_gateway: Callable[..., GatewayThread]) -> None:
     import asyncio
-    import json
 
     from gateway import bench, cli
 
     token = "bench-token-0123456789"
     tenants = tmp_path / "tenants.json"
-    tenants.write_text(json.dumps({"tenants": {"load": {"tokens": [token]}}}))
+    tenants.write_text(json.dumps({"tenants": {"load": {"tokens": [token], "admin": True}}}))
     server = certs.issue("gateway", is_server=True)
     gateway = make_gateway(tls_cert=server.cert, tls_key=server.key, auth_tokens_file=str(tenants))
 
@@ -167,3 +172,87 @@ def test_the_bench_connects_with_tls_and_a_token(certs: CertFactory, tmp_path: P
     assert asyncio.run(info(bench.config_from_args(args)))["gateway_id"] == gateway.config.gateway_id
     with pytest.raises(RuntimeError, match="UNAUTHENTICATED"):
         asyncio.run(info(bench.BenchConfig(target=gateway.target, ca=certs.ca)))
+
+
+# -- tenants bound to client certificates ------------------------------------------------------------------
+
+BOUND_TENANTS = {
+    "acme": {"client_identities": ["CN=svc-a"]},
+    "mesh": {"client_identities": ["spiffe://corp/ns/a/sa/b", "DNS:Mesh.Corp"]},
+    "both": {"client_identities": ["CN=svc-both"], "tokens": ["both-token-0123456789"]},
+    "tok": {"tokens": ["tok-token-0123456789"]},
+}
+
+
+@pytest.fixture
+def bound_gateway(certs: CertFactory, tmp_path: Path, make_gateway: Callable[..., GatewayThread],
+                  start_worker: Callable[..., WorkerThread]) -> GatewayThread:
+    """An mTLS gateway whose tenants file binds tenants to client certificates, and a worker."""
+    server = certs.issue("gateway", is_server=True)
+    tenants = tmp_path / "tenants.json"
+    tenants.write_text(json.dumps({"tenants": BOUND_TENANTS}))
+    start_worker(CountingEngine())
+    return make_gateway(tls_cert=server.cert, tls_key=server.key, tls_client_ca=certs.ca,
+                        auth_tokens_file=str(tenants))
+
+
+def generate(gateway: GatewayThread, certs: CertFactory, client: Identity,
+             token: str | None = None) -> generate_pb2.GenerateResponse:
+    """The final response of a 2-token Generate with this client certificate (and token)."""
+    with TokenRelayClient(gateway.target, ca=certs.ca, cert=client.cert, key=client.key, token=token) as c:
+        return list(c.generate("hi", max_tokens=2, timeout_s=10))[-1]
+
+
+def refusal(gateway: GatewayThread, certs: CertFactory, client: Identity, token: str | None = None
+            ) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as e:
+        generate(gateway, certs, client, token)
+    return e.value.code(), e.value.details() or ""
+
+
+def test_a_client_certificate_bound_to_a_tenant_needs_no_token(
+        certs: CertFactory, bound_gateway: GatewayThread) -> None:
+    by_cn = certs.issue("svc-a", is_server=False)
+    by_san = certs.issue("any-name", is_server=False, uris=["spiffe://corp/ns/a/sa/b"])
+    by_dns = certs.issue("other-name", is_server=False, dns=["mesh.corp"])  # DNS names: any case
+    assert generate(bound_gateway, certs, by_cn).final.tenant == "acme"
+    assert generate(bound_gateway, certs, by_cn).final.text == "xx"
+    assert generate(bound_gateway, certs, by_san).final.tenant == "mesh"
+    assert generate(bound_gateway, certs, by_dns).final.tenant == "mesh"
+    both = certs.issue("svc-both", is_server=False)  # a certificate and a token of the same tenant
+    assert generate(bound_gateway, certs, both, "both-token-0123456789").final.tenant == "both"
+    unbound = certs.issue("backend", is_server=False)  # the token decides
+    assert generate(bound_gateway, certs, unbound, "tok-token-0123456789").final.tenant == "tok"
+
+
+def test_an_unbound_or_contradicting_client_certificate_is_unauthenticated(
+        certs: CertFactory, bound_gateway: GatewayThread) -> None:
+    unbound, bound = certs.issue("backend", is_server=False), certs.issue("svc-a", is_server=False)
+    code, details = refusal(bound_gateway, certs, unbound)
+    assert code == grpc.StatusCode.UNAUTHENTICATED
+    assert "client certificate (CN=backend) is bound to no tenant" in details
+    code, details = refusal(bound_gateway, certs, bound, "tok-token-0123456789")
+    assert code == grpc.StatusCode.UNAUTHENTICATED
+    assert "bound to tenant 'acme' but the bearer token names tenant 'tok'" in details
+    code, details = refusal(bound_gateway, certs, bound, "not-a-token-0123456789")  # a bad token: refused
+    assert (code, details) == (grpc.StatusCode.UNAUTHENTICATED, "the bearer token is not valid")
+    two = certs.issue("svc-a", is_server=False, dns=["mesh.corp"])  # acme by its CN, mesh by its SAN
+    code, details = refusal(bound_gateway, certs, two)
+    assert code == grpc.StatusCode.UNAUTHENTICATED and "bound to more than one tenant" in details
+
+
+def test_client_identities_without_mtls_are_refused_at_start_up(
+        certs: CertFactory, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from gateway.__main__ import config_from_args
+
+    server = certs.issue("gateway", is_server=True)
+    tenants = tmp_path / "tenants.json"
+    tenants.write_text(json.dumps({"tenants": {"acme": {"client_identities": ["CN=svc-a"]}}}))
+    argv = ["--tls-cert", server.cert, "--tls-key", server.key, "--auth-tokens-file", str(tenants)]
+    with pytest.raises(SystemExit) as exit_:
+        config_from_args(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "tenant 'acme' has client_identities, but the gateway has no " \
+        "--tls-client-ca" in err and "could never be verified" in err
+    config, _ = config_from_args([*argv, "--tls-client-ca", certs.ca])
+    assert config.tls_client_ca == certs.ca
