@@ -242,7 +242,8 @@ async def _server_info(stub: generate_pb2_grpc.TokenRelayStub, config: BenchConf
     except grpc.aio.AioRpcError as e:
         raise RuntimeError(f"cannot reach a gateway at {config.target}: "
                            f"{e.code().name}: {e.details()}") from e
-    return {"version": info.version, "gateway_id": info.gateway_id,
+    # workers and gateway_id are only an admin's to see; models are everyone's
+    return {"version": info.version, "gateway_id": info.gateway_id, "models": list(info.models),
             "workers": [{"worker_id": w.worker_id, "model": w.model} for w in info.workers]}
 
 
