@@ -298,9 +298,9 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
 
     async def GetServerInfo(self, request: generate_pb2.GetServerInfoRequest | MalformedRequest,  # noqa: N802
                             context: grpc.aio.ServicerContext) -> generate_pb2.ServerInfo:
-        """An admin's view has every worker; a tenant's only the queue, the models and its own
-        limits. What Redis says is read at most once per SERVER_INFO_TTL_S for all callers, so
-        this call costs Redis nothing however often tenants ask."""
+        """An admin's view has every worker, read now; a tenant's only the queue, the models and
+        its own limits, from what Redis said at most SERVER_INFO_TTL_S ago, so tenants asking
+        often cost Redis nothing."""
         try:
             tenant = self._authenticate(context)
         except GatewayError as e:
@@ -308,7 +308,7 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
         if isinstance(request, MalformedRequest):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
         try:
-            queued, in_flight, workers = await self._server_state()
+            queued, in_flight, workers = await self._server_state(is_fresh=tenant.is_admin)
         except RedisError as e:
             error = redis_unavailable(e)
             await context.abort(error.code, str(error))
@@ -325,14 +325,15 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
                 is_admin=tenant.is_admin))
         return info
 
-    async def _server_state(self) -> tuple[int, int, list[generate_pb2.WorkerInfo]]:
-        """(queued, in flight, live workers by name), cached for SERVER_INFO_TTL_S."""
+    async def _server_state(self, *, is_fresh: bool) -> tuple[int, int, list[generate_pb2.WorkerInfo]]:
+        """(queued, in flight, live workers by name), cached for SERVER_INFO_TTL_S unless is_fresh."""
         now = time.monotonic()
-        if self._server_state_cache is None or now - self._server_state_cache[0] > SERVER_INFO_TTL_S:
+        cache = self._server_state_cache
+        if is_fresh or cache is None or now - cache[0] > SERVER_INFO_TTL_S:
             queued, in_flight = await self.queue.read_depth()
             workers = sorted(await self.queue.workers(), key=lambda w: w.worker_id)
-            self._server_state_cache = (now, queued, in_flight, workers)
-        _, queued, in_flight, workers = self._server_state_cache
+            cache = self._server_state_cache = (now, queued, in_flight, workers)
+        _, queued, in_flight, workers = cache
         return queued, in_flight, workers
 
     def abort_later(self, request_id: str, reason: str, entry_id: bytes) -> None:
