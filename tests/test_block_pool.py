@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from worker.engine.block_pool import NO_PARENT, BlockPool, chain_hash
+from worker.engine.block_pool import NO_PARENT, BlockHasher, BlockPool
+
+HASHER = BlockHasher()
+ROOT = HASHER.root(b"")  # the unscoped chain's start
+
+
+def first_hash(token_ids: tuple[int, ...] | list[int]) -> bytes:
+    """The hash of a sequence's first block in the unscoped default."""
+    return HASHER.block(ROOT, token_ids)
 
 
 def make_pool(num_blocks: int = 4, block_size: int = 2) -> BlockPool:
@@ -12,10 +20,10 @@ def make_pool(num_blocks: int = 4, block_size: int = 2) -> BlockPool:
 
 
 def cache_new(pool: BlockPool, token_ids: tuple[int, ...], parent: int = NO_PARENT,
-              parent_hash: int = NO_PARENT) -> int:
+              parent_hash: bytes = ROOT) -> int:
     """A newly allocated block holding `token_ids` after `parent`, made findable; still held."""
     (block_id,) = pool.allocate(1)
-    assert pool.cache(block_id, chain_hash(parent_hash, token_ids), token_ids, parent)
+    assert pool.cache(block_id, HASHER.block(parent_hash, token_ids), token_ids, parent)
     return block_id
 
 
@@ -30,13 +38,46 @@ def cached_free(pool: BlockPool, *token_ids: tuple[int, ...]) -> list[int]:
 
 
 def is_findable(pool: BlockPool, token_ids: tuple[int, ...]) -> bool:
-    return pool.lookup(chain_hash(NO_PARENT, token_ids), token_ids, NO_PARENT) is not None
+    return pool.lookup(first_hash(token_ids), token_ids, NO_PARENT) is not None
 
 
-def test_chain_hash_depends_on_the_tokens_and_the_parent() -> None:
-    assert chain_hash(NO_PARENT, [1, 2]) == chain_hash(NO_PARENT, (1, 2))
-    assert chain_hash(NO_PARENT, [1, 2]) != chain_hash(NO_PARENT, [2, 1])
-    assert chain_hash(NO_PARENT, [1, 2]) != chain_hash(chain_hash(NO_PARENT, [0, 0]), [1, 2])
+def test_block_hash_depends_on_the_tokens_and_the_parent() -> None:
+    assert first_hash([1, 2]) == first_hash((1, 2))
+    assert first_hash([1, 2]) != first_hash([2, 1])
+    assert first_hash([1, 2]) != HASHER.block(first_hash([0, 0]), [1, 2])
+
+
+def test_block_hash_depends_on_the_scope_root() -> None:
+    roots = {HASHER.root(scope) for scope in (b"", b"a", b"b", b"ab")}
+    assert len(roots) == 4
+    assert len({HASHER.block(root, (1, 2)) for root in roots}) == 4
+    assert HASHER.root(b"a") == HASHER.root(b"a")
+
+
+def test_block_hashes_are_keyed_not_pythons_hash() -> None:
+    """Two hashers (two KV managers, two processes) draw different keys: nobody outside the
+    process can compute a block's hash, so nobody can craft a prompt that takes its slot."""
+    other = BlockHasher()
+    assert other.root(b"") != ROOT
+    assert other.block(ROOT, (1, 2)) != first_hash((1, 2))
+    assert len(first_hash((1, 2))) == 16 and isinstance(first_hash((1, 2)), bytes)
+    same_key = b"k" * 32
+    assert BlockHasher(same_key).block(b"", (1, 2)) == BlockHasher(same_key).block(b"", (1, 2))
+
+
+def test_lookup_verifies_the_scope() -> None:
+    """Even under the same hash and tokens, a block computed in one scope is no hit in another."""
+    pool = make_pool()
+    (block_id,) = pool.allocate(1)
+    assert pool.cache(block_id, first_hash((1, 2)), (1, 2), NO_PARENT, b"tenant-a")
+    found = pool.lookup(first_hash((1, 2)), (1, 2), NO_PARENT, b"tenant-a")
+    assert found is not None and found.block_id == block_id
+    assert pool.lookup(first_hash((1, 2)), (1, 2), NO_PARENT, b"tenant-b") is None
+    assert pool.lookup(first_hash((1, 2)), (1, 2), NO_PARENT) is None
+    pool.release([block_id])
+    pool.allocate(4)  # evicts it: the next holder's block starts unscoped
+    assert pool.blocks[block_id].scope == b""
+    pool.check()
 
 
 @pytest.mark.parametrize(("num_blocks", "block_size"), [(0, 4), (4, 0), (-1, 1)])
@@ -81,7 +122,7 @@ def test_released_table_tails_are_evicted_before_shared_heads() -> None:
     pool = make_pool(6)
     head = cache_new(pool, (1, 1))
     parent = pool.blocks[head].content_id
-    head_hash = chain_hash(NO_PARENT, (1, 1))
+    head_hash = first_hash((1, 1))
     tail_a = cache_new(pool, (2, 2), parent, head_hash)
     pool.acquire(head)  # a second request shares the head
     tail_b = cache_new(pool, (3, 3), parent, head_hash)
@@ -100,34 +141,34 @@ def test_lookup_verifies_tokens_and_parent_content(tokens: tuple[int, ...], pare
                                                    is_hit: bool) -> None:
     pool = make_pool()
     block_id = cache_new(pool, (1, 2))
-    found = pool.lookup(chain_hash(NO_PARENT, (1, 2)), tokens, parent)
+    found = pool.lookup(first_hash((1, 2)), tokens, parent)
     assert (found.block_id if found else None) == (block_id if is_hit else None)
 
 
 def test_a_forced_hash_collision_is_never_a_hit() -> None:
     pool = make_pool()
-    other_hash = chain_hash(NO_PARENT, (7, 7))
+    other_hash = first_hash((7, 7))
     (block_id,) = pool.allocate(1)
     assert pool.cache(block_id, other_hash, (1, 2), NO_PARENT)  # (1, 2) stored under (7, 7)'s hash
     assert pool.lookup(other_hash, (7, 7), NO_PARENT) is None
     assert pool.lookup(other_hash, (1, 2), NO_PARENT).block_id == block_id  # type: ignore[union-attr]
-    assert pool.lookup(chain_hash(NO_PARENT, (1, 2)), (1, 2), NO_PARENT) is None  # not under its own
+    assert pool.lookup(first_hash((1, 2)), (1, 2), NO_PARENT) is None  # not under its own
 
 
 def test_lookup_of_an_unknown_hash_is_none() -> None:
     pool = make_pool()
-    assert pool.lookup(chain_hash(NO_PARENT, (1, 2)), (1, 2), NO_PARENT) is None
+    assert pool.lookup(first_hash((1, 2)), (1, 2), NO_PARENT) is None
 
 
 def test_a_second_block_with_a_cached_hash_stays_private() -> None:
     pool = make_pool()
     first = cache_new(pool, (1, 2))
     (twin,) = pool.allocate(1)
-    assert not pool.cache(twin, chain_hash(NO_PARENT, (1, 2)), (1, 2), NO_PARENT)
+    assert not pool.cache(twin, first_hash((1, 2)), (1, 2), NO_PARENT)
     assert pool.blocks[twin].block_hash is None
     pool.release([twin])
     assert pool.num_free_blocks == 3 and not pool.is_cached_free(twin)  # freed as an empty block
-    assert pool.lookup(chain_hash(NO_PARENT, (1, 2)), (1, 2), NO_PARENT).block_id == first  # type: ignore[union-attr]
+    assert pool.lookup(first_hash((1, 2)), (1, 2), NO_PARENT).block_id == first  # type: ignore[union-attr]
     pool.check()
 
 
@@ -137,7 +178,7 @@ def test_each_caching_gives_new_content_id() -> None:
     old = pool.blocks[a].content_id
     pool.allocate(2)  # evicts a
     pool.release([a])
-    assert pool.cache(pool.allocate(1)[0], chain_hash(NO_PARENT, (1, 1)), (1, 1), NO_PARENT)
+    assert pool.cache(pool.allocate(1)[0], first_hash((1, 1)), (1, 1), NO_PARENT)
     assert pool.blocks[a].content_id != old
 
 
@@ -187,8 +228,8 @@ def test_caching_twice_or_caching_a_free_block_raises() -> None:
     pool = make_pool()
     a = cache_new(pool, (1, 1))
     with pytest.raises(ValueError):
-        pool.cache(a, chain_hash(NO_PARENT, (2, 2)), (2, 2), NO_PARENT)
+        pool.cache(a, first_hash((2, 2)), (2, 2), NO_PARENT)
     with pytest.raises(ValueError):
-        pool.cache(3, chain_hash(NO_PARENT, (3, 3)), (3, 3), NO_PARENT)  # nobody holds block 3
+        pool.cache(3, first_hash((3, 3)), (3, 3), NO_PARENT)  # nobody holds block 3
     assert not is_findable(pool, (2, 2)) and not is_findable(pool, (3, 3))
     pool.check()

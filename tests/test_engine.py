@@ -237,3 +237,18 @@ def test_a_request_larger_than_the_pool_is_refused_naming_the_limit() -> None:
         engine.add_request("r", [5] * 10, greedy(11))
     engine.add_request("ok", [5] * 10, greedy(10))
     assert len(run_to_completion(engine)["ok"]) == 10
+
+
+def test_tenants_share_cached_prompts_only_within_their_cache_scope(hf) -> None:  # type: ignore[no-untyped-def]
+    """Another tenant's identical prompt computes its own K/V (no cached tokens, so no timing
+    or usage hint of what others asked); the same tenant's next request hits; answers agree."""
+    engine = make_engine(ours_from_hf(hf), num_seqs=4)
+    prompt = make_prompts(1, lengths=(30,), seed=6)[0]
+    engine.add_request("a1", prompt, greedy(6), cache_scope=b"tenant-a")
+    first = run_to_completion(engine)["a1"]
+    seqs = {rid: engine.add_request(rid, prompt, greedy(6), cache_scope=scope)
+            for rid, scope in [("b", b"tenant-b"), ("unscoped", b""), ("a2", b"tenant-a")]}
+    got = run_to_completion(engine)
+    assert {rid: s.num_cached_tokens for rid, s in seqs.items()} == {"b": 0, "unscoped": 0, "a2": 28}
+    assert got == {"b": first, "unscoped": first, "a2": first}
+    engine.kv.check()

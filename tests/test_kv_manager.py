@@ -246,3 +246,72 @@ def test_a_prefix_is_not_pending_once_its_request_has_prefilled() -> None:
     # The scheduler holds a waiting prompt back while this is True: here until g finishes.
     assert not kv.is_prefix_pending(p0 + q1 + r2 + [5, 5, 5])
     kv.check()
+
+
+# -- cache scopes: blocks are shared only between requests of one scope -------------------------------
+
+def test_two_scopes_get_no_cached_tokens_for_each_others_identical_prompt() -> None:
+    """One tenant cannot tell from its hit count (or its TTFT) what another has cached."""
+    kv = make_manager(num_blocks=32, block_size=4)
+    prompt = tokens(21, seed=1)
+    prefill(kv, "a", prompt, scope=b"tenant-a")
+    assert kv.allocate("b", prompt, scope=b"tenant-b") == 0
+    assert kv.allocate("unscoped", prompt) == 0
+    assert not set(kv.block_table("b")) & set(kv.block_table("a"))
+    kv.check()
+
+
+def test_requests_of_one_scope_share_its_cached_prefix() -> None:
+    kv = make_manager(num_blocks=32, block_size=4)
+    system = tokens(16, seed=1)
+    prefill(kv, "a1", system + tokens(5, seed=2), scope=b"tenant-a")
+    prefill(kv, "b1", system + tokens(5, seed=2), scope=b"tenant-b")
+    assert kv.allocate("a2", system + tokens(5, seed=3), scope=b"tenant-a") == 16
+    assert kv.block_table("a2")[:4] == kv.block_table("a1")[:4] != kv.block_table("b1")[:4]
+    kv.check()
+
+
+def test_the_same_tokens_hash_differently_in_each_scope() -> None:
+    kv = make_manager(num_blocks=32, block_size=4)
+    prompt = tokens(17, seed=1)
+    hashes = {}
+    for scope in (b"", b"tenant-a", b"tenant-b"):
+        prefill(kv, scope.decode() or "unscoped", prompt, scope=scope)
+        table = kv.block_table(scope.decode() or "unscoped")
+        hashes[scope] = {kv.pool.blocks[b].block_hash for b in table[:4]}
+        assert len(hashes[scope]) == 4 and None not in hashes[scope]
+    assert not hashes[b""] & hashes[b"tenant-a"] and not hashes[b"tenant-a"] & hashes[b"tenant-b"]
+    assert not hashes[b""] & hashes[b"tenant-b"]
+    kv.check()
+
+
+def test_each_manager_keys_its_hashes_with_a_key_of_its_own() -> None:
+    """Block hashes are BLAKE2b under a random key, not Python's hash: nobody can compute one
+    from outside, so nobody can craft a prompt that takes another's hash slot."""
+    prompt = tokens(9, seed=1)
+    managers = [make_manager(num_blocks=8, block_size=4) for _ in range(2)]
+    for kv in managers:
+        prefill(kv, "r", prompt)
+    first, second = ({kv.pool.blocks[b].block_hash for b in kv.block_table("r")[:2]} for kv in managers)
+    assert not first & second
+    assert all(isinstance(h, bytes) and len(h) == 16 for h in first)
+
+
+def test_a_prefix_pending_in_one_scope_holds_back_only_that_scope() -> None:
+    kv = make_manager(num_blocks=32, block_size=4)
+    prompt = tokens(13, seed=1)
+    kv.allocate("a", prompt, scope=b"tenant-a")  # computing its blocks this step
+    assert kv.is_prefix_pending(prompt, scope=b"tenant-a")
+    assert not kv.is_prefix_pending(prompt, scope=b"tenant-b")
+    assert not kv.is_prefix_pending(prompt)
+    kv.check()
+
+
+def test_a_preempted_request_finds_the_blocks_of_its_own_scope() -> None:
+    kv = make_manager(num_blocks=16, block_size=4)
+    prompt = tokens(13, seed=1)
+    prefill(kv, "r", prompt, scope=b"tenant-a")
+    kv.free("r")  # preempted: its full blocks stay cached
+    assert kv.allocate("other", prompt, scope=b"tenant-b") == 0
+    assert kv.allocate("r", prompt, scope=b"tenant-a") == 12
+    kv.check()

@@ -1,6 +1,7 @@
 """KVCacheManager under random sequences of the scheduler's operations (admit, prefill, decode,
 speculative decode with rollback, finish, preempt, eviction pressure), checked after each against
-a model of which K/V each physical block holds; once more with a hash that collides all the time."""
+a model of which K/V each physical block holds (the scope and token prefix it ends); once more with
+a hash that collides all the time, the same for every scope."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import pytest
 from hypothesis import Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -21,11 +21,13 @@ from hypothesis.stateful import (
 )
 
 from tests.test_kv_manager import make_manager, snapshot
-from worker.engine import kv_manager as kv_manager_module
+from worker.engine.block_pool import BlockHasher
 
 ALPHABET = (0, 1, 2)
+SCOPES = (b"", b"tenant-a", b"tenant-b")  # cache scopes: blocks are shared within one only
 SHARED_PREFIXES = ((), (5, 6, 7, 8, 9, 10), (5, 6, 7, 8, 11, 12, 13, 14), tuple(range(20, 32)))
 num_operations = Counter[str]()  # rules run, per machine
+Content = tuple[bytes, tuple[int, ...]]  # what a block's K/V are: (scope, the token prefix it ends)
 
 
 @dataclass
@@ -36,6 +38,7 @@ class Request:
     num_computed: int = 0
     num_committed: int = 0  # num_computed at the last commit
     num_reserved: int = 0  # after a speculative decode: the tokens whose blocks `trim` kept
+    scope: bytes = b""
 
     @property
     def is_decoding(self) -> bool:
@@ -48,6 +51,9 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     is_exact_hash = True  # False where hashes collide on purpose: hits may then fall short
 
+    def make_hasher(self) -> BlockHasher:
+        return BlockHasher()
+
     def __init__(self) -> None:
         super().__init__()
         self.live: dict[str, Request] = {}
@@ -57,37 +63,40 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     @initialize(num_blocks=st.integers(8, 40), block_size=st.integers(1, 5), enable=st.booleans())
     def make(self, num_blocks: int, block_size: int, enable: bool) -> None:
-        self.kv = make_manager(num_blocks, block_size, enable_prefix_caching=enable)
+        self.kv = make_manager(num_blocks, block_size, enable_prefix_caching=enable,
+                               hasher=self.make_hasher())
         self.bs = block_size
-        self.content: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.content: list[Content | None] = [None] * num_blocks
 
     # -- the model -------------------------------------------------------------------------------
 
-    def prefix(self, ids: Sequence[int], num_blocks: int) -> tuple[int, ...]:
-        return tuple(ids[:num_blocks * self.bs])
+    def prefix(self, scope: bytes, ids: Sequence[int], num_blocks: int) -> Content:
+        return scope, tuple(ids[:num_blocks * self.bs])
 
-    def cached_content(self) -> dict[tuple[int, ...] | None, int]:
+    def cached_content(self) -> dict[Content | None, int]:
         return {self.content[b.block_id]: b.block_id for b in self.kv.pool.blocks if b.block_hash is not None}
 
-    def expected_hits(self, ids: Sequence[int]) -> list[int]:
-        """The cached blocks holding the longest prefix of full blocks, short of the last token."""
+    def expected_hits(self, scope: bytes, ids: Sequence[int]) -> list[int]:
+        """The cached blocks of `scope` holding the longest prefix of full blocks, short of the
+        last token."""
         if not self.kv.enable_prefix_caching:
             return []
         cached, hits = self.cached_content(), list[int]()
-        while len(hits) < (len(ids) - 1) // self.bs and self.prefix(ids, len(hits) + 1) in cached:
-            hits.append(cached[self.prefix(ids, len(hits) + 1)])
+        while len(hits) < (len(ids) - 1) // self.bs and self.prefix(scope, ids, len(hits) + 1) in cached:
+            hits.append(cached[self.prefix(scope, ids, len(hits) + 1)])
         return hits
 
-    def expected_pending(self, ids: Sequence[int]) -> bool:
-        """A live request has the next block after the hits in its prefill but not computed yet."""
+    def expected_pending(self, scope: bytes, ids: Sequence[int]) -> bool:
+        """A live request of the same scope has the next block after the hits in its prefill
+        but not computed yet."""
         if not self.kv.enable_prefix_caching:
             return False
-        end = (len(self.expected_hits(ids)) + 1) * self.bs
+        end = (len(self.expected_hits(scope, ids)) + 1) * self.bs
         if end > len(ids) - 1:
             return False
         want = tuple(ids[:end])
-        return any(r.num_computed < end <= r.num_prefill and tuple(r.token_ids[:end]) == want
-                   for r in self.live.values())
+        return any(r.num_computed < end <= r.num_prefill and r.scope == scope
+                   and tuple(r.token_ids[:end]) == want for r in self.live.values())
 
     def new_id(self) -> str:
         self.num_ids += 1
@@ -99,13 +108,13 @@ class KVCacheMachine(RuleBasedStateMachine):
         return rid, self.live[rid]
 
     def try_allocate(self, rid: str, req: Request, num_reserved: int) -> bool:
-        kv, ids = self.kv, req.token_ids[:req.num_prefill]
-        hits = self.expected_hits(ids)
+        kv, ids, scope = self.kv, req.token_ids[:req.num_prefill], req.scope
+        hits = self.expected_hits(scope, ids)
         if self.is_exact_hash:
-            assert kv.is_prefix_pending(ids) == self.expected_pending(ids)
+            assert kv.is_prefix_pending(ids, scope=scope) == self.expected_pending(scope, ids)
         num_taken = kv.blocks_for(len(ids)) - len(hits) + sum(kv.pool.blocks[b].ref_count == 0 for b in hits)
         before = snapshot(kv)
-        num_cached = kv.allocate(rid, ids, num_reserved)
+        num_cached = kv.allocate(rid, ids, num_reserved, scope=scope)
         if self.is_exact_hash:
             assert (num_cached is not None) == (num_taken <= before[0] - num_reserved)
         if num_cached is None:
@@ -123,8 +132,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         table = kv.block_table(rid)
         assert len(table) == kv.blocks_for(len(ids))
         for j, block_id in enumerate(table):
-            if j < num_hits:  # a hit is exactly this prefix's K/V
-                assert self.content[block_id] == self.prefix(ids, j + 1)
+            if j < num_hits:  # a hit is exactly this scope's and prefix's K/V
+                assert self.content[block_id] == self.prefix(scope, ids, j + 1)
             else:
                 self.content[block_id] = None  # nothing written yet
         return True
@@ -135,52 +144,63 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.kv.commit(rid, req.num_computed, prompt_ids, output_ids)
         table = self.kv.block_table(rid)
         for j in range(req.num_committed // self.bs, req.num_computed // self.bs):
-            self.content[table[j]] = self.prefix(req.token_ids, j + 1)
+            self.content[table[j]] = self.prefix(req.scope, req.token_ids, j + 1)
             if self.is_exact_hash and self.kv.enable_prefix_caching:  # this block or a copy is cached
-                assert self.prefix(req.token_ids, j + 1) in self.cached_content()
+                assert self.prefix(req.scope, req.token_ids, j + 1) in self.cached_content()
         req.num_committed = req.num_computed
 
     # -- rules -----------------------------------------------------------------------------------
 
     @rule(prefix=st.sampled_from(SHARED_PREFIXES), suffix=st.lists(st.sampled_from(ALPHABET), min_size=1,
                                                                   max_size=8),
-          num_copies=st.integers(1, 3), num_reserved=st.integers(0, 3))
-    def admit(self, prefix: tuple[int, ...], suffix: list[int], num_copies: int, num_reserved: int) -> None:
-        """New requests arriving together with the same prompt (n > 1 samples, retries)."""
+          num_copies=st.integers(1, 3), num_reserved=st.integers(0, 3), scope=st.sampled_from(SCOPES))
+    def admit(self, prefix: tuple[int, ...], suffix: list[int], num_copies: int, num_reserved: int,
+              scope: bytes) -> None:
+        """New requests arriving together with the same prompt (n > 1 samples, retries); the shared
+        prefixes come in every scope (one system prompt, several tenants)."""
         num_operations[type(self).__name__] += 1
         for _ in range(num_copies):
             ids = [*prefix, *suffix]
-            self.try_allocate(self.new_id(), Request(ids, len(ids), len(ids)), num_reserved)
+            self.try_allocate(self.new_id(), Request(ids, len(ids), len(ids), scope=scope), num_reserved)
 
     @precondition(lambda self: any(b.block_hash is not None for b in self.kv.pool.blocks))
-    @rule(pick=st.integers(0, 99), token=st.sampled_from(ALPHABET), num_reserved=st.integers(0, 3))
-    def admit_cached(self, pick: int, token: int, num_reserved: int) -> None:
-        """A new request whose prompt continues a cached block's prefix: all of it should hit."""
+    @rule(pick=st.integers(0, 99), token=st.sampled_from(ALPHABET), num_reserved=st.integers(0, 3),
+          is_same_scope=st.booleans())
+    def admit_cached(self, pick: int, token: int, num_reserved: int, is_same_scope: bool) -> None:
+        """A new request whose prompt continues a cached block's prefix: all of it should hit in
+        that block's scope, none of it in the next scope."""
         num_operations[type(self).__name__] += 1
         cached = sorted(c for c in self.cached_content() if c is not None)
-        ids = [*cached[pick % len(cached)], token]
-        self.try_allocate(self.new_id(), Request(ids, len(ids), len(ids)), num_reserved)
+        scope, prefix = cached[pick % len(cached)]
+        if not is_same_scope:
+            scope = SCOPES[(SCOPES.index(scope) + 1) % len(SCOPES)]
+        ids = [*prefix, token]
+        self.try_allocate(self.new_id(), Request(ids, len(ids), len(ids), scope=scope), num_reserved)
 
     @precondition(lambda self: any(b.block_hash is not None for b in self.kv.pool.blocks))
     @rule(token=st.sampled_from(ALPHABET))
     def short_questions(self, token: int) -> None:
         """One short request per cached prefix, each finishing at once: every cached block is a hit."""
         num_operations[type(self).__name__] += 1
-        for prefix in sorted(c for c in self.cached_content() if c is not None):
+        for scope, prefix in sorted(c for c in self.cached_content() if c is not None):
             rid = self.new_id()
-            if self.try_allocate(rid, Request([*prefix, token], len(prefix) + 1, len(prefix) + 1), 0):
+            ids = [*prefix, token]
+            if self.try_allocate(rid, Request(ids, len(ids), len(ids), scope=scope), 0):
                 self.kv.free(rid)
                 del self.live[rid]
 
     @precondition(lambda self: self.live or self.preempted)
     @rule(pick=st.integers(0, 99), num_kept=st.integers(1, 40), token=st.sampled_from(ALPHABET),
-          num_reserved=st.integers(0, 3))
-    def follow_up(self, pick: int, num_kept: int, token: int, num_reserved: int) -> None:
-        """A new request that repeats the start of another one's conversation (a retry, a next turn)."""
+          num_reserved=st.integers(0, 3), scope=st.sampled_from((None, *SCOPES)))
+    def follow_up(self, pick: int, num_kept: int, token: int, num_reserved: int, scope: bytes | None) -> None:
+        """A new request that repeats the start of another one's conversation (a retry, a next turn),
+        in the same scope (None) or a given one (someone else guessing the conversation)."""
         num_operations[type(self).__name__] += 1
-        others = [r.token_ids for r in self.live.values()] + [r.token_ids for _, r in self.preempted]
-        ids = [*others[pick % len(others)][:num_kept], token]
-        self.try_allocate(self.new_id(), Request(ids, len(ids), len(ids)), num_reserved)
+        others = list(self.live.values()) + [r for _, r in self.preempted]
+        other = others[pick % len(others)]
+        ids = [*other.token_ids[:num_kept], token]
+        scope = other.scope if scope is None else scope
+        self.try_allocate(self.new_id(), Request(ids, len(ids), len(ids), scope=scope), num_reserved)
 
     @precondition(lambda self: any(not r.is_decoding for r in self.live.values()))
     @rule(pick=st.integers(0, 99), num_tokens=st.integers(1, 12), token=st.sampled_from(ALPHABET))
@@ -300,7 +320,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         """Readmit the last preempted request: prompt + generated, mostly cached."""
         num_operations[type(self).__name__] += 1
         rid, req = self.preempted[-1]
-        resumed = Request(req.token_ids, req.num_prompt, len(req.token_ids))
+        resumed = Request(req.token_ids, req.num_prompt, len(req.token_ids), scope=req.scope)
         if self.try_allocate(rid, resumed, num_reserved):
             self.preempted.pop()
 
@@ -345,8 +365,8 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     @invariant()
     def cached_blocks_hold_their_prefix(self) -> None:
-        """Every cached block in a table holds exactly that request's tokens: a hit never returns
-        the K/V of another prefix. Only cached blocks are shared."""
+        """Every cached block in a table holds exactly that request's tokens, computed in its scope:
+        a hit never returns the K/V of another prefix or scope. Only cached blocks are shared."""
         pool, bs = self.kv.pool, self.bs
         for rid, req in self.live.items():
             table = self.kv.block_table(rid)
@@ -358,7 +378,8 @@ class KVCacheMachine(RuleBasedStateMachine):
                 if block.block_hash is not None:
                     assert (j + 1) * bs <= req.num_computed
                     assert block.token_ids == tuple(req.token_ids[j * bs:(j + 1) * bs])
-                    assert self.content[block_id] == self.prefix(req.token_ids, j + 1)
+                    assert block.scope == req.scope
+                    assert self.content[block_id] == self.prefix(req.scope, req.token_ids, j + 1)
 
     def teardown(self) -> None:
         kv = getattr(self, "kv", None)
@@ -371,13 +392,26 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert not kv._pending  # no hash stays "being computed"
 
 
+class CollidingHasher(BlockHasher):
+    """One root for every scope and eight block hashes: most blocks collide with another prefix's,
+    and every scope's with the others'. A fixed key: hypothesis replays a run only if the same
+    blocks collide each time."""
+
+    def __init__(self) -> None:
+        super().__init__(key=b"colliding")
+
+    def root(self, scope: bytes) -> bytes:
+        return b"root"
+
+    def block(self, parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
+        return bytes([super().block(parent_hash, token_ids)[0] % 8])
+
+
 class CollidingHashMachine(KVCacheMachine):
     is_exact_hash = False
 
-
-def colliding_hash(parent_hash: int, token_ids: Sequence[int]) -> int:
-    """Eight values: most blocks collide with another prefix's."""
-    return hash((parent_hash, tuple(token_ids))) % 8
+    def make_hasher(self) -> BlockHasher:
+        return CollidingHasher()
 
 
 def machine_settings(max_examples: int, stateful_step_count: int) -> settings:
@@ -393,8 +427,7 @@ def test_kv_cache_manager_matches_its_model() -> None:
     assert num_operations["KVCacheMachine"] - start >= 10_000
 
 
-def test_hash_collisions_never_give_another_prefix_kv(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kv_manager_module, "chain_hash", colliding_hash)
+def test_hash_collisions_never_give_another_prefix_or_scope_kv() -> None:
     start = num_operations["CollidingHashMachine"]
     run_state_machine_as_test(CollidingHashMachine, settings=machine_settings(40, 100))
     assert num_operations["CollidingHashMachine"] - start >= 2_000

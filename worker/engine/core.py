@@ -69,11 +69,12 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None, *, seed: int | None = None,
-                    resume_ids: Seq[int] = ()) -> Sequence:
+                    resume_ids: Seq[int] = (), cache_scope: bytes = b"") -> Sequence:
         """Queue a request. `seed` overrides params.seed (a resumed request keeps its
-        first worker's seed); `resume_ids` are tokens an earlier worker already generated."""
+        first worker's seed); `resume_ids` are tokens an earlier worker already generated;
+        `cache_scope` decides whose cached prompt blocks it may share (equal scopes only)."""
         seq = self.new_sequence(request_id, prompt_ids, params, arrival_time, seed=seed,
-                                resume_ids=resume_ids)
+                                resume_ids=resume_ids, cache_scope=cache_scope)
         self.submit(seq)
         return seq
 
@@ -86,7 +87,7 @@ class EngineCore:
 
     def new_sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                      arrival_time: float | None = None, *, seed: int | None = None,
-                     resume_ids: Seq[int] = ()) -> Sequence:
+                     resume_ids: Seq[int] = (), cache_scope: bytes = b"") -> Sequence:
         """A validated Sequence, not queued (`add_request` queues it)."""
         if not prompt_ids:
             raise ValueError("prompt must contain at least one token")
@@ -102,6 +103,7 @@ class EngineCore:
             seed = params.seed if params.seed is not None else random.getrandbits(63)
         return Sequence(request_id=request_id, prompt_ids=list(prompt_ids), params=params, seed=seed,
                         stopping=StoppingCriteria(params, self.eos_token_ids, params.max_tokens),
+                        cache_scope=cache_scope,
                         arrival_time=arrival_time if arrival_time is not None else time.time(),
                         output_ids=list(resume_ids), num_resumed=len(resume_ids))
 

@@ -98,7 +98,7 @@ class DraftProposer:
         request_id, history = job.seq.request_id, job.history
         cached = self._cached.get(request_id)
         if cached is None:
-            if self.kv.allocate(request_id, history) is None:
+            if self.kv.allocate(request_id, history, scope=job.seq.cache_scope) is None:
                 return None
             self._cached[request_id] = _Cached()
             return 0

@@ -3,11 +3,12 @@
 A request's block table maps its token positions to physical blocks:
 position p is in block `table[p // block_size]` at offset `p % block_size`.
 
-- Admission (`allocate`) looks the prompt up full block by full block; the
-  leading blocks found cached are shared (their ref count goes up) and the
-  rest of the prompt gets new blocks at once, so a prompt being prefilled in
-  chunks never runs out of room half-way. At least the last prompt token is
-  always computed: its logits give the first output token.
+- Admission (`allocate`) looks the prompt up full block by full block among
+  the blocks of the request's cache scope (a scope never sees another's: see
+  block_pool.py); the leading blocks found cached are shared (their ref count
+  goes up) and the rest of the prompt gets new blocks at once, so a prompt
+  being prefilled in chunks never runs out of room half-way. At least the
+  last prompt token is always computed: its logits give the first output token.
 - Decoding (`grow`) adds a block when a sequence crosses a block boundary.
 - After a step has written a block's K/V (`commit`), the block is hashed and
   becomes findable; hashing earlier could hand another request K/V that a
@@ -18,8 +19,8 @@ position p is in block `table[p // block_size]` at offset `p % block_size`.
 Requests admitted in the same step cannot share what neither has computed
 yet, so `is_prefix_pending` tells the scheduler that a waiting prompt's next
 block is being computed right now by another request: waiting one step turns
-that block into a hit instead of a second copy (32 calls with one system
-prompt arriving together store it once).
+that block into a hit instead of a second copy (32 calls of one scope with
+one system prompt arriving together store it once).
 """
 
 from __future__ import annotations
@@ -28,28 +29,32 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from worker.engine.block_pool import NO_PARENT, BlockPool, chain_hash
+from worker.engine.block_pool import NO_PARENT, BlockHasher, BlockPool
+
+_Chain = tuple[bytes, int]  # chain state before a block: (its parent's hash, its parent's content id)
 
 
 @dataclass
 class _Table:
+    scope: bytes
     block_ids: list[int] = field(default_factory=list)
     num_hashed: int = 0  # leading blocks that are cached (hits, or hashed by commit)
-    last_hash: int = NO_PARENT  # chain state after the hashed blocks
+    last_hash: bytes = b""  # chain state after the hashed blocks (the scope's root before any)
     last_content_id: int = NO_PARENT
-    pending: list[int] = field(default_factory=list)  # hashes of full prompt blocks not yet computed
+    pending: list[bytes] = field(default_factory=list)  # hashes of full prompt blocks not yet computed
     can_hash: bool = True  # False after a hash collision: this request caches nothing further
 
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, hasher: BlockHasher | None = None) -> None:
         self.pool = BlockPool(num_blocks, block_size)
+        self.hasher = hasher or BlockHasher()  # a random key of its own
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_prefix_caching = enable_prefix_caching
         self._tables: dict[str, _Table] = {}
-        self._pending: Counter[int] = Counter()  # block hash -> requests about to compute it
+        self._pending: Counter[bytes] = Counter()  # block hash -> requests about to compute it
         # Statistics since start (prompt tokens; hits are what prefill did not compute).
         self.num_prefix_query_tokens = 0
         self.num_prefix_hit_tokens = 0
@@ -83,22 +88,23 @@ class KVCacheManager:
 
     # -- admission --------------------------------------------------------------------------------
 
-    def allocate(self, request_id: str, token_ids: Sequence[int], num_reserved: int = 0) -> int | None:
-        """Blocks for all of `token_ids` (the tokens prefill will compute), sharing the cached
-        prefix. Returns how many leading tokens are cached, or None (nothing changes) when the
-        blocks do not fit while leaving `num_reserved` free for running decodes."""
+    def allocate(self, request_id: str, token_ids: Sequence[int], num_reserved: int = 0, *,
+                 scope: bytes = b"") -> int | None:
+        """Blocks for all of `token_ids` (the tokens prefill will compute), sharing the prefix
+        cached in `scope`. Returns how many leading tokens are cached, or None (nothing changes)
+        when the blocks do not fit while leaving `num_reserved` free for running decodes."""
         if request_id in self._tables:
             raise ValueError(f"request {request_id!r} already holds KV blocks")
         if not token_ids:
             raise ValueError("a request needs at least one token")
-        hits, chain = self._lookup(token_ids)
+        hits, chain = self._lookup(token_ids, scope)
         num_new = self.blocks_for(len(token_ids)) - len(hits)
         taken_free = sum(1 for b in hits if self.pool.blocks[b].ref_count == 0)  # leave the free list
         if num_new + taken_free > self.pool.num_free_blocks - num_reserved:
             return None
         for block_id in hits:
             self.pool.acquire(block_id)
-        table = _Table(hits + self.pool.allocate(num_new), len(hits), *chain[len(hits)])
+        table = _Table(scope, hits + self.pool.allocate(num_new), len(hits), *chain[len(hits)])
         if self.enable_prefix_caching:
             table.pending = self._full_block_hashes(token_ids, len(hits), table.last_hash)
             self._pending.update(table.pending)
@@ -108,16 +114,17 @@ class KVCacheManager:
         self.num_prefix_hit_tokens += num_cached
         return num_cached
 
-    def is_prefix_pending(self, token_ids: Sequence[int]) -> bool:
-        """Another running request is computing, this step, the first block of these tokens
-        that is not cached yet."""
+    def is_prefix_pending(self, token_ids: Sequence[int], *, scope: bytes = b"") -> bool:
+        """Another running request in the same scope is computing, this step, the first block
+        of these tokens that is not cached yet."""
         if not self._pending:
             return False
-        hits, chain = self._lookup(token_ids)
+        hits, chain = self._lookup(token_ids, scope)
         start = len(hits) * self.block_size
         if start + self.block_size > len(token_ids) - 1:
             return False  # no further full block could be a hit anyway
-        return chain_hash(chain[len(hits)][0], token_ids[start:start + self.block_size]) in self._pending
+        block_hash = self.hasher.block(chain[len(hits)][0], token_ids[start:start + self.block_size])
+        return block_hash in self._pending
 
     # -- running ----------------------------------------------------------------------------------
 
@@ -157,12 +164,12 @@ class KVCacheManager:
         token_ids = [*prompt_ids, *output_ids] if len(prompt_ids) < num_full * bs else prompt_ids
         for j in range(table.num_hashed, num_full):
             tokens = token_ids[j * bs:(j + 1) * bs]
-            block_hash = chain_hash(table.last_hash, tokens)
+            block_hash = self.hasher.block(table.last_hash, tokens)
             self._unpend(table, block_hash)
             block_id = table.block_ids[j]
-            if not self.pool.cache(block_id, block_hash, tokens, table.last_content_id):
-                twin = self.pool.lookup(block_hash, tokens, table.last_content_id)
-                if twin is None:  # a hash collision with another prefix: stop caching this request
+            if not self.pool.cache(block_id, block_hash, tokens, table.last_content_id, table.scope):
+                twin = self.pool.lookup(block_hash, tokens, table.last_content_id, table.scope)
+                if twin is None:  # a collision with another prefix or scope: stop caching this request
                     table.can_hash = False
                     self._drop_pending(table)  # nobody should wait for blocks it will never cache
                     return
@@ -193,29 +200,29 @@ class KVCacheManager:
 
     # -- hashing ----------------------------------------------------------------------------------
 
-    def _lookup(self, token_ids: Sequence[int]) -> tuple[list[int], list[tuple[int, int]]]:
-        """Cached leading full blocks (at most up to the last token, which is always computed),
-        and the chain state (hash, content id) before each block and after the last hit."""
+    def _lookup(self, token_ids: Sequence[int], scope: bytes) -> tuple[list[int], list[_Chain]]:
+        """Cached leading full blocks of `scope` (at most up to the last token, which is always
+        computed), and the chain state before each block and after the last hit."""
         hits: list[int] = []
-        chain = [(NO_PARENT, NO_PARENT)]
         if not self.enable_prefix_caching:
-            return hits, chain
+            return hits, [(b"", NO_PARENT)]  # nothing is hashed: no root needed
+        chain = [(self.hasher.root(scope), NO_PARENT)]
         bs = self.block_size
         for j in range((len(token_ids) - 1) // bs):
             tokens = token_ids[j * bs:(j + 1) * bs]
-            block_hash = chain_hash(chain[-1][0], tokens)
-            block = self.pool.lookup(block_hash, tokens, chain[-1][1])
+            block_hash = self.hasher.block(chain[-1][0], tokens)
+            block = self.pool.lookup(block_hash, tokens, chain[-1][1], scope)
             if block is None:
                 break
             hits.append(block.block_id)
             chain.append((block_hash, block.content_id))
         return hits, chain
 
-    def _full_block_hashes(self, token_ids: Sequence[int], start: int, parent_hash: int) -> list[int]:
+    def _full_block_hashes(self, token_ids: Sequence[int], start: int, parent_hash: bytes) -> list[bytes]:
         """Chain hashes of full blocks start, start + 1, ... of token_ids."""
         hashes, bs = [], self.block_size
         for j in range(start, len(token_ids) // bs):
-            parent_hash = chain_hash(parent_hash, token_ids[j * bs:(j + 1) * bs])
+            parent_hash = self.hasher.block(parent_hash, token_ids[j * bs:(j + 1) * bs])
             hashes.append(parent_hash)
         return hashes
 
@@ -225,7 +232,7 @@ class KVCacheManager:
         self._pending = +self._pending  # drop zero counts
         table.pending = []
 
-    def _unpend(self, table: _Table, block_hash: int) -> None:
+    def _unpend(self, table: _Table, block_hash: bytes) -> None:
         if table.pending and table.pending[0] == block_hash:
             table.pending.pop(0)
             self._pending[block_hash] -= 1

@@ -91,9 +91,10 @@ class Scheduler:
         while budget > 0 and self.waiting and not out.preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             prefill_ids = seq.prefill_ids
-            if self.kv.is_prefix_pending(prefill_ids):
+            if self.kv.is_prefix_pending(prefill_ids, scope=seq.cache_scope):
                 break  # computed this step by another request: a cache hit next step
-            num_cached = self.kv.allocate(seq.request_id, prefill_ids, num_reserved=len(self.running))
+            num_cached = self.kv.allocate(seq.request_id, prefill_ids, num_reserved=len(self.running),
+                                          scope=seq.cache_scope)
             if num_cached is None:
                 break  # FIFO: no request overtakes one that waits for blocks
             self.waiting.popleft()

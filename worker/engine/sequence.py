@@ -24,6 +24,8 @@ class Sequence:
     params: SamplingParams
     seed: int  # resolved: params.seed or one drawn by the engine
     stopping: StoppingCriteria
+    # Shares cached prompt blocks only with sequences of the same scope (b"": the unscoped default).
+    cache_scope: bytes = b""
     arrival_time: float = field(default_factory=time.time)  # unix seconds
     output_ids: list[int] = field(default_factory=list)
     # Output tokens prefilled with the prompt, not decoded: those an earlier worker

@@ -100,8 +100,10 @@ class SimEngine:
 
     # -- requests -----------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams, *,
-                    arrival_time: float | None = None, resume: Resume | None = None) -> Admitted:
-        """Queue a request; ValueError (naming the limit) if the real engine would refuse it."""
+                    arrival_time: float | None = None, resume: Resume | None = None,
+                    cache_scope: bytes = b"") -> Admitted:
+        """Queue a request; ValueError (naming the limit) if the real engine would refuse it.
+        `cache_scope` is accepted and unused: the simulator caches no prefixes."""
         if request_id in self._waiting or request_id in self._running:
             raise ValueError(f"request_id {request_id!r} is already running")
         num_prompt, num_truncated = self._fit_prompt(sim_prompt_tokens(prompt), params)

@@ -57,8 +57,10 @@ class TextEngine:
 
     # -- requests -----------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams, *,
-                    arrival_time: float | None = None, resume: Resume | None = None) -> Admitted:
-        """Queue a request; ValueError (naming the field) if it cannot be served.
+                    arrival_time: float | None = None, resume: Resume | None = None,
+                    cache_scope: bytes = b"") -> Admitted:
+        """Queue a request; ValueError (naming the field) if it cannot be served. It shares
+        cached prompt blocks only with requests of the same `cache_scope`.
 
         With `resume`, the tokens an earlier worker streamed are replayed through the
         detokenizer and stop checks (rebuilding exactly the text state it had) and
@@ -70,7 +72,8 @@ class TextEngine:
         ids, truncated = self._encode(prompt, params)
         resumed = resume.token_ids if resume is not None else ()
         seq = self.engine.new_sequence(request_id, ids, params, arrival_time,
-                                       seed=resume.seed if resume is not None else None, resume_ids=resumed)
+                                       seed=resume.seed if resume is not None else None, resume_ids=resumed,
+                                       cache_scope=cache_scope)
         matcher = StopStringMatcher(params.stop) if params.stop else None
         detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=True)
         state = _TextState(detok, matcher, truncated)

@@ -59,7 +59,8 @@ class TextEngineProtocol(Protocol):
     """What the consumer needs from `worker.engine.text_engine.TextEngine`."""
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams, *,
-                    arrival_time: float | None = None, resume: Resume | None = None) -> Admitted: ...
+                    arrival_time: float | None = None, resume: Resume | None = None,
+                    cache_scope: bytes = b"") -> Admitted: ...
     def abort(self, request_id: str) -> None: ...
     def step(self) -> list[RequestOutput]: ...
     def has_unfinished(self) -> bool: ...
@@ -281,7 +282,8 @@ class Consumer:
         try:
             prompt, params = params_from_pb(qr.request)
             admitted = self.engine.add_request(tracked.key, prompt, params,
-                                               arrival_time=qr.enqueued_unix or None, resume=resume)
+                                               arrival_time=qr.enqueued_unix or None, resume=resume,
+                                               cache_scope=qr.cache_scope)
         except ValueError as e:  # bad field, or prompt + max_tokens longer than the context
             return self._reject(tracked, ErrorCode.ERROR_CODE_INVALID_ARGUMENT, str(e))
         except Exception as e:
