@@ -1,9 +1,16 @@
 """deploy/k8s (kustomize base + cpu/gpu overlays), offline: each overlay renders, core kinds pass
 kubernetes-validate (strict, Kubernetes VALIDATE_VERSION), KEDA's ScaledObject and
-TriggerAuthentication and the ServiceMonitor pass check-jsonschema against the CRD schemas
-vendored in deploy/k8s/schemas, every YAML under deploy/ passes yamllint (deploy/.yamllint), and
-the manifests agree with the code: stream and group names, drain timeout vs grace period, the
-ACL users and their Secret, lagCount vs max_num_seqs.
+TriggerAuthentication, cert-manager's Certificate and Issuer and the ServiceMonitor pass
+check-jsonschema against the CRD schemas vendored in deploy/k8s/schemas, every YAML under deploy/
+passes yamllint (deploy/.yamllint), and the manifests agree with the code: stream and group
+names, drain timeout vs grace period, the ACL users and their Secret, lagCount vs max_num_seqs,
+the flags and files the gateway is started with.
+
+Secure as shipped: the gateway speaks TLS and authenticates (no reflection), Redis speaks TLS
+only and every Redis URL is rediss:// with the CA of its certificate, NetworkPolicies deny
+what they do not allow (Redis only from gateways, workers and KEDA; /metrics only from
+Prometheus, on Services of their own), and every container runs locked down. The gateway's TLS
+probes run against a real gateway here; tests/test_redis_tls.py runs the Redis pod's.
 
 Rendering: `kubectl kustomize` when kubectl is installed, else `render` below (resources,
 configMapGenerator, strategic-merge patches by kind and name, labels, namespace: what these
@@ -13,13 +20,17 @@ kustomizations use); where kubectl exists both are compared.
 from __future__ import annotations
 
 import copy
+import datetime
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 import kubernetes_validate
 import pytest
@@ -35,7 +46,9 @@ OVERLAYS = ("cpu", "gpu")
 VALIDATE_VERSION = "1.30.0"
 CRD_SCHEMAS = {"ScaledObject": "scaledobject_v1alpha1.json",
                "TriggerAuthentication": "triggerauthentication_v1alpha1.json",
-               "ServiceMonitor": "servicemonitor_v1.json"}
+               "ServiceMonitor": "servicemonitor_v1.json",
+               "Certificate": "certificate_v1.json",
+               "Issuer": "issuer_v1.json"}
 # The redis-streams trigger's metadata keys (keda.sh/docs/2.11+/scalers/redis-streams).
 REDIS_STREAMS_KEYS = {"address", "host", "port", "username", "usernameFromEnv", "passwordFromEnv",
                       "stream", "consumerGroup", "pendingEntriesCount", "streamLength", "lagCount",
@@ -137,6 +150,71 @@ def env_of(c: dict[str, Any]) -> dict[str, Any]:
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in c.get("env", [])}
 
 
+def workloads(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """name -> pod template of every Deployment and StatefulSet."""
+    return {d["metadata"]["name"]: d["spec"]["template"] for d in docs
+            if d["kind"] in ("Deployment", "StatefulSet")}
+
+
+def matches(selector: dict[str, Any], metadata: dict[str, Any]) -> bool:
+    """A label selector (matchLabels, and matchExpressions with In) against an object's labels."""
+    labels = metadata.get("labels", {})
+    return (all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+            and all(e["operator"] == "In" and labels.get(e["key"]) in e["values"]
+                    for e in selector.get("matchExpressions", [])))
+
+
+def redis_certificate(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    return find(docs, "Certificate", "tokenrelay-redis")["spec"]
+
+
+def gateway_certificate(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    return find(docs, "Certificate", "tokenrelay-gateway")["spec"]
+
+
+def mounted_secret_dir(docs: list[dict[str, Any]], workload: str, secret: str) -> str:
+    """Where the workload's first container mounts the Secret (exactly one volume of it)."""
+    pod = workloads(docs)[workload]["spec"]
+    (volume,) = [v["name"] for v in pod["volumes"] if v.get("secret", {}).get("secretName") == secret]
+    (path,) = [m["mountPath"] for m in pod["containers"][0]["volumeMounts"] if m["name"] == volume]
+    return str(path)
+
+
+def write_tls_files(folder: Path, dns_names: list[str]) -> Path:
+    """`folder` with ca.crt, tls.crt and tls.key, as cert-manager writes a Certificate's Secret: a
+    throwaway CA and a server certificate for `dns_names` (DNS names only, no IP address)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+
+    def build(subject: str, issuer: str, public_key: Any, signer: Any, is_ca: bool) -> x509.Certificate:
+        builder = (x509.CertificateBuilder()
+                   .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+                   .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+                   .public_key(public_key).serial_number(x509.random_serial_number())
+                   .not_valid_before(now - datetime.timedelta(minutes=5))
+                   .not_valid_after(now + datetime.timedelta(days=1))
+                   .add_extension(x509.BasicConstraints(ca=is_ca, path_length=None), critical=True))
+        if not is_ca:
+            names = x509.SubjectAlternativeName([x509.DNSName(n) for n in dns_names])
+            usage = x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH])
+            builder = builder.add_extension(names, critical=False).add_extension(usage, critical=False)
+        return builder.sign(signer, hashes.SHA256())
+
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca = build("test CA", "test CA", ca_key.public_key(), ca_key, is_ca=True)
+    cert = build(dns_names[0], "test CA", key.public_key(), ca_key, is_ca=False)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "ca.crt").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    (folder / "tls.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (folder / "tls.key").write_bytes(key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    return folder
+
+
 # -- rendering and schemas ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -151,7 +229,7 @@ def test_the_python_renderer_agrees_with_kubectl_kustomize(overlay: str) -> None
 def test_core_kinds_pass_kubernetes_validate_strict(overlay: str) -> None:
     docs = [d for d in RENDERED[overlay] if d["kind"] not in CRD_SCHEMAS]
     assert {d["kind"] for d in docs} >= {"Deployment", "Service", "StatefulSet", "PodDisruptionBudget",
-                                         "Secret", "ConfigMap", "Namespace"}
+                                         "Secret", "ConfigMap", "Namespace", "NetworkPolicy"}
     for doc in docs:
         kubernetes_validate.validate(doc, VALIDATE_VERSION, strict=True)
 
@@ -165,21 +243,27 @@ def test_crd_kinds_pass_check_jsonschema_against_the_vendored_crd_schemas(tmp_pa
                 if doc["kind"] == kind:
                     files.append(tmp_path / f"{overlay}-{kind}-{doc['metadata']['name']}.json")
                     files[-1].write_text(json.dumps(doc))
-        assert len(files) == len(OVERLAYS), kind
+        assert {f.name.split("-")[0] for f in files} == set(OVERLAYS), kind
         out = subprocess.run([str(checker), "--schemafile", str(SCHEMAS / schema), *map(str, files)],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stdout + out.stderr
 
 
-def test_the_vendored_schemas_reject_a_misspelt_field(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("kind", "name", "misspelt"), [
+    ("ScaledObject", "tokenrelay-worker", "maxReplicas"),  # maxReplicaCount
+    ("Certificate", "tokenrelay-redis", "dnsName"),  # dnsNames
+    ("Issuer", "tokenrelay-ca", "secretname"),  # under ca: secretName
+])
+def test_the_vendored_schemas_reject_a_misspelt_field(tmp_path: Path, kind: str, name: str,
+                                                      misspelt: str) -> None:
     checker = Path(sys.executable).parent / "check-jsonschema"
-    scaled = copy.deepcopy(find(RENDERED["cpu"], "ScaledObject", "tokenrelay-worker"))
-    scaled["spec"]["maxReplicas"] = 3  # maxReplicaCount
+    doc = copy.deepcopy(find(RENDERED["cpu"], kind, name))
+    (doc["spec"]["ca"] if kind == "Issuer" else doc["spec"])[misspelt] = "x"
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps(scaled))
-    out = subprocess.run([str(checker), "--schemafile", str(SCHEMAS / CRD_SCHEMAS["ScaledObject"]), str(bad)],
+    bad.write_text(json.dumps(doc))
+    out = subprocess.run([str(checker), "--schemafile", str(SCHEMAS / CRD_SCHEMAS[kind]), str(bad)],
                          capture_output=True, text=True, timeout=60)
-    assert out.returncode != 0 and "maxReplicas" in out.stdout + out.stderr
+    assert out.returncode != 0 and misspelt in out.stdout + out.stderr
 
 
 def test_every_yaml_under_deploy_passes_yamllint() -> None:
@@ -236,9 +320,25 @@ def test_keda_scales_the_workers_on_the_request_streams_group_lag(overlay: str) 
         assert int(meta["activationLagCount"]) >= 0
         assert meta["address"] == f"{service['name']}.{namespace}.svc.cluster.local:6379"  # KEDA's namespace
         auth = find(docs, "TriggerAuthentication", trigger["authenticationRef"]["name"])
-        (ref,) = auth["spec"]["secretTargetRef"]
-        assert ref["parameter"] == "password"
-        assert ref["key"] in find(docs, "Secret", ref["name"])["stringData"]
+        refs = {r["parameter"]: r for r in auth["spec"]["secretTargetRef"]}
+        assert set(refs) == {"password", "tls", "ca"}
+        assert refs["password"]["key"] in find(docs, "Secret", refs["password"]["name"])["stringData"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_keda_reaches_redis_over_tls_checking_its_certificate(overlay: str) -> None:
+    docs = RENDERED[overlay]
+    scaled = find(docs, "ScaledObject", "tokenrelay-worker")
+    dns_names = redis_certificate(docs)["dnsNames"]
+    for trigger in scaled["spec"]["triggers"]:
+        meta = trigger["metadata"]
+        # KEDA refuses a trigger with TLS set in both places; the CA is only an auth parameter.
+        assert "enableTLS" not in meta and meta.get("unsafeSsl", "false") == "false"
+        assert meta["address"].rpartition(":")[0] in dns_names  # the name KEDA checks
+        auth = find(docs, "TriggerAuthentication", trigger["authenticationRef"]["name"])
+        refs = {r["parameter"]: r for r in auth["spec"]["secretTargetRef"]}
+        assert find(docs, "Secret", refs["tls"]["name"])["stringData"][refs["tls"]["key"]] == "enable"
+        assert (refs["ca"]["name"], refs["ca"]["key"]) == (redis_certificate(docs)["secretName"], "ca.crt")
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -252,11 +352,19 @@ def test_workers_drain_within_their_grace_period(overlay: str) -> None:
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_gateway_probes_grpc_health_and_keeps_one_pod_in_a_disruption(overlay: str) -> None:
+def test_gateway_probes_its_tls_port_and_keeps_one_pod_in_a_disruption(overlay: str) -> None:
     docs = RENDERED[overlay]
     gateway = container(docs, "tokenrelay-gateway")
     port = next(p["containerPort"] for p in gateway["ports"] if p["name"] == "grpc")
-    assert gateway["readinessProbe"]["grpc"]["port"] == gateway["livenessProbe"]["grpc"]["port"] == port
+    tls_dir = mounted_secret_dir(docs, "tokenrelay-gateway", gateway_certificate(docs)["secretName"])
+    probe_dir = next(m["mountPath"] for m in gateway["volumeMounts"] if m["name"] == "probe")
+    for kind, check in (("readinessProbe", "ready"), ("livenessProbe", "alive")):
+        # the kubelet's grpc probe speaks no TLS
+        assert gateway[kind]["exec"]["command"] == ["python", "-I", f"{probe_dir}/probe.py", check, str(port),
+                                                    tls_dir]
+    probe = find(docs, "ConfigMap", "tokenrelay-gateway-probe")["data"]["probe.py"]
+    server_name = re.search(r'SERVER_NAME = "(.+)"', probe).group(1)  # type: ignore[union-attr]
+    assert server_name in gateway_certificate(docs)["dnsNames"]  # the name probe.py checks
     pdb = find(docs, "PodDisruptionBudget", "tokenrelay-gateway")["spec"]
     assert pdb["minAvailable"] >= 1
     deployment = find(docs, "Deployment", "tokenrelay-gateway")
@@ -271,7 +379,7 @@ def test_each_service_reaches_redis_as_its_own_acl_user(overlay: str) -> None:
     secret = find(docs, "Secret", "tokenrelay-redis-credentials")["stringData"]
     for deployment, user in (("tokenrelay-gateway", "gateway"), ("tokenrelay-worker", "worker")):
         env = env_of(container(docs, deployment))
-        assert env["REDIS_URL"] == f"redis://{user}:$(REDIS_PASSWORD)@redis:6379/0"
+        assert env["REDIS_URL"].startswith(f"rediss://{user}:$(REDIS_PASSWORD)@redis:6379/0?")
         names = [e["name"] for e in container(docs, deployment)["env"]]
         assert names.index("REDIS_PASSWORD") < names.index("REDIS_URL")  # $(VAR) needs it defined first
         assert env["REDIS_PASSWORD"]["secretKeyRef"]["key"] == f"{user}-password"
@@ -301,13 +409,252 @@ def test_the_gpu_overlay_asks_for_one_gpu_and_runs_on_cuda() -> None:
 def test_the_service_monitor_scrapes_gateway_and_worker_metrics_ports(overlay: str) -> None:
     docs = RENDERED[overlay]
     monitor = find(docs, "ServiceMonitor", "tokenrelay")["spec"]
-    (expression,) = monitor["selector"]["matchExpressions"]
-    ports: set[int] = set()
-    for service in (d for d in docs if d["kind"] == "Service"):
-        if service["metadata"].get("labels", {}).get(expression["key"]) in expression["values"]:
-            port_name = monitor["endpoints"][0]["port"]
-            ports |= {p["port"] for p in service["spec"]["ports"] if p["name"] == port_name}
+    assert set(monitor["selector"]) == {"matchLabels"}
+    selected = [d for d in docs if d["kind"] == "Service" and matches(monitor["selector"], d["metadata"])]
+    assert sorted(d["metadata"]["name"] for d in selected) == ["tokenrelay-gateway-metrics",
+                                                               "tokenrelay-worker-metrics"]
+    (endpoint,) = monitor["endpoints"]
+    ports = {p["port"] for d in selected for p in d["spec"]["ports"] if p["name"] == endpoint["port"]}
     assert ports == {9400, 9401}
+
+
+# -- secure as shipped ---------------------------------------------------------------------------------
+
+# Pods outside the namespace that the NetworkPolicies let in (deploy/k8s/README.md documents them).
+PROMETHEUS = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+              "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
+KEDA_OPERATOR = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "keda"}},
+                 "podSelector": {"matchLabels": {"app.kubernetes.io/name": "keda-operator"}}}
+DNS = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+       "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_gateway_starts_with_tls_and_a_tenants_file_and_without_reflection(
+        overlay: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gateway.__main__ import build_parser
+
+    docs = RENDERED[overlay]
+    gateway = container(docs, "tokenrelay-gateway")
+    for name in [n for n in os.environ if n.startswith("TOKENRELAY_") or n == "REDIS_URL"]:
+        monkeypatch.delenv(name)  # the pod's environment only
+    for name, value in env_of(gateway).items():
+        if isinstance(value, str):
+            monkeypatch.setenv(name, value)
+    args = build_parser().parse_args(gateway["args"])  # every flag exists
+    assert "--reflection" not in gateway["args"] and args.reflection is False
+    tls_dir = mounted_secret_dir(docs, "tokenrelay-gateway", gateway_certificate(docs)["secretName"])
+    assert (args.tls_cert, args.tls_key) == (f"{tls_dir}/tls.crt", f"{tls_dir}/tls.key")
+    assert args.tls_client_ca == ""  # mTLS is the operator's choice (README)
+    tenants_dir, _, tenants_file = args.auth_tokens_file.rpartition("/")
+    assert tenants_dir == mounted_secret_dir(docs, "tokenrelay-gateway", "tokenrelay-tenants")
+    assert tenants_file in find(docs, "Secret", "tokenrelay-tenants")["stringData"]
+    ports = {p["name"]: p["containerPort"] for p in gateway["ports"]}
+    assert int(args.listen.rpartition(":")[2]) == ports["grpc"] and args.metrics_port == ports["metrics"]
+
+
+def test_the_example_tenants_file_loads_and_holds_only_placeholders(tmp_path: Path) -> None:
+    from gateway.auth import load_tenants
+
+    (name, text), = find(RENDERED["cpu"], "Secret", "tokenrelay-tenants")["stringData"].items()
+    (tmp_path / name).write_text(text)
+    assert load_tenants(str(tmp_path / name))  # the gateway would start with it
+    tokens = [t for tenant in json.loads(text)["tenants"].values() for t in tenant["tokens"]]
+    assert tokens and all(t.startswith("CHANGE-ME-") for t in tokens)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_redis_speaks_tls_only_with_its_certificate(overlay: str) -> None:
+    docs = RENDERED[overlay]
+    redis = find(docs, "StatefulSet", "tokenrelay-redis")["spec"]["template"]["spec"]["containers"][0]
+    args = dict(zip(redis["args"][::2], redis["args"][1::2], strict=True))
+    (port,) = [p["containerPort"] for p in redis["ports"] if p["name"] == "redis"]
+    assert args["--port"] == "0" and args["--tls-port"] == str(port)  # no plaintext port
+    tls_dir = mounted_secret_dir(docs, "tokenrelay-redis", redis_certificate(docs)["secretName"])
+    assert (args["--tls-cert-file"], args["--tls-key-file"], args["--tls-ca-cert-file"]) == (
+        f"{tls_dir}/tls.crt", f"{tls_dir}/tls.key", f"{tls_dir}/ca.crt")
+    assert args["--tls-auth-clients"] in ("no", "optional")  # clients log in with their ACL password
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_redis_url_is_rediss_with_the_ca_of_redis_certificate(overlay: str) -> None:
+    docs = RENDERED[overlay]
+    certificate, urls = redis_certificate(docs), []
+    for name, template in workloads(docs).items():
+        pod = template["spec"]
+        for c in pod.get("initContainers", []) + pod["containers"]:
+            for value in (e.get("value", "") for e in c.get("env", [])):
+                if re.match(r"redis[+\w]*://", value) or value.startswith("unix://"):
+                    urls.append((name, pod, c, urlsplit(value)))
+    assert sorted(name for name, *_ in urls) == ["tokenrelay-gateway", "tokenrelay-worker"]
+    for name, pod, c, url in urls:
+        assert url.scheme == "rediss", name
+        assert url.password == "$(REDIS_PASSWORD)", name  # from the Secret, in the pod only
+        assert url.hostname in certificate["dnsNames"], name  # redis-py checks it
+        query = parse_qs(url.query)
+        assert set(query) == {"ssl_ca_certs"}, name  # nothing that turns a check off
+        directory, _, file = query["ssl_ca_certs"][0].rpartition("/")
+        (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == directory]
+        (volume,) = [v["secret"] for v in pod["volumes"] if v["name"] == mount["name"]]
+        assert volume["secretName"] == certificate["secretName"], name
+        assert volume["items"] == [{"key": "ca.crt", "path": file}], name  # the CA, not Redis's key
+
+
+def policies(docs: list[dict[str, Any]], workload: str) -> list[dict[str, Any]]:
+    """The NetworkPolicies that select the workload's pods."""
+    labels = workloads(docs)[workload]["metadata"]
+    return [d["spec"] for d in docs
+            if d["kind"] == "NetworkPolicy" and matches(d["spec"]["podSelector"], labels)]
+
+
+def ingress_rules(docs: list[dict[str, Any]], workload: str) -> list[dict[str, Any]]:
+    return [rule for p in policies(docs, workload) for rule in p.get("ingress", [])]
+
+
+def selected_workloads(docs: list[dict[str, Any]], peer: dict[str, Any]) -> set[str]:
+    """The namespace's workloads a peer without namespaceSelector selects."""
+    assert set(peer) == {"podSelector"}, peer
+    return {name for name, t in workloads(docs).items() if matches(peer["podSelector"], t["metadata"])}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_network_policies_deny_by_default(overlay: str) -> None:
+    docs = RENDERED[overlay]
+    default = [d["spec"] for d in docs if d["kind"] == "NetworkPolicy" and d["spec"]["podSelector"] == {}]
+    assert default == [{"podSelector": {}, "policyTypes": ["Ingress", "Egress"]}]  # no rule: nothing allowed
+    for name in workloads(docs):
+        assert all("ipBlock" not in peer for p in policies(docs, name) for rule in p.get("ingress", [])
+                   + p.get("egress", []) for peer in rule.get("from", rule.get("to", []))), name
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_only_gateways_workers_and_keda_reach_redis(overlay: str) -> None:
+    docs = RENDERED[overlay]
+    rules = ingress_rules(docs, "tokenrelay-redis")
+    assert rules and all(rule.get("from") for rule in rules)  # no rule open to everyone
+    peers = [peer for rule in rules for peer in rule["from"]]
+    inside = [peer for peer in peers if "namespaceSelector" not in peer]
+    assert [peer for peer in peers if "namespaceSelector" in peer] == [KEDA_OPERATOR]
+    assert all(selected_workloads(docs, peer) for peer in inside)  # each selects someone
+    assert set().union(*(selected_workloads(docs, peer) for peer in inside)) == {"tokenrelay-gateway",
+                                                                                  "tokenrelay-worker"}
+    assert all(rule["ports"] == [{"port": "redis", "protocol": "TCP"}] for rule in rules)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_only_prometheus_reaches_the_metrics_ports_and_clients_only_grpc(overlay: str) -> None:
+    docs = RENDERED[overlay]
+    for name in ("tokenrelay-gateway", "tokenrelay-worker"):
+        ports = {p["name"] for p in workloads(docs)[name]["spec"]["containers"][0]["ports"]}
+        opened: dict[str, list[Any]] = {}
+        for rule in ingress_rules(docs, name):
+            for port in rule["ports"]:
+                opened.setdefault(port["port"], []).append(rule.get("from"))
+        assert set(opened) == ports, name  # named ports, each one of the container's
+        assert opened["metrics"] == [[PROMETHEUS]], name
+        if name == "tokenrelay-gateway":
+            assert opened["grpc"] == [None]  # clients: the README says how to narrow it
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_gateways_and_workers_open_connections_to_redis_and_dns_only(overlay: str) -> None:
+    docs = RENDERED[overlay]
+    (redis_port,) = find(docs, "Service", "redis")["spec"]["ports"]
+    for name in ("tokenrelay-gateway", "tokenrelay-worker"):
+        (policy,) = [p for p in policies(docs, name) if p["podSelector"]]
+        assert "Egress" in policy["policyTypes"]
+        redis_rule, dns_rule = policy["egress"]
+        (peer,) = redis_rule["to"]
+        assert selected_workloads(docs, peer) == {"tokenrelay-redis"}
+        assert redis_rule["ports"] == [{"port": redis_port["port"], "protocol": "TCP"}]
+        assert dns_rule == {"to": [DNS], "ports": [{"port": 53, "protocol": "UDP"},
+                                                   {"port": 53, "protocol": "TCP"}]}
+    assert all("egress" not in p for p in policies(docs, "tokenrelay-redis"))  # Redis dials nobody
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_metrics_have_services_of_their_own_and_the_grpc_service_only_grpc(overlay: str) -> None:
+    docs = RENDERED[overlay]
+    assert find(docs, "Service", "tokenrelay")["spec"]["ports"] == [
+        {"port": 50051, "targetPort": "grpc", "name": "grpc"}]
+    metrics_ports = {9400, 9401}
+    for service in (d for d in docs if d["kind"] == "Service"):
+        ports = {p[key] for p in service["spec"]["ports"] for key in ("port", "targetPort")}
+        if service["metadata"]["name"].endswith("-metrics"):
+            assert ports == {"metrics", *(ports & metrics_ports)} and service["spec"]["clusterIP"] == "None"
+        else:
+            assert not ports & (metrics_ports | {"metrics"}), service["metadata"]["name"]
+
+
+LOCKED_DOWN = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+               "capabilities": {"drop": ["ALL"]}}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_container_runs_locked_down(overlay: str) -> None:
+    docs = RENDERED[overlay]
+    labels = find(docs, "Namespace", "tokenrelay")["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/enforce"] == "restricted"  # the API server holds pods to it
+    assert len(workloads(docs)) == 3
+    for name, template in workloads(docs).items():
+        pod = template["spec"]
+        assert pod.get("automountServiceAccountToken") is False, name
+        for c in pod.get("initContainers", []) + pod["containers"]:
+            where = f"{name}/{c['name']}"
+            context = {**pod["securityContext"], **c.get("securityContext", {})}
+            assert context["runAsNonRoot"] is True and context.get("runAsUser", 1) != 0, where
+            assert context["seccompProfile"] == {"type": "RuntimeDefault"}, where
+            assert c["securityContext"] == LOCKED_DOWN, where
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_read_only_containers_write_where_a_volume_is_mounted(overlay: str) -> None:
+    docs = RENDERED[overlay]
+
+    def is_writable(workload: str, path: str) -> bool:
+        """`path` is on an emptyDir or a PersistentVolume the workload's container mounts read-write."""
+        (spec,) = [d["spec"] for d in docs if d["kind"] in ("Deployment", "StatefulSet")
+                   and d["metadata"]["name"] == workload]
+        pod = spec["template"]["spec"]
+        volumes = ({v["name"] for v in pod["volumes"] if "emptyDir" in v}
+                   | {claim["metadata"]["name"] for claim in spec.get("volumeClaimTemplates", [])})
+        return any(f"{path}/".startswith(f"{m['mountPath'].rstrip('/')}/") and m["name"] in volumes
+                   and not m.get("readOnly") for m in pod["containers"][0]["volumeMounts"])
+
+    dockerfile = (DEPLOY / "Dockerfile.worker").read_text()
+    cache = re.search(r"XDG_CACHE_HOME=(\S+)", dockerfile).group(1)  # type: ignore[union-attr]
+    assert is_writable("tokenrelay-worker", cache)  # the CPU kernel is compiled there
+    redis = find(docs, "StatefulSet", "tokenrelay-redis")["spec"]["template"]["spec"]["containers"][0]
+    assert is_writable("tokenrelay-redis", redis["args"][redis["args"].index("--dir") + 1])  # the AOF
+    copy_to = re.search(r"cp \S+ (\S+)", redis["command"][2]).group(1)  # type: ignore[union-attr]
+    assert is_writable("tokenrelay-redis", copy_to)  # the certificate it loaded
+
+
+def test_the_gateway_probes_answer_over_tls_on_a_real_gateway(
+        tmp_path: Path, make_gateway: Callable[..., Any]) -> None:
+    from grpc_health.v1 import health_pb2
+
+    docs = RENDERED["cpu"]
+    probe = tmp_path / "probe.py"
+    probe.write_text(find(docs, "ConfigMap", "tokenrelay-gateway-probe")["data"]["probe.py"])
+    tls = write_tls_files(tmp_path / "tls", gateway_certificate(docs)["dnsNames"])
+    (name, text), = find(docs, "Secret", "tokenrelay-tenants")["stringData"].items()
+    (tmp_path / name).write_text(text)
+    gateway = make_gateway(tls_cert=str(tls / "tls.crt"), tls_key=str(tls / "tls.key"),
+                           auth_tokens_file=str(tmp_path / name))  # the probes send no token
+    port = gateway.target.rpartition(":")[2]
+
+    def probe_exit_code(check: str) -> int:
+        command = [sys.executable, "-I", str(probe), check, port, str(tls)]
+        return subprocess.run(command, capture_output=True, timeout=30).returncode
+
+    assert probe_exit_code("ready") == 0 and probe_exit_code("alive") == 0
+    # NOT_SERVING (Redis lost, or shutting down): out of the Service, not restarted
+    gateway.call(gateway.gateway.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING))
+    assert probe_exit_code("ready") == 1 and probe_exit_code("alive") == 0
+    # the probes check the served certificate against ca.crt: one another CA signed gets no answer
+    shutil.copy(write_tls_files(tmp_path / "other", ["tokenrelay"]) / "ca.crt", tls / "ca.crt")
+    assert probe_exit_code("alive") == 1
 
 
 # -- Redis memory: bounded, never evicted -------------------------------------------------------------
