@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import importlib.metadata
 import logging
 import secrets
 import time
@@ -45,6 +44,7 @@ from gateway.queue import Attached, RequestQueue, connect
 from gateway.quotas import Quotas
 from gateway.relay import Follow, relay
 from gateway.replies import ReplyRouter
+from gateway.server_info import ServerInfoView
 from gateway.tls import ServerCertificates, bind
 from gateway.tracing import CallTrace
 from protos.convert import check_request_id, params_from_pb
@@ -57,17 +57,9 @@ from protos.tracing import GATEWAY_SERVICE, Tracing
 
 log = logging.getLogger(__name__)
 
-SERVER_INFO_TTL_S = 0.5  # GetServerInfo answers from what Redis said at most this long ago
 MAX_ATTACH_RACES = 3  # new attempts started by other gateways in a row before giving up
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["TokenRelay"].full_name
-
-
-def _version() -> str:
-    try:
-        return importlib.metadata.version("tokenrelay")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 @dataclass
@@ -136,7 +128,7 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
         self.limits = config.request_limits
         self.admission = Admission(queue, router, metrics, quotas)
         self._background: set[asyncio.Task[None]] = set()
-        self._server_state_cache: tuple[float, int, int, list[generate_pb2.WorkerInfo]] | None = None
+        self.server_info = ServerInfoView(config, queue)
 
     async def Generate(self, request: generate_pb2.GenerateRequest | MalformedRequest,  # noqa: N802
                        context: grpc.aio.ServicerContext) -> AsyncIterator[generate_pb2.GenerateResponse]:
@@ -298,9 +290,7 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
 
     async def GetServerInfo(self, request: generate_pb2.GetServerInfoRequest | MalformedRequest,  # noqa: N802
                             context: grpc.aio.ServicerContext) -> generate_pb2.ServerInfo:
-        """An admin's view has every worker, read now; a tenant's only the queue, the models and
-        its own limits, from what Redis said at most SERVER_INFO_TTL_S ago, so tenants asking
-        often cost Redis nothing."""
+        """The caller's view (gateway/server_info.py)."""
         try:
             tenant = self._authenticate(context)
         except GatewayError as e:
@@ -308,33 +298,11 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
         if isinstance(request, MalformedRequest):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
         try:
-            queued, in_flight, workers = await self._server_state(is_fresh=tenant.is_admin)
+            return await self.server_info.read(tenant)
         except RedisError as e:
             error = redis_unavailable(e)
-            await context.abort(error.code, str(error))
-        info = generate_pb2.ServerInfo(
-            version=_version(), queue_depth=queued, max_queue_depth=self.config.max_queue_depth,
-            num_in_flight=in_flight, models=sorted({w.model for w in workers if w.model}))
-        if tenant.is_admin:
-            info.gateway_id = self.config.gateway_id
-            info.workers.extend(workers)
-        if tenant.name:
-            info.tenant.CopyFrom(generate_pb2.TenantInfo(
-                name=tenant.name, max_concurrent=tenant.max_concurrent or 0,
-                tokens_per_minute=tenant.tokens_per_minute or 0, max_priority=tenant.max_priority,
-                is_admin=tenant.is_admin))
-        return info
-
-    async def _server_state(self, *, is_fresh: bool) -> tuple[int, int, list[generate_pb2.WorkerInfo]]:
-        """(queued, in flight, live workers by name), cached for SERVER_INFO_TTL_S unless is_fresh."""
-        now = time.monotonic()
-        cache = self._server_state_cache
-        if is_fresh or cache is None or now - cache[0] > SERVER_INFO_TTL_S:
-            queued, in_flight = await self.queue.read_depth()
-            workers = sorted(await self.queue.workers(), key=lambda w: w.worker_id)
-            cache = self._server_state_cache = (now, queued, in_flight, workers)
-        _, queued, in_flight, workers = cache
-        return queued, in_flight, workers
+        await context.abort(error.code, str(error))
+        raise error  # abort() raises already; this tells the type checker
 
     def abort_later(self, request_id: str, reason: str, entry_id: bytes) -> None:
         """Publish an abort without blocking (the caller may be a cancelled task)."""
