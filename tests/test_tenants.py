@@ -188,3 +188,29 @@ def test_the_queued_request_carries_the_tenant_and_its_cache_scope(
     assert all(q.request_id.startswith(q.tenant + "/") for q in queued)
     scopes = [q.cache_scope for q in queued]
     assert len(set(scopes)) == 3 and b"" not in scopes
+
+
+def test_a_tenant_gets_no_cached_tokens_for_another_tenants_prompt_unless_they_share(
+        tmp_path: Path, make_gateway: Callable[..., GatewayThread],
+        make_worker: Callable[..., WorkerThread]) -> None:
+    """Through the API, on the real SmolLM2 worker: Usage.cached_prompt_tokens is the oracle."""
+    a, b, c = (secrets.token_urlsafe(24) for _ in range(3))
+    path = write_tenants(tmp_path / "t.json", {
+        "a": {"tokens": [a], "share_prefix_cache": ["c"]}, "b": {"tokens": [b]},
+        "c": {"tokens": [c], "share_prefix_cache": ["a"]}})
+    channel, stub = stub_for(make_gateway(auth_tokens_file=path).target)
+    make_worker()
+    secret = f"Customer {uuid.uuid4().hex} contract: " + "the terms are confidential and binding. " * 6
+
+    def cached(token: str, salt: str = "") -> int:
+        request = build_request(secret + "Summarize.", max_tokens=1)
+        if salt:
+            request.cache_salt = salt
+        final = list(stub.Generate(request, timeout=60, metadata=bearer(token)))[-1].final
+        return final.usage.cached_prompt_tokens
+
+    with channel:
+        assert cached(a) == 0  # first sight of the prompt
+        assert cached(b) == 0  # another tenant: nothing cached for it
+        assert cached(a) > 16 and cached(c) > 16  # a's own, and its sharing group's
+        assert cached(a, salt="end-user-2") == 0  # a salt narrows the scope within the tenant
