@@ -27,6 +27,7 @@ PROMETHEUS = DEPLOY / "prometheus" / "prometheus.yml"
 COMPOSE = DEPLOY / "compose.yaml"
 DATASOURCES = DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yaml"
 DASHBOARD_PROVIDERS = DEPLOY / "grafana" / "provisioning" / "dashboards" / "tokenrelay.yaml"
+OPERATIONS_DOC = DEPLOY.parent / "docs" / "operations.md"
 
 # Series Prometheus itself writes for every target, never in a /metrics page.
 PROMETHEUS_SERIES = {"up"}
@@ -171,6 +172,26 @@ def test_promtool_accepts_the_config_and_the_rules() -> None:
         assert done.returncode == 0, done.stdout + done.stderr
 
 
+def documented_metrics(text: str) -> set[str]:
+    """The metric names in the rows of docs/operations.md's metrics table (`{label}` dropped)."""
+    rows = (line for line in text.splitlines() if line.startswith(("| gateway |", "| worker |")))
+    return {name for row in rows for name in _OUR_NAME.findall(row.split("|")[2])}
+
+
+def family(sample: str) -> str:
+    """A scraped sample's metric family as the docs name it (a histogram's _bucket, _count, _sum)."""
+    for suffix in ("_bucket", "_count", "_sum"):
+        if sample.endswith(suffix):
+            return sample.removesuffix(suffix)
+    return sample
+
+
+def test_documented_metrics_reads_the_table_rows_only() -> None:
+    text = ("see `tokenrelay_not_in_a_row`\n| process | metric |\n"
+            "| gateway | `tokenrelay_a_total{reason}`, `grpc_server_b_total` | counter | `tokenrelay_meaning` |\n")
+    assert documented_metrics(text) == {"tokenrelay_a_total", "grpc_server_b_total"}
+
+
 def scrape(port: int) -> tuple[set[str], set[str]]:
     """(sample names, label names) of one /metrics page."""
     samples = scrape_samples(port)
@@ -206,3 +227,9 @@ def test_every_name_the_dashboard_and_alerts_use_is_exported(metrics_stack: Metr
     assert {"tokenrelay_time_to_first_token_seconds_bucket", "tokenrelay_requests_rejected_total",
             "tokenrelay_queue_oldest_waiting_age_seconds", "tokenrelay_kv_cache_usage_perc",
             "tokenrelay_num_requests_running", "tokenrelay_prefix_cache_hits_total"} <= used_names
+    # docs/operations.md's table names what the processes export: nothing invented, nothing missing.
+    documented = documented_metrics(OPERATIONS_DOC.read_text())
+    families = {family(name) for name in exported  # a counter's _created twin is prometheus-client's
+                if name.startswith(("tokenrelay_", "grpc_server_")) and not name.endswith("_created")}
+    assert documented <= families, f"documented, not exported: {documented - families}"
+    assert families <= documented, f"exported, not in docs/operations.md: {families - documented}"
