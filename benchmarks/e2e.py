@@ -64,10 +64,10 @@ def inproc_runner(threads: int, max_model_len: int) -> Callable[[str], dict[str,
     """A warmed-up in-process engine; the returned function runs the workload once."""
     from protos.params import PromptInput, SamplingParams
     from worker.engine.config import EngineConfig
-    from worker.engine.text_engine import TextEngine
+    from worker.factory import build_text_engine
 
-    engine = TextEngine.from_config(EngineConfig(max_num_seqs=NUM_CONCURRENT, num_threads=threads,
-                                                 max_model_len=max_model_len))
+    engine = build_text_engine(EngineConfig(max_num_seqs=NUM_CONCURRENT, num_threads=threads,
+                                            max_model_len=max_model_len))
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
     def once(tag: str, batch: list[str]) -> dict[str, float]:

@@ -139,11 +139,11 @@ def main() -> None:
     import torch
 
     from worker.engine.config import EngineConfig
-    from worker.engine.text_engine import TextEngine
+    from worker.factory import build_text_engine
 
     torch.set_num_threads(args.threads)
     config = EngineConfig(max_num_seqs=16, max_model_len=1024, num_threads=args.threads)
-    engine = TextEngine.from_config(config)
+    engine = build_text_engine(config)
     prompt_lens = [len(engine.tokenizer.encode(p)) for p in REPETITIVE]
     assert min(prompt_lens) >= 300, prompt_lens
     run_batch(engine, OPEN[:1], 8)  # warm-up: first-call costs stay out of the first side

@@ -12,14 +12,11 @@ Two layers, both from GatewayConfig:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from gateway.errors import InvalidArgument
 from protos.params import MAX_STOP_STRINGS
 from protos.tokenrelay.v1 import generate_pb2
-
-if TYPE_CHECKING:
-    from gateway.config import GatewayConfig
 
 MIB = 1024 * 1024
 MAX_CACHE_SALT_CHARS = 256  # GenerateRequest.cache_salt (generate.proto)
@@ -77,7 +74,22 @@ def _check(field: str, value: int, size: str, limit: int, flag: str) -> None:
         raise InvalidArgument(f"{field} {size.format(value)}; the limit is {limit} ({flag})")
 
 
-def server_options(config: GatewayConfig) -> list[tuple[str, int]]:
+class TransportLimits(Protocol):
+    """What server_options reads of a GatewayConfig (named here: config.py imports this module)."""
+
+    @property
+    def max_receive_message_bytes(self) -> int: ...
+    @property
+    def min_client_ping_interval_s(self) -> float: ...
+    @property
+    def keepalive_time_s(self) -> float: ...
+    @property
+    def max_connection_age_s(self) -> float: ...
+    @property
+    def max_connection_age_grace_s(self) -> float: ...
+
+
+def server_options(config: TransportLimits) -> list[tuple[str, int]]:
     """The grpc.aio server options of these limits (grpc's defaults are 4 MiB messages and a
     5-minute minimum between client pings, stricter than the clients others run)."""
     options = [

@@ -86,19 +86,18 @@ def prefix(redis_url: str) -> Iterator[str]:
 @pytest.fixture(scope="session")
 def smollm_engine() -> Any:
     """The real TextEngine on the default SmolLM2 model, loaded once per session."""
-    from worker.engine.text_engine import TextEngine
+    from worker.factory import build_text_engine
 
-    return TextEngine.from_config(EngineConfig(max_num_seqs=TEST_MAX_NUM_SEQS,
-                                               max_model_len=TEST_MAX_MODEL_LEN))
+    return build_text_engine(EngineConfig(max_num_seqs=TEST_MAX_NUM_SEQS, max_model_len=TEST_MAX_MODEL_LEN))
 
 
 @pytest.fixture(scope="session")
 def smollm_fp32_engine() -> Any:
     """SmolLM2 with its weights dequantized to fp32 (--quantization none), loaded once per session."""
-    from worker.engine.text_engine import TextEngine
+    from worker.factory import build_text_engine
 
-    return TextEngine.from_config(EngineConfig(max_num_seqs=TEST_MAX_NUM_SEQS,
-                                               max_model_len=TEST_MAX_MODEL_LEN, quantization="none"))
+    return build_text_engine(EngineConfig(max_num_seqs=TEST_MAX_NUM_SEQS, max_model_len=TEST_MAX_MODEL_LEN,
+                                          quantization="none"))
 
 
 @pytest.fixture(scope="session")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from worker.engine.sequence import SpecState
 from worker.engine.spec_policy import SpeculationPolicy, StepCosts
-from worker.engine.speculative import SpecState
 
 
 def test_step_costs_fit_a_line_once_two_sizes_are_known() -> None:

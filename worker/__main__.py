@@ -181,9 +181,9 @@ def _build_engine(config: WorkerConfig) -> TextEngineProtocol:
         from worker.engine.sim import SimEngine
 
         return SimEngine.from_config(config.sim, config.engine)
-    from worker.engine.text_engine import TextEngine  # torch: only for a model, once the flags are good
+    from worker.factory import build_text_engine  # torch: only for a model, once the flags are good
 
-    return TextEngine.from_config(config.engine)
+    return build_text_engine(config.engine)
 
 
 def main(argv: list[str] | None = None) -> int:

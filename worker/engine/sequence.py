@@ -7,7 +7,6 @@ import time
 from dataclasses import dataclass, field
 
 from protos.params import FinishReason, SamplingParams
-from worker.engine.speculative import SpecState
 from worker.engine.stopping import StoppingCriteria
 
 
@@ -15,6 +14,29 @@ class SequenceStatus(enum.Enum):
     WAITING = 1  # queued in the engine (new, or preempted), holds no KV blocks
     RUNNING = 2  # holds KV blocks; prefilled or about to be
     FINISHED = 3
+
+
+class SpecState:
+    """One sequence's speculation: this step's proposals, what the policy learnt, its counts."""
+
+    __slots__ = ("draft_ids", "accepted", "rejected", "num_skipped", "backoff", "num_drafts",
+                 "num_draft_tokens", "num_accepted_tokens")
+
+    def __init__(self) -> None:
+        self.draft_ids: list[int] = []  # proposed for this step; [] = a plain decode
+        # Moving sums of accepted proposals and of rejections (a run ends at the first), whose
+        # ratio estimates the chance that a proposal is accepted (spec_policy.py). The start
+        # is optimistic: 0.8 with the weight of two verify steps.
+        self.accepted, self.rejected = 1.6, 0.4
+        self.num_skipped = 0  # steps without proposals since the last probe
+        self.backoff = 1  # steps between probes while speculation does not pay
+        self.num_drafts = 0  # verify steps
+        self.num_draft_tokens = 0  # proposed, over the request
+        self.num_accepted_tokens = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
 
 
 @dataclass

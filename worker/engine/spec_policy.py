@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from worker.engine.speculative import SpecState
+from worker.engine.sequence import SpecState
 
 
 class StepCosts:

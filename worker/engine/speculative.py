@@ -16,10 +16,9 @@ position k. The rejected positions' K/V are never counted as computed (Scheduler
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from worker.engine.sequence import Sequence as Seq
+from worker.engine.sequence import Sequence as Seq
 
 MAX_NGRAM = 4
 # A single repeated token is too weak a match: with MIN_NGRAM 1, benchmarks/speculative.py
@@ -76,26 +75,3 @@ def num_accepted(draft_ids: Sequence[int], target_ids: Sequence[int]) -> int:
     while n < len(draft_ids) and draft_ids[n] == target_ids[n]:
         n += 1
     return n
-
-
-class SpecState:
-    """One sequence's speculation: this step's proposals, what the policy learnt, its counts."""
-
-    __slots__ = ("draft_ids", "accepted", "rejected", "num_skipped", "backoff", "num_drafts",
-                 "num_draft_tokens", "num_accepted_tokens")
-
-    def __init__(self) -> None:
-        self.draft_ids: list[int] = []  # proposed for this step; [] = a plain decode
-        # Moving sums of accepted proposals and of rejections (a run ends at the first), whose
-        # ratio estimates the chance that a proposal is accepted (spec_policy.py). The start
-        # is optimistic: 0.8 with the weight of two verify steps.
-        self.accepted, self.rejected = 1.6, 0.4
-        self.num_skipped = 0  # steps without proposals since the last probe
-        self.backoff = 1  # steps between probes while speculation does not pay
-        self.num_drafts = 0  # verify steps
-        self.num_draft_tokens = 0  # proposed, over the request
-        self.num_accepted_tokens = 0
-
-    @property
-    def acceptance(self) -> float:
-        return self.accepted / (self.accepted + self.rejected)

@@ -21,7 +21,6 @@ from protos.params import (
     TokenLogprob,
     Usage,
 )
-from worker.engine.config import EngineConfig
 from worker.engine.core import EngineCore, EngineOutput
 from worker.engine.outputs import Admitted, EngineStats, RequestOutput, Resume, context_overflow
 from worker.engine.sequence import Sequence
@@ -48,12 +47,6 @@ class TextEngine:
         self.max_model_len = engine.max_len
         self._states: dict[str, _TextState] = {}
         self._ready: list[RequestOutput] = []  # resumed requests that had already ended
-
-    @classmethod
-    def from_config(cls, config: EngineConfig) -> TextEngine:
-        from worker.factory import build_text_engine  # torch + weights live there
-
-        return build_text_engine(config)
 
     # -- requests -----------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams, *,
