@@ -4,26 +4,32 @@ The sampler's noise depends only on (seed, step), so any divergence comes from
 fp32 logits that differ in the last bits between batch shapes (different
 matmul kernels / reduction orders). Runs N seeded requests on SmolLM2 alone,
 then all together plus filler requests, and reports how many token sequences
-differ and where the first difference falls. Prints a table, then one JSON line.
+differ and where the first difference falls. Target: no request diverges, sampled or greedy.
+Prints a table, then one JSON line (the targets under "targets"); --record keeps it in
+benchmarks/results/batch_invariance.json.
 
-    python benchmarks/batch_invariance.py [--requests 12] [--tokens 48]
+    python benchmarks/batch_invariance.py [--requests 12] [--tokens 48] [--record]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 
-from protos.params import SamplingParams
-from worker.engine.config import EngineConfig
-from worker.engine.core import EngineCore
-from worker.factory import native_kernels
-from worker.model.llama import LlamaModel
-from worker.model.loader import load_model
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.results import add_record_arg, emit, target  # noqa: E402
+from protos.params import SamplingParams  # noqa: E402
+from worker.engine.config import EngineConfig  # noqa: E402
+from worker.engine.core import EngineCore  # noqa: E402
+from worker.factory import native_kernels  # noqa: E402
+from worker.model.llama import LlamaModel  # noqa: E402
+from worker.model.loader import load_model  # noqa: E402
 
 
 def run(engine: EngineCore, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[int]]:
@@ -46,6 +52,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=12)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2)
+    add_record_arg(ap)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     config, weights = load_model(None)
@@ -75,7 +82,9 @@ def main() -> None:
     print(f"{'mode':8} {'requests':>8} {'diverged':>8} {'median first step':>18}")
     for mode, r in results.items():
         print(f"{mode:8} {r['requests']:8} {r['diverged']:8} {str(r['median_first_divergent_step']):>18}")
-    print(json.dumps({"tokens": args.tokens, **results}))
+    targets = {f"{mode}_diverged": target(r["diverged"], "==", 0) for mode, r in results.items()}
+    emit("batch_invariance", {"tokens": args.tokens, "threads": args.threads, **results, "targets": targets},
+         args)
 
 
 if __name__ == "__main__":

@@ -12,19 +12,19 @@ Reports aggregate output tokens/s for both and their ratio (target >= 0.9),
 time to first token p50/p99 (target: end to end adds <= 10 ms at p50), Redis
 commands per generated token from `INFO commandstats` (target <= 0.5) and the
 gateway's peak RSS (target <= 150 MB: it must not load torch). Prints a table,
-then one JSON line (medians over --runs).
+then one JSON line (medians over --runs, the targets under "targets"); --record
+keeps it in benchmarks/results/e2e.json.
 
 The two sides alternate run by run (in-process, end to end, in-process, ...)
 so that drift of a shared host hits both alike.
 
-    python benchmarks/e2e.py [--runs 7] [--threads 2]
+    python benchmarks/e2e.py [--runs 7] [--threads 2] [--record]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import subprocess
 import sys
@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 import grpc  # noqa: E402
 import redis  # noqa: E402
 
+from benchmarks import results as bench  # noqa: E402
 from gateway.redis_server import EmbeddedRedis, free_port  # noqa: E402
 from protos.convert import build_request  # noqa: E402
 from protos.tokenrelay.v1 import generate_pb2, generate_pb2_grpc  # noqa: E402
@@ -218,6 +219,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2, help="torch threads, both sides")
     parser.add_argument("--max-model-len", type=int, default=512,
                         help="KV cache tokens per sequence, both sides (the prompts + 128 tokens fit in 512)")
+    bench.add_record_arg(parser)
     args = parser.parse_args()
     if args.noop_server:
         asyncio.run(serve_noop(args.noop_server))
@@ -263,7 +265,12 @@ def main() -> int:
     print(f"{'ratio e2e / inproc':22}{report['ratio']:24.3f}  >= 0.9")
     print(f"{'Redis cmds / token':22}{report['redis_cmds_per_token']:24.3f}  <= 0.5")
     print(f"{'gateway peak RSS (MB)':22}{gateway_rss:24.1f}  <= 150")
-    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in report.items()}))
+    payload: dict[str, object] = {k: round(v, 4) if isinstance(v, float) else v for k, v in report.items()}
+    payload["targets"] = {"ratio": bench.target(payload["ratio"], ">=", 0.9),
+                          "ttft_p50_added_ms": bench.target(payload["ttft_p50_added_ms"], "<=", 10),
+                          "redis_cmds_per_token": bench.target(payload["redis_cmds_per_token"], "<=", 0.5),
+                          "gateway_peak_rss_mb": bench.target(payload["gateway_peak_rss_mb"], "<=", 150)}
+    bench.emit("e2e", payload, args)
     return 0
 
 

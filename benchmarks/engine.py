@@ -7,9 +7,12 @@ fp32, greedy, 128 new tokens, EOS ignored:
     tokens/s (wall clock from submission to the last token), against
     transformers on the same 16 prompts as one left-padded static batch and
     one at a time.
-Prints a table, then one JSON line (medians over --runs).
+Targets (each a ratio of two sides of the same run): decode, prefill and the 16
+concurrent requests (against the static batch) at least as fast as transformers.
+Prints a table, then one JSON line (medians over --runs, and "targets"); --record
+keeps it in benchmarks/results/engine.json.
 
-    python benchmarks/engine.py [--runs 3] [--threads 2]
+    python benchmarks/engine.py [--runs 3] [--threads 2] [--record]
 """
 
 from __future__ import annotations
@@ -23,6 +26,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.results import add_record_arg, emit, target  # noqa: E402
 
 NEW_TOKENS = 128
 NUM_CONCURRENT = 16
@@ -156,6 +163,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3, help="repetitions; medians are reported")
     ap.add_argument("--threads", type=int, default=2, help="torch threads per side")
     ap.add_argument("--side", choices=("ours", "hf"), help=argparse.SUPPRESS)
+    add_record_arg(ap)
     args = ap.parse_args()
     if args.side:
         import torch
@@ -185,7 +193,10 @@ def main() -> None:
     print(f"{'metric':42} {'tokenrelay':>11} {'transformers':>13} {'ratio':>7}")
     for name, a, b in rows:
         print(f"{name:42} {med[a]:11.1f} {med[b]:13.1f} {med[a] / med[b]:7.2f}")
-    print(json.dumps({k: round(v, 2) for k, v in med.items()}))
+    payload: dict[str, object] = {k: round(v, 2) for k, v in med.items()}
+    payload["targets"] = {k: target(payload[k], ">=", 1.0)
+                          for k in ("decode_ratio", "prefill_ratio", "concurrent_vs_static")}
+    emit("engine", payload, args)
 
 
 if __name__ == "__main__":

@@ -27,19 +27,20 @@ Then a shedding test: one more gateway with --max-queue-depth 16 on a key prefix
 worker serves; 16 calls fill its queue, then 500 calls at once are refused
 (RESOURCE_EXHAUSTED) and each refusal's latency is measured.
 
-Prints a table, "TARGETS FAILED: ..." if any target fails, and one JSON line last; writes
-a PNG (gateway and Redis CPU per 1k tokens against S). Exit status 0 even when a target
+Prints a table, "TARGETS FAILED: ..." if any target fails, and one JSON line last (the
+targets under "targets"); writes a PNG (gateway and Redis CPU per 1k tokens against S).
+--record keeps the JSON line in benchmarks/results/fleet.json, except after --quick: a
+smoke run is never recorded. Exit status 0 even when a target
 fails; 1 on lost/duplicated/mismatched tokens, 2 when a process crashed.
 
     python benchmarks/fleet.py [--quick] [--points 2x64,8x256] [--output-lens 64,4096]
-        [--window-s 15] [--warmup-s 5] [--token-budget 3000] [--gateways 2] [--plot PATH]
+        [--window-s 15] [--warmup-s 5] [--token-budget 3000] [--gateways 2] [--plot PATH] [--record]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import os
 import platform
@@ -71,6 +72,7 @@ from benchmarks.fleet_stats import (  # noqa: E402
     headline,
     redis_counters,
 )
+from benchmarks.results import add_record_arg, emit  # noqa: E402
 from gateway.redis_server import EmbeddedRedis  # noqa: E402
 from protos.convert import build_request  # noqa: E402
 from protos.tokenrelay.v1 import generate_pb2_grpc  # noqa: E402
@@ -314,6 +316,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--shed-burst", type=int, help=f"calls fired at the full queue (default {SHED_BURST})")
     p.add_argument("--plot", type=Path, default=ROOT / "benchmarks" / "fleet.png", help="PNG to write")
     p.add_argument("--keep-logs", action="store_true", help="keep the children's logs (kept on a crash)")
+    add_record_arg(p)
     args = p.parse_args(argv)
     quick = args.quick
     args.points = args.points or list(QUICK_POINTS if quick else FULL_POINTS)
@@ -406,13 +409,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"logs: {log_dir}")
     else:
         shutil.rmtree(log_dir, ignore_errors=True)
-    failed = [k for k, t in summary["targets"].items() if t["passed"] is False]
-    unmeasured = [k for k, t in summary["targets"].items() if t["passed"] is None]
+    failed = [k for k, t in summary["targets"].items() if t["met"] is False]
+    unmeasured = [k for k, t in summary["targets"].items() if t["met"] is None]
     if unmeasured:
         print(f"TARGETS NOT MEASURED: {', '.join(unmeasured)}")
     if failed:
         print(f"TARGETS FAILED: {', '.join(failed)}")
-    print(json.dumps(rounded(summary)))
+    emit("fleet", rounded(summary), args, smoke="--quick smoke run" if args.quick else None)
     if is_crashed:
         return 2
     return 1 if summary["lost"] or summary["duplicated"] or summary["mismatched"] else 0

@@ -10,6 +10,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from benchmarks.results import target
+
 TokenIds = Callable[[int, int, int], list[int]]  # (seed, start, count) -> ids, as sim_token_ids
 TokenText = Callable[[int], str]  # token id -> its text, as sim_text
 
@@ -221,30 +223,27 @@ def headline(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-# name -> (limit as text, passes(value))
-TARGETS: dict[str, tuple[str, Callable[[float], bool]]] = {
-    "redis_bytes_per_token": ("<= 250", lambda v: v <= 250),
-    "bytes_per_token_ratio_4096_vs_64": ("<= 1.5", lambda v: v <= 1.5),
-    "gateway_cpu_growth_64_to_1024": ("<= 1.3", lambda v: v <= 1.3),
-    "redis_cpu_growth_64_to_1024": ("<= 1.3", lambda v: v <= 1.3),
-    "gateway_cpu_s_per_1k_tokens": ("<= 0.05", lambda v: v <= 0.05),
-    "redis_cpu_s_per_1k_tokens": ("<= 0.01", lambda v: v <= 0.01),
-    "added_itl_p99_ms": ("<= 20", lambda v: v <= 20),
-    "redis_cmds_per_token": ("<= 0.2", lambda v: v <= 0.2),
-    "reject_p99_ms": ("<= 20", lambda v: v <= 20),
-    "lost": ("== 0", lambda v: v == 0),
-    "duplicated": ("== 0", lambda v: v == 0),
-    "mismatched": ("== 0", lambda v: v == 0),
+# name -> (operator, limit)
+TARGETS: dict[str, tuple[str, float]] = {
+    "redis_bytes_per_token": ("<=", 250),
+    "bytes_per_token_ratio_4096_vs_64": ("<=", 1.5),
+    "gateway_cpu_growth_64_to_1024": ("<=", 1.3),
+    "redis_cpu_growth_64_to_1024": ("<=", 1.3),
+    "gateway_cpu_s_per_1k_tokens": ("<=", 0.05),
+    "redis_cpu_s_per_1k_tokens": ("<=", 0.01),
+    "added_itl_p99_ms": ("<=", 20),
+    "redis_cmds_per_token": ("<=", 0.2),
+    "reject_p99_ms": ("<=", 20),
+    "lost": ("==", 0),
+    "duplicated": ("==", 0),
+    "mismatched": ("==", 0),
 }
 
 
 def evaluate_targets(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Each target's value, limit and verdict (passed None: not measured in this run)."""
-    out = {}
-    for name, (limit, passes) in TARGETS.items():
-        value = summary.get(name)
-        out[name] = {"value": value, "limit": limit, "passed": None if value is None else passes(value)}
-    return out
+    """Each target's value, limit and verdict, as benchmarks/results.target (met None: not
+    measured in this run)."""
+    return {name: target(summary.get(name), op, limit) for name, (op, limit) in TARGETS.items()}
 
 
 COLUMNS = (  # (header, row key, format)

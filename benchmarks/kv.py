@@ -29,30 +29,36 @@ Every metric is compared within the same run. With --threads 2 on a 2-core host
 another busy process makes the two OpenMP threads wait on each other at every op
 (steps measured 5-7x slower than with one thread); time it on a quiet machine.
 
-    python benchmarks/kv.py [--runs 3] [--requests 48] [--new-tokens 48] [--threads 2]
+The JSON line carries these targets as "targets"; --record keeps it in
+benchmarks/results/kv.json.
+
+    python benchmarks/kv.py [--runs 3] [--requests 48] [--new-tokens 48] [--threads 2] [--record]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from protos.params import SamplingParams
-from worker.engine.config import EngineConfig
-from worker.engine.core import EngineCore
-from worker.engine.scheduler import Scheduler, SchedulerOutput
-from worker.factory import native_kernels, plan_kv_cache
-from worker.model.config import ModelConfig
-from worker.model.llama import KVCache, LlamaModel
-from worker.model.loader import default_model_path, load_model
-from worker.model.memory import weights_loading
-from worker.text.tokenizer import Tokenizer
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.results import add_record_arg, emit, target  # noqa: E402
+from protos.params import SamplingParams  # noqa: E402
+from worker.engine.config import EngineConfig  # noqa: E402
+from worker.engine.core import EngineCore  # noqa: E402
+from worker.engine.scheduler import Scheduler, SchedulerOutput  # noqa: E402
+from worker.factory import native_kernels, plan_kv_cache  # noqa: E402
+from worker.model.config import ModelConfig  # noqa: E402
+from worker.model.llama import KVCache, LlamaModel  # noqa: E402
+from worker.model.loader import default_model_path, load_model  # noqa: E402
+from worker.model.memory import weights_loading  # noqa: E402
+from worker.text.tokenizer import Tokenizer  # noqa: E402
 
 BUDGET_MB = 512
 MAX_MODEL_LEN = 2048
@@ -302,6 +308,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=48, help="chats in the burst")
     ap.add_argument("--new-tokens", type=int, default=48, help="greedy tokens per chat (EOS ignored)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
+    add_record_arg(ap)
     args = ap.parse_args()
     if min(args.runs, args.requests, args.new_tokens, args.threads) < 1:
         ap.error("--runs, --requests, --new-tokens and --threads must be >= 1")
@@ -323,8 +330,13 @@ def main() -> None:
     summary = summarize(results, config, plan.num_blocks, args.new_tokens, distinct, sum(map(len, prompts)))
     failures = check(results, args.requests, args.new_tokens)
     summary["is_correct"] = not failures
+    summary["targets"] = {"max_running": target(summary["max_running"], ">=", 40),
+                          "shared_prefix_computed_ratio": target(summary["shared_prefix_computed_ratio"],
+                                                                 "<=", 1.2),
+                          "tps_ratio": target(summary["tps_ratio"], ">=", 2),
+                          "is_correct": target(summary["is_correct"], "==", True)}
     print_table(summary)
-    print(json.dumps(summary))
+    emit("kv", summary, args)
     if failures:
         for f in failures:
             print(f"FAIL: {f}", file=sys.stderr)

@@ -8,19 +8,27 @@ ignored, chat template:
     change", prompts of >= 300 tokens: decode tokens/s (Usage.decode_time_s) and acceptance;
   * batch 1, open-ended: chat questions;
   * 16 concurrent requests (repetitive and open mixed): aggregate output tokens/s, wall clock.
-The output is the same on both sides (checked). Prints a table, then one JSON line (medians
-over --runs).
+The output is the same on both sides (checked: exit 1 after the JSON line otherwise). Targets:
+batch-1 repetitive >= 1.5x plain, open-ended and 16 concurrent >= 0.95x (speculation must not
+cost more than it saves where it cannot help), same output. Prints a table, then one JSON line
+(medians over --runs, the targets under "targets"); --record keeps it in
+benchmarks/results/speculative.json.
 
-    PYTHONPATH=. python benchmarks/speculative.py [--runs 3] [--max-tokens 128] [--k 4] [--threads 2]
+    python benchmarks/speculative.py [--runs 3] [--max-tokens 128] [--k 4] [--threads 2] [--record]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.results import add_record_arg, emit, target  # noqa: E402
 
 FRUITS = ["apple", "banana", "cherry", "date", "elderberry", "fig", "grape", "honeydew", "kiwi", "lemon",
           "mango", "nectarine", "orange", "papaya", "quince", "raspberry", "strawberry", "tangerine"]
@@ -134,6 +142,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
     ap.add_argument("--threads", type=int, default=2)
+    add_record_arg(ap)
     args = ap.parse_args()
 
     import torch
@@ -163,7 +172,15 @@ def main() -> None:
         "b1_open_speedup": round(med(True, "open_tps") / med(False, "open_tps"), 3),
         "acceptance_rate_repetitive": round(accepted / drafts, 3) if drafts else 0.0,
         "concurrent16_speedup": round(med(True, "c16_tps") / med(False, "c16_tps"), 3),
+        **{f"{key}_{side}": round(med(is_spec, key), 2) for key in ("rep_tps", "open_tps", "c16_tps")
+           for side, is_spec in (("plain", False), ("ngram", True))},
+        "same_output": same, "k": args.k, "max_tokens": args.max_tokens, "runs": args.runs,
+        "threads": args.threads, "weights": str(engine.weights),
     }
+    summary["targets"] = {"b1_repetitive_speedup": target(summary["b1_repetitive_speedup"], ">=", 1.5),
+                          "b1_open_speedup": target(summary["b1_open_speedup"], ">=", 0.95),
+                          "concurrent16_speedup": target(summary["concurrent16_speedup"], ">=", 0.95),
+                          "same_output": target(same, "==", True)}
     print(f"SmolLM2 {engine.weights}; k={args.k}, {args.max_tokens} new tokens, {args.runs} runs, "
           f"{args.threads} threads; repetitive prompts of {prompt_lens} tokens; same output: {same}")
     print(f"{'workload':<28}{'plain tok/s':>14}{'ngram tok/s':>14}{'speedup':>10}")
@@ -175,9 +192,9 @@ def main() -> None:
     for key in ("rep_tps", "open_tps", "c16_tps"):  # the spread behind the medians
         print(f"  {key} per run, plain/spec: " + ", ".join(
             f"{a[key]:.1f}/{b[key]:.1f}" for a, b in zip(results[False], results[True], strict=True)))
+    emit("speculative", summary, args)
     if not same:
         raise SystemExit("speculative output differs from plain decoding")
-    print(json.dumps(summary))
 
 
 if __name__ == "__main__":

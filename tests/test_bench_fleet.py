@@ -138,16 +138,16 @@ def test_headline_compares_the_largest_and_smallest_points() -> None:
     assert h["redis_cpu_growth_64_to_1024"] == pytest.approx(1.0)
     assert h["redis_cmds_per_token"] == 0.15
     targets = evaluate_targets({**h, "reject_p99_ms": 5.0, "lost": 0, "duplicated": 0, "mismatched": 1})
-    assert targets["redis_bytes_per_token"] == {"value": 240, "limit": "<= 250", "passed": True}
-    assert targets["gateway_cpu_growth_64_to_1024"]["passed"] is False
-    assert targets["mismatched"]["passed"] is False and targets["lost"]["passed"] is True
+    assert targets["redis_bytes_per_token"] == {"value": 240, "target": "<= 250", "met": True}
+    assert targets["gateway_cpu_growth_64_to_1024"]["met"] is False
+    assert targets["mismatched"]["met"] is False and targets["lost"]["met"] is True
 
 
 def test_one_point_measures_no_growth_and_a_crashed_point_is_left_out() -> None:
     rows = [make_point(64, 64), make_point(256, 64, error="worker-0 exited with 1")]
     h = headline(rows)
     assert h["gateway_cpu_growth_64_to_1024"] is None and h["bytes_per_token_ratio_4096_vs_64"] is None
-    assert evaluate_targets(h)["gateway_cpu_growth_64_to_1024"]["passed"] is None
+    assert evaluate_targets(h)["gateway_cpu_growth_64_to_1024"]["met"] is None
     table = format_table(rows)
     assert table.splitlines()[0].split()[:3] == ["W", "S", "len"]
     assert "CRASHED W=2 S=256 len=64: worker-0 exited with 1" in table
