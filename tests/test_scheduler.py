@@ -124,12 +124,28 @@ def test_out_of_blocks_preempts_the_newest_which_resumes_first_with_its_tokens()
     assert not out.prefills  # nothing is admitted in a step that preempted
     new = s.waiting[0]
     assert new.request_id == "new" and new.status is SequenceStatus.WAITING and s.num_preemptions == 1
-    assert new.num_computed_tokens == 0 and new.num_resumed == len(new.output_ids) == 5
+    assert new.num_computed_tokens == 0 and new.num_recomputed_tokens == len(new.output_ids) == 5
     assert new.prefill_ids == list(range(20, 28)) + [100, 101, 102, 102, 102]
     assert not s.kv.has("new") and s.kv.num_free_blocks == 2  # new's 3 freed, old took one
     s.finish(s.running["old"], FinishReason.EOS)
     out = s.schedule()  # resumed ahead of "later"; old's new block evicted new's tail block, not its head
     assert chunks(out)[0] == ("new", 8, 5) and out.prefills[0].is_last
+
+
+def test_a_preempted_resumed_request_recomputes_its_carried_over_and_its_own_tokens() -> None:
+    s = make_scheduler(num_blocks=4, block_size=4)
+    s.add(make_seq("old", 3, prompt=[7, 8, 9]))  # 1 block
+    seq = make_seq("r", 4, prompt=[1, 2, 3, 4])
+    seq.output_ids, seq.num_carried_over_tokens = [50, 51], 2  # streamed by an earlier worker
+    s.add(seq)
+    out = s.schedule()
+    assert chunks(out) == [("old", 0, 3), ("r", 0, 6)]  # the carried-over tokens are prefilled
+    for token in (60, 61, 62):
+        run(s, out, token)
+        out = s.schedule()
+    assert out.preempted == [seq]  # 9 tokens need a 3rd block; old took the last one
+    assert (seq.num_carried_over_tokens, seq.num_recomputed_tokens) == (2, 3)
+    assert seq.prefill_ids == [1, 2, 3, 4, 50, 51, 60, 61, 62] and seq.num_prefill_tokens == 9
 
 
 def test_a_prompt_whose_prefix_another_request_computes_now_waits_one_step_for_the_hit() -> None:

@@ -105,7 +105,7 @@ class EngineCore:
                         stopping=StoppingCriteria(params, self.eos_token_ids, params.max_tokens),
                         cache_scope=cache_scope,
                         arrival_time=arrival_time if arrival_time is not None else time.time(),
-                        output_ids=list(resume_ids), num_resumed=len(resume_ids))
+                        output_ids=list(resume_ids), num_carried_over_tokens=len(resume_ids))
 
     def abort(self, request_id: str) -> None:
         """Thread-safe; takes effect at the start of the next step."""

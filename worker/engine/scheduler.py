@@ -137,7 +137,8 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         seq.spec.draft_ids = []
-        seq.num_resumed = len(seq.output_ids)  # prefilled next time, then decoding goes on
+        # prefilled next time with the carried-over tokens, then decoding goes on
+        seq.num_recomputed_tokens = len(seq.output_ids) - seq.num_carried_over_tokens
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
         log.info("preempted %s (%d tokens) for lack of KV blocks; %d preemptions so far",

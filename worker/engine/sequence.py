@@ -50,10 +50,10 @@ class Sequence:
     cache_scope: bytes = b""
     arrival_time: float = field(default_factory=time.time)  # unix seconds
     output_ids: list[int] = field(default_factory=list)
-    # Output tokens prefilled with the prompt, not decoded: those an earlier worker
-    # generated (a resumed request) or, after a preemption, all generated so far.
-    # They count as output (penalties, max_tokens, usage).
-    num_resumed: int = 0
+    # Output tokens that prefill computes with the prompt instead of decoding them; they count
+    # as output all the same (penalties, max_tokens, usage). Two kinds, in this order in output_ids:
+    num_carried_over_tokens: int = 0  # generated and streamed by an earlier worker (a resumed request)
+    num_recomputed_tokens: int = 0  # generated here before the last preemption (Scheduler._preempt)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # leading prompt tokens found in the prefix cache at first admission
@@ -70,12 +70,12 @@ class Sequence:
 
     @property
     def num_prefill_tokens(self) -> int:
-        return len(self.prompt_ids) + self.num_resumed
+        return len(self.prompt_ids) + self.num_carried_over_tokens + self.num_recomputed_tokens
 
     @property
     def prefill_ids(self) -> list[int]:
-        """What prefill computes: the prompt plus any resumed output."""
-        return self.prompt_ids + self.output_ids[:self.num_resumed]
+        """What prefill computes: the prompt, then the carried-over and the recomputed output."""
+        return self.prompt_ids + self.output_ids[:self.num_carried_over_tokens + self.num_recomputed_tokens]
 
     @property
     def is_prefilled(self) -> bool:
