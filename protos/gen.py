@@ -1,7 +1,12 @@
-"""Generate the Python protobuf/gRPC stubs from the .proto files.
+"""Generate the Python protobuf/gRPC stubs from the .proto files: `make protos` after editing one.
 
-The stubs are build output, not source: `make` runs this after installing, and
-`tests/test_protos.py` fails if the stubs on disk differ from a fresh run.
+The stubs are committed, not built: a clean clone, its sdist and its wheel hold them, so
+`pip wheel .` needs no grpcio-tools (a 2.5 MB build dependency with protoc inside, and a
+custom setuptools step) and an installed package imports exactly the code that was reviewed.
+`tests/test_protos.py` fails when they differ from a fresh run of this (a .proto edited
+without `make protos`); the dev extra pins grpcio-tools so that a fresh run is byte-identical.
+The gencode checks the runtime at import: protobuf >= its `Protobuf Python Version` and
+grpcio >= its GRPC_GENERATED_VERSION, the lower bounds in pyproject.toml's dependencies.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import re
+import tomllib
 
 import pytest
 import redis
@@ -29,6 +31,17 @@ from protos.tokenrelay.v1 import generate_pb2
 
 def test_generated_stubs_match_the_protos() -> None:
     assert gen.drift() == []
+
+
+def test_the_runtime_lower_bounds_are_the_versions_the_committed_stubs_require() -> None:
+    """Each stub refuses to import on an older protobuf or grpcio than it was generated for."""
+    project = tomllib.loads((gen.ROOT / "pyproject.toml").read_text())["project"]
+    bounds = dict(re.fullmatch(r"([\w-]+)>=([\d.]+)", d).groups()  # type: ignore[union-attr]
+                  for d in project["dependencies"] if d.startswith(("protobuf>=", "grpcio>=")))
+    for stub in sorted(gen.PROTO_DIR.glob("*_pb2.py")):
+        assert f"# Protobuf Python Version: {bounds['protobuf']}\n" in stub.read_text(), stub.name
+    for stub in sorted(gen.PROTO_DIR.glob("*_pb2_grpc.py")):
+        assert f"GRPC_GENERATED_VERSION = '{bounds['grpcio']}'\n" in stub.read_text(), stub.name
 
 
 def test_unset_fields_take_the_documented_defaults() -> None:
