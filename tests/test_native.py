@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import platform
 import re
@@ -283,14 +284,17 @@ def test_a_compile_error_falls_back(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         load_native_kernels.cache_clear()
 
 
-def test_an_unwritable_cache_folder_falls_back_to_the_temp_folder(tmp_path: Path,
+# as os.mkdir fails there: a folder of another user's, or a read-only root file system (a locked-down pod)
+@pytest.mark.parametrize("error", [PermissionError(errno.EACCES, "Permission denied"),
+                                   OSError(errno.EROFS, "Read-only file system")])
+def test_an_unwritable_cache_folder_falls_back_to_the_temp_folder(tmp_path: Path, error: OSError,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     locked = tmp_path / "read-only-home"
     real_build = native._build
 
     def build(sources: tuple[Path, ...], cache_dir: Path) -> Path:
-        if cache_dir.is_relative_to(locked):  # as os.mkdir fails there for a non-root user
-            raise PermissionError(13, "Permission denied", str(cache_dir))
+        if cache_dir.is_relative_to(locked):
+            raise error
         return real_build(sources, cache_dir)
 
     monkeypatch.setattr(native, "_build", build)

@@ -170,7 +170,7 @@ def load_native_kernels(cache_dir: Path | None = None) -> NativeKernels | None:
     try:
         try:
             path = _build(SOURCES, cache_dir or _default_cache_dir())
-        except PermissionError:  # a read-only home (containers, CI): build in the temp folder instead
+        except OSError:  # an unwritable or read-only home (containers, CI): build in the temp folder instead
             path = _build(SOURCES, Path(tempfile.gettempdir()) / f"tokenrelay-kernels-{os.getuid()}")
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError, RuntimeError) as e:
