@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= What is the capital of France? Answer in one sentence.
 
-.PHONY: demo serve test lint deploy-check bench-engine bench-kv bench-e2e bench-fleet bench-llamacpp bench-speculative chaos protos clean
+.PHONY: demo serve test lint deploy-check bench-engine bench-kv bench-e2e bench-fleet bench-llamacpp bench-speculative bench-batch-invariance docs chaos protos clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,13 +28,13 @@ serve: $(STAMP)  ## keep the stack up (Ctrl-C to stop)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
-	$(BIN)/ruff check protos gateway worker tests benchmarks
+	$(BIN)/ruff check protos gateway worker tests benchmarks docs
 	$(BIN)/mypy protos gateway worker
 	$(BIN)/lint-imports
 	$(BIN)/yamllint --strict -c deploy/.yamllint deploy
 
 lint: $(STAMP)
-	$(BIN)/ruff check protos gateway worker tests benchmarks
+	$(BIN)/ruff check protos gateway worker tests benchmarks docs
 	$(BIN)/mypy protos gateway worker
 	$(BIN)/lint-imports
 	$(BIN)/yamllint --strict -c deploy/.yamllint deploy
@@ -44,22 +44,30 @@ deploy-check: $(STAMP)  ## validate deploy/ offline (k8s overlays, KEDA/ServiceM
 	$(BIN)/python -m pytest -q -p no:logging tests/test_deploy_k8s.py tests/test_redis_tls.py
 
 bench-engine: $(STAMP)
-	$(BIN)/python benchmarks/engine.py
+	$(BIN)/python benchmarks/engine.py --record
 
 bench-kv: $(STAMP)  ## paged KV cache: 48 chats with one system prompt, prefix caching on vs off
-	$(BIN)/python benchmarks/kv.py
+	$(BIN)/python benchmarks/kv.py --record
 
 bench-e2e: $(STAMP)
-	$(BIN)/python benchmarks/e2e.py
+	$(BIN)/python benchmarks/e2e.py --record
 
 bench-fleet: $(STAMP)  ## G gateways + W sim workers + Redis (AOF), S streams; FLEET_ARGS=--quick for a smoke run
-	$(BIN)/python benchmarks/fleet.py $(FLEET_ARGS)
+	$(BIN)/python benchmarks/fleet.py --record $(FLEET_ARGS)
 
 bench-llamacpp: $(STAMP)  ## vs llama.cpp on the same GGUF; needs the llamacpp extra (it says how to install it)
-	$(BIN)/python benchmarks/llamacpp.py
+	$(BIN)/python benchmarks/llamacpp.py --record
 
 bench-speculative: $(STAMP)  ## --speculative ngram vs plain decoding on SmolLM2 (repetitive, open, 16 concurrent)
-	$(BIN)/python benchmarks/speculative.py
+	$(BIN)/python benchmarks/speculative.py --record
+
+bench-batch-invariance: $(STAMP)  ## seeded and greedy requests alone vs in a busy batch: no token may change
+	$(BIN)/python benchmarks/batch_invariance.py --record
+
+# Each bench-* target above records its run in benchmarks/results/<name>.json (--record);
+# this renders them, with the flags of every command, into the docs.
+docs: $(STAMP)  ## regenerate docs/configuration.md, docs/performance.md and README.md's headline table
+	$(BIN)/python docs/gen.py
 
 MINUTES ?= 5
 chaos: $(STAMP)  ## kill workers/gateways and restart Redis under streaming load for $(MINUTES) min; prints JSON
