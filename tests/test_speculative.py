@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from protos.params import SamplingParams
+from protos.params import FinishReason, SamplingParams
 from tests.factories import VOCAB, greedy, make_engine, make_hf_model, make_prompts, ours_from_hf
 from worker.engine.core import EngineCore
 from worker.engine.spec_policy import SpeculationPolicy
@@ -201,6 +201,44 @@ def test_stops_inside_an_accepted_run(model: LlamaModel) -> None:
         assert ids(got) == ids(want)
         assert engine.num_spec_accepted_tokens > 0
     assert len(ids(got)["r0"]) == 7
+
+
+class StopAt:
+    """A text-level stop (`Sequence.stop_text`, as TextEngine's stop strings) matching at token n."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.num_calls = n, 0
+
+    def __call__(self, token_id: int, reason: FinishReason | None) -> FinishReason | None:
+        self.num_calls += 1
+        return FinishReason.STOP if self.num_calls == self.n else reason
+
+
+def test_a_text_stop_inside_an_accepted_run_ends_it_there_as_in_plain_decoding(model: LlamaModel) -> None:
+    """The text-level stop is one of the engine's stop checks: a match at token n (inside a run
+    of accepted proposals) ends the request there, frees its blocks and drops the rest."""
+    prompts, params = make_prompts(3), greedy(20, ignore_eos=True)
+    ref = ids(run(make_engine(model), prompts, [params] * 3))
+    refs = [ref[f"r{i}"] for i in range(3)]
+    for engine in (make_engine(model), spec_engine(model, 8, oracle(prompts, refs))):
+        stops = [StopAt(3), StopAt(6), StopAt(99)]
+        for i, (prompt, stop) in enumerate(zip(prompts, stops, strict=True)):
+            seq = engine.new_sequence(f"r{i}", prompt, params)
+            seq.stop_text = stop
+            engine.submit(seq)
+        tokens: dict[str, list[int]] = {}
+        reasons: dict[str, FinishReason] = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.token is not None:
+                    tokens.setdefault(o.seq.request_id, []).append(o.token.token_id)
+                if o.finish_reason is not None:
+                    reasons[o.seq.request_id] = o.finish_reason
+        assert tokens == {"r0": refs[0][:3], "r1": refs[1][:6], "r2": refs[2]}
+        assert reasons == {"r0": FinishReason.STOP, "r1": FinishReason.STOP, "r2": FinishReason.LENGTH}
+        assert [s.num_calls for s in stops] == [3, 6, 20]  # once per token, none after a stop
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert engine.num_spec_accepted_tokens > 0
 
 
 def test_preempted_and_resumed_requests_continue_identically(model: LlamaModel) -> None:

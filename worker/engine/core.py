@@ -1,19 +1,21 @@
 """The engine core: token ids in, token ids out (no Redis, no text).
 
-`step()` = apply aborts → schedule → run the model → postprocess. Aborts are
-collected between steps (thread-safe) and applied at the start of the next, so
-an aborted request frees its KV blocks within one step. Only after the model
-has run does the scheduler count the step's tokens as computed and hash the
-blocks they filled (`Scheduler.commit`: a failed step caches nothing).
+`step()` = apply aborts → propose → schedule → run the model → accept. Aborts
+are collected between steps (thread-safe) and applied at the start of the next,
+so an aborted request frees its KV blocks within one step. `_accept` is the one
+place a step's tokens join their sequences: append, stop checks (the text-level
+stop a TextEngine attaches included), commit, free the finished; only after the
+model has run does the scheduler count the step's tokens as computed and hash
+the blocks they filled (`Scheduler.commit`: a failed step caches nothing).
 
 With speculation on (`num_speculative_tokens` > 0), a running sequence may get
 proposals (n-gram, or a draft model's) before scheduling; the runner returns the
-target's token at each of its k + 1 positions, postprocess emits the accepted
+target's token at each of its k + 1 positions, and accept keeps the accepted
 proposals plus the target's next token (one EngineOutput per token, a stop inside
-the run drops the rest), and only then does commit count them: the computed-token
-count advances by what was accepted and the blocks reserved past it go back
-(speculative.py explains why the output is the same as without). The step's
-seconds and its rows feed the policy's cost model (spec_policy.py).
+the run drops the rest); commit then advances the computed-token count by what
+was kept and hands the blocks reserved past it back (speculative.py explains why
+the output is the same as without). The step's seconds and its rows feed the
+policy's cost model (spec_policy.py).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from protos.params import FinishReason, SamplingParams
 from worker.engine.kv_manager import KVCacheManager
 from worker.engine.model_runner import ModelRunner, SampledToken
 from worker.engine.outputs import context_overflow
-from worker.engine.scheduler import Scheduler
+from worker.engine.scheduler import Scheduler, SchedulerOutput
 from worker.engine.sequence import Sequence, sampled_sequences
 from worker.engine.spec_policy import SpeculationPolicy
 from worker.engine.speculative import NgramProposer, Proposer, num_accepted
@@ -43,8 +45,9 @@ class EngineOutput:
     """One token one step produced for one request (a verified run gives several, in order)."""
 
     seq: Sequence
-    token: SampledToken | None  # None when the request ended without a new token (abort)
-    finish_reason: FinishReason | None = None
+    token: SampledToken | None  # None when the request ended without a new token (abort, error)
+    finish_reason: FinishReason | None = None  # set on a request's last output
+    error: str | None = None  # set with FinishReason.ERROR
 
 
 class EngineCore:
@@ -112,21 +115,6 @@ class EngineCore:
         with self._lock:
             self._aborts.add(request_id)
 
-    def finish(self, request_id: str, reason: FinishReason) -> None:
-        """End a request now (e.g. a stop string matched); call between steps only."""
-        seq = self.scheduler.find(request_id)
-        if seq is not None:
-            self.scheduler.finish(seq, reason)
-
-    def stop_at(self, seq: Sequence, num_output_tokens: int, reason: FinishReason) -> None:
-        """A stop string matched at output token `num_output_tokens` (maybe inside a verified run,
-        which the engine may already have ended later, e.g. at EOS): drop the tokens after it."""
-        del seq.output_ids[num_output_tokens:]
-        if seq.is_finished:
-            seq.finish_reason = reason
-        else:
-            self.scheduler.finish(seq, reason)
-
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._aborts)
 
@@ -142,13 +130,7 @@ class EngineCore:
         targets = self.runner.run(sched.prefills, sched.decodes)
         if self.spec is not None and not sched.prefills:  # what the policy weighs proposals with
             self.spec.record_step(self.num_step_decode_tokens, time.perf_counter() - start)
-        new, finished = self._postprocess(sampled_sequences(sched.prefills, sched.decodes), targets)
-        self.scheduler.commit(sched)  # after the accepted tokens joined output_ids
-        for seq, reason, error in finished:
-            self.scheduler.finish(seq, reason, error)
-        if self.spec is not None:
-            self.proposer.retain(self.scheduler.running)  # the finished and the preempted
-        return outputs + new
+        return outputs + self._accept(sched, targets)
 
     def _propose(self) -> None:
         """This step's proposals for the running decodes (see SpeculationPolicy for who gets any)."""
@@ -179,32 +161,60 @@ class EngineCore:
                 outputs.append(EngineOutput(seq, None, FinishReason.ABORT))
         return outputs
 
-    def _postprocess(self, seqs: list[Sequence], targets: list[list[SampledToken]]
-                     ) -> tuple[list[EngineOutput], list[tuple[Sequence, FinishReason, str | None]]]:
-        """Append each sequence's accepted tokens; a stop ends its run. Returns the outputs and
-        who finishes (after commit, so the blocks this step filled are cached first)."""
+    def _accept(self, sched: SchedulerOutput, targets: list[list[SampledToken]]) -> list[EngineOutput]:
+        """Accept what the model sampled this step: the one place a step's tokens join their
+        sequences, in this order.
+
+        1. Each sequence that got tokens, in the runner's order (prompts completed by their
+           chunk, then the decodes), keeps its accepted proposals and then the target's own
+           next token (`_verify`). They are appended one at a time, each followed by the stop
+           checks (`_append`); the first stop ends the sequence's run and drops the rest.
+        2. `Scheduler.commit`: the kept tokens' K/V count as computed, the blocks they filled
+           become findable, and blocks reserved for rejected proposals go back.
+        3. The sequences that stopped are finished and their blocks freed (after the commit,
+           so the blocks they filled are cached first).
+        4. The proposer forgets whoever no longer runs (finished or preempted).
+
+        Returns one EngineOutput per appended token, plus one for a token refused as non-finite.
+        """
         now = time.time()
         outputs: list[EngineOutput] = []
-        finished: list[tuple[Sequence, FinishReason, str | None]] = []
-        for seq, toks in zip(seqs, targets, strict=True):
-            draft, seq.spec.draft_ids = seq.spec.draft_ids, []
-            n = num_accepted(draft, [t.token_id for t in toks]) if draft else 0
-            if draft and self.spec is not None:
-                self.spec.update(seq.spec, len(draft), n)
-                self.num_spec_drafts += 1
-                self.num_spec_draft_tokens += len(draft)
-                self.num_spec_accepted_tokens += n
-            for tok in toks[:n + 1]:  # the accepted proposals, then the target's own token
-                if not tok.is_finite:
-                    finished.append((seq, FinishReason.ERROR, "the model produced non-finite logits"))
-                    outputs.append(EngineOutput(seq, None, FinishReason.ERROR))
-                    break
-                seq.output_ids.append(tok.token_id)
-                seq.first_token_time = seq.first_token_time or now
-                seq.last_token_time = now
-                reason = seq.stopping(tok.token_id, len(seq.output_ids))
-                outputs.append(EngineOutput(seq, tok, reason))
-                if reason is not None:
-                    finished.append((seq, reason, None))
+        for seq, toks in zip(sampled_sequences(sched.prefills, sched.decodes), targets, strict=True):
+            for tok in self._verify(seq, toks):
+                outputs.append(self._append(seq, tok, now))
+                if outputs[-1].finish_reason is not None:
                     break  # a stop inside an accepted run drops the rest
-        return outputs, finished
+        self.scheduler.commit(sched)
+        for out in outputs:
+            if out.finish_reason is not None:
+                self.scheduler.finish(out.seq, out.finish_reason, out.error)
+        if self.spec is not None:
+            self.proposer.retain(self.scheduler.running)
+        return outputs
+
+    def _verify(self, seq: Sequence, toks: list[SampledToken]) -> list[SampledToken]:
+        """The target's tokens `seq` keeps: the leading ones its proposals equal, then the target's
+        own next one (a plain decode or a prefill keeps its one token); counts the proposals."""
+        draft, seq.spec.draft_ids = seq.spec.draft_ids, []
+        n = num_accepted(draft, [t.token_id for t in toks]) if draft else 0
+        if draft and self.spec is not None:
+            self.spec.update(seq.spec, len(draft), n)
+            self.num_spec_drafts += 1
+            self.num_spec_draft_tokens += len(draft)
+            self.num_spec_accepted_tokens += n
+        return toks[:n + 1]
+
+    @staticmethod
+    def _append(seq: Sequence, tok: SampledToken, now: float) -> EngineOutput:
+        """Append one token, then check, in order: finite logits (else ERROR, nothing appended),
+        the token-level stop (EOS, a stop token, length: `Sequence.stopping`), then the text-level
+        stop a text engine attached (stop strings: `Sequence.stop_text`)."""
+        if not tok.is_finite:
+            return EngineOutput(seq, None, FinishReason.ERROR, "the model produced non-finite logits")
+        seq.output_ids.append(tok.token_id)
+        seq.first_token_time = seq.first_token_time or now
+        seq.last_token_time = now
+        reason = seq.stopping(tok.token_id, len(seq.output_ids))
+        if seq.stop_text is not None:
+            reason = seq.stop_text(tok.token_id, reason)
+        return EngineOutput(seq, tok, reason)

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from protos.params import FinishReason, SamplingParams
-from worker.engine.stopping import StoppingCriteria
+from worker.engine.stopping import StoppingCriteria, TextStop
 
 
 class SequenceStatus(enum.Enum):
@@ -46,6 +46,7 @@ class Sequence:
     params: SamplingParams
     seed: int  # resolved: params.seed or one drawn by the engine
     stopping: StoppingCriteria
+    stop_text: TextStop | None = None  # stop strings, checked on the text after `stopping`
     # Shares cached prompt blocks only with sequences of the same scope (b"": the unscoped default).
     cache_scope: bytes = b""
     arrival_time: float = field(default_factory=time.time)  # unix seconds

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 from protos.params import FinishReason, SamplingParams
 
@@ -34,6 +35,16 @@ class StoppingCriteria:
         if num_generated >= self.max_new_tokens:
             return FinishReason.LENGTH
         return None
+
+
+class TextStop(Protocol):
+    """A text-level stop check (stop strings) that the text engine attaches to a sequence; the
+    engine calls it after StoppingCriteria for each token it accepts (EngineCore._accept)."""
+
+    def __call__(self, token_id: int, reason: FinishReason | None) -> FinishReason | None:
+        """`reason`: the token-level stop of `token_id` (None: none); returns the stop that holds
+        once its text is known (a matched stop string: STOP)."""
+        ...
 
 
 class StopStringMatcher:

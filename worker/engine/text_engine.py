@@ -3,14 +3,17 @@
 The front half of the worker, like vLLM's input/output processors: the engine
 core only sees token ids; this class owns the tokenizer, chat templates,
 prompt truncation, incremental UTF-8-safe detokenization and stop strings
-(matched on text, so they span token boundaries; a match ends the request in
-the engine before the next step).
+(matched on text, so they span token boundaries). Each request's `_TextState`
+is its sequence's text-level stop (`Sequence.stop_text`): the engine calls it
+for every token it accepts, so the text is made, and a stop string ends the
+request, inside the engine's one accept step (EngineCore._accept); the text
+engine then only collects the step's tokens, text and logprobs.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from protos.params import (
     ChatMessage,
@@ -32,9 +35,30 @@ __all__ = ["EngineStats", "TextEngine"]  # EngineStats lives in outputs.py (no t
 
 @dataclass
 class _TextState:
+    """One request's text side; called by the engine for each accepted token (a TextStop)."""
+
     detokenizer: IncrementalDetokenizer
     matcher: StopStringMatcher | None
     truncated_prompt_tokens: int
+    deltas: list[str] = field(default_factory=list)  # text of the tokens accepted since `take_text`
+
+    def __call__(self, token_id: int, reason: FinishReason | None) -> FinishReason | None:
+        """Detokenize a token (flushing at a token-level stop); STOP once a stop string matched."""
+        delta = self.detokenizer.add([token_id])
+        if reason is not None:
+            delta += self.detokenizer.flush()
+        if self.matcher is not None:
+            delta, is_stopped = self.matcher.feed(delta)
+            if is_stopped:
+                reason = FinishReason.STOP
+            elif reason is not None:
+                delta += self.matcher.flush()
+        self.deltas.append(delta)
+        return reason
+
+    def take_text(self) -> str:
+        text, self.deltas = "".join(self.deltas), []
+        return text
 
 
 class TextEngine:
@@ -70,21 +94,22 @@ class TextEngine:
         matcher = StopStringMatcher(params.stop) if params.stop else None
         detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=True)
         state = _TextState(detok, matcher, truncated)
-        text, reason = [], None
-        for i, token_id in enumerate(resumed):
-            delta, reason = self._advance_text(state, [token_id], seq.stopping(token_id, i + 1))
-            text.append(delta)
+        reason = None
+        for i, token_id in enumerate(resumed):  # the engine's stop checks, as if it had accepted them
+            reason = state(token_id, seq.stopping(token_id, i + 1))
             if reason is not None:
                 break
+        text = state.take_text()
         if resume is not None and resume.first_token_unix:
             seq.first_token_time = seq.last_token_time = resume.first_token_unix
         if reason is not None:  # it had already ended: only the final message is missing
             seq.finish_reason = reason
             self._ready.append(RequestOutput(request_id, finish_reason=reason, usage=self._usage(seq, state)))
         else:
+            seq.stop_text = state
             self.engine.submit(seq)
             self._states[request_id] = state
-        return Admitted(seq.seed, "".join(text))
+        return Admitted(seq.seed, text)
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
@@ -151,50 +176,24 @@ class TextEngine:
 
     # -- outputs ------------------------------------------------------------
     def _to_output(self, run: list[EngineOutput]) -> RequestOutput:
-        """One request's tokens from one step; a stop string matched inside them ends the request
-        there (the engine drops the tokens after it)."""
+        """One request's tokens from one step, and the text the engine's stop checks made of them
+        (`_TextState`); the engine's outputs for a request end at its stop, if any."""
         seq = run[0].seq
         state = self._states[seq.request_id]
         out = RequestOutput(seq.request_id)
-        reason: FinishReason | None = None
-        texts: list[str] = []
-        num_before = len(seq.output_ids) - sum(o.token is not None for o in run)
         for o in run:
-            reason = o.finish_reason
-            if o.token is None:
-                break
-            out.token_ids.append(o.token.token_id)
-            if seq.params.num_logprobs is not None:
-                out.logprobs = (out.logprobs or []) + self._logprobs(o)
-            delta, text_reason = self._advance_text(state, [o.token.token_id], reason)
-            texts.append(delta)
-            if text_reason is not None and reason is None:  # a stop string: end it before the next step
-                self.engine.stop_at(seq, num_before + len(out.token_ids), text_reason)
-            reason = text_reason
-            if reason is not None:
-                break
-        out.text = "".join(texts)
+            if o.token is not None:
+                out.token_ids.append(o.token.token_id)
+                if seq.params.num_logprobs is not None:
+                    out.logprobs = (out.logprobs or []) + self._logprobs(o)
+        out.text = state.take_text()
+        reason = run[-1].finish_reason
         if reason is not None:
             out.finish_reason = reason
             out.error = seq.error
             out.usage = self._usage(seq, state)
             del self._states[seq.request_id]
         return out
-
-    @staticmethod
-    def _advance_text(state: _TextState, token_ids: list[int],
-                      reason: FinishReason | None) -> tuple[str, FinishReason | None]:
-        """The text delta for new tokens, and the finish reason once a stop string matched."""
-        delta = state.detokenizer.add(token_ids)
-        if reason is not None:
-            delta += state.detokenizer.flush()
-        if state.matcher is not None:
-            delta, is_stopped = state.matcher.feed(delta)
-            if is_stopped:
-                reason = FinishReason.STOP
-            elif reason is not None:
-                delta += state.matcher.flush()
-        return delta, reason
 
     def _logprobs(self, o: EngineOutput) -> list[Logprobs]:
         tok = o.token
