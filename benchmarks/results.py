@@ -94,7 +94,8 @@ def make_record(name: str, payload: dict[str, Any], argv: list[str] | None = Non
             "git": git_info(), "cpu": cpu_info(), "command": command_line(argv), "payload": payload}
 
 
-def write_record(record: dict[str, Any], results_dir: Path = RESULTS_DIR) -> Path:
+def write_record(record: dict[str, Any], results_dir: Path | None = None) -> Path:
+    results_dir = results_dir or RESULTS_DIR
     results_dir.mkdir(parents=True, exist_ok=True)
     path = results_dir / f"{record['benchmark']}.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
