@@ -188,7 +188,8 @@ def family(sample: str) -> str:
 
 def test_documented_metrics_reads_the_table_rows_only() -> None:
     text = ("see `tokenrelay_not_in_a_row`\n| process | metric |\n"
-            "| gateway | `tokenrelay_a_total{reason}`, `grpc_server_b_total` | counter | `tokenrelay_meaning` |\n")
+            "| gateway | `tokenrelay_a_total{reason}`, `grpc_server_b_total` | counter "
+            "| `tokenrelay_meaning` |\n")
     assert documented_metrics(text) == {"tokenrelay_a_total", "grpc_server_b_total"}
 
 
