@@ -9,9 +9,11 @@ through a path line in a .pth file: a plain path, so that venv's editable finder
 .pth of its own) stays off and the wheel's files are what gets imported; the test checks that, and that
 every Requires-Dist (base and [worker]) is installed at a version it allows. Measured on this 2-core
 machine, installing them for real (`pip install tokenrelay-*.whl[worker] torch==2.13.0`, torch from the
-local wheel folder, the rest from pip's cache) took 24-32 s, but it writes a 1.1 GB venv that took
-another 21-92 s to delete on this disk (or 1.2 GB kept per run); the path line takes ~1 s. The whole
-module takes ~35 s, most of it compiling the kernels and loading the model.
+local wheel folder, the rest from pip's cache, the index still asked) took 24-32 s and writes a 1.1 GB
+venv, which took 1.3 s to delete on an idle machine but 21-92 s while other tests ran (one such run of
+this module: 157 s); keeping it instead costs 1.2 GB a run. The path line takes ~1 s, and the module
+~25 s, most of it compiling the kernels and loading the model. A full install of the wheel, its
+dependencies resolved by pip, is what the images do (deploy/Dockerfile.*).
 """
 
 from __future__ import annotations
