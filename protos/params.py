@@ -17,6 +17,11 @@ MAX_STOP_STRING_CHARS = 256
 MAX_TOP_LOGPROBS = 20
 MAX_SEED = 2**64 - 1  # the whole uint64 range of the proto field
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+# ResponseFormat (generate.proto): the kinds, and the caps that keep one format's compilation
+# on a worker bounded (a 1,000-property schema is ~30 KB and compiles in well under a second).
+RESPONSE_FORMAT_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
+MAX_RESPONSE_FORMAT_BYTES = 64 * 1024  # schema, regex, grammar, or all choices together
+MAX_CHOICES = 256
 
 
 class FinishReason(enum.Enum):
@@ -34,6 +39,39 @@ def _check_range(name: str, value: float, lo: float, hi: float, *, lo_open: bool
     if not ok or math.isnan(value):
         left = "(" if lo_open else "["
         raise ValueError(f"{name} must be in {left}{lo}, {hi}], got {value}")
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    """A constraint on the generated text (GenerateRequest.response_format). Validated on construction;
+    `protos.response_format.check_response_format` adds the checks that parse the text."""
+
+    kind: str  # one of RESPONSE_FORMAT_KINDS
+    text: str = ""  # the JSON Schema, the regex or the grammar; "" for json_object and choice
+    choices: tuple[str, ...] = ()  # choice only
+    is_strict: bool = False  # json_schema: JsonSchema.strict
+
+    def __post_init__(self) -> None:
+        if self.kind not in RESPONSE_FORMAT_KINDS:
+            raise ValueError(f"response_format must be one of {', '.join(RESPONSE_FORMAT_KINDS)}, "
+                             f"got {self.kind!r}")
+        path = self.field_path
+        if self.kind in ("json_schema", "regex", "grammar") and not self.text:
+            raise ValueError(f"{path} must not be empty")
+        if self.kind == "choice":
+            if not 1 <= len(self.choices) <= MAX_CHOICES:
+                raise ValueError(f"{path} needs 1..{MAX_CHOICES} strings, got {len(self.choices)}")
+            if not all(self.choices):
+                raise ValueError(f"{path} must not hold an empty string")
+        num_bytes = len(self.text.encode()) + sum(len(c.encode()) for c in self.choices)
+        if num_bytes > MAX_RESPONSE_FORMAT_BYTES:
+            raise ValueError(f"{path} is {num_bytes} bytes; the limit is {MAX_RESPONSE_FORMAT_BYTES}")
+
+    @property
+    def field_path(self) -> str:
+        """The proto field that holds the format's text, for error messages."""
+        inner = {"json_schema": "json_schema.schema", "choice": "choice.choices"}.get(self.kind, self.kind)
+        return f"response_format.{inner}"
 
 
 @dataclass(frozen=True)
@@ -58,6 +96,7 @@ class SamplingParams:
     # GenerateRequest.priority: larger = served earlier. Its class picks the request stream
     # (protos/keys.py); the engine preempts the lowest priority first.
     priority: int = 0
+    response_format: ResponseFormat | None = None  # structured output; None = free text
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -133,6 +172,7 @@ class Usage:
     cached_prompt_tokens: int = 0
     num_draft_tokens: int = 0  # speculative decoding: tokens proposed for verification
     num_accepted_tokens: int = 0  # of those, accepted (they equal the target's own tokens)
+    is_constrained: bool = False  # the request had a response_format
 
 
 @dataclass

@@ -12,6 +12,7 @@ import torch
 from worker.engine.config import EngineConfig
 from worker.engine.core import EngineCore
 from worker.engine.draft import DraftProposer
+from worker.engine.grammar import GrammarCompiler, xgr
 from worker.engine.kv_manager import KVCacheManager
 from worker.engine.text_engine import TextEngine
 from worker.model.config import ModelConfig
@@ -106,10 +107,21 @@ def build_text_engine(config: EngineConfig) -> TextEngine:
                         max_model_len=plan.max_model_len, max_num_seqs=config.max_num_seqs,
                         max_prefill_tokens=config.max_prefill_tokens, eos_token_ids=eos,
                         kv_cache_dtype=plan.dtype, enable_prefix_caching=config.enable_prefix_caching,
-                        num_speculative_tokens=num_spec, proposer=proposer)
+                        num_speculative_tokens=num_spec, proposer=proposer,
+                        grammar=build_grammar_compiler(tokenizer, model_config.vocab_size, eos))
     weights = model.quantization_summary + (f"; draft {draft.quantization_summary}" if draft else "")
     return TextEngine(engine, tokenizer, model_name=path.stem if path.is_file() else path.name,
                       weights=weights)
+
+
+def build_grammar_compiler(tokenizer: Tokenizer, vocab_size: int,
+                           eos: frozenset[int]) -> GrammarCompiler | None:
+    """The compiler of response formats over this vocabulary (vocab_size: the logits' width);
+    None without xgrammar (the structured extra), and then constrained requests are refused."""
+    if xgr is None:
+        log.warning("xgrammar is not installed: requests with a response_format will be refused")
+        return None
+    return GrammarCompiler(tokenizer.encoded_vocab()[:vocab_size], vocab_size, eos)
 
 
 def build_draft_model(config: EngineConfig, target: LlamaModel, tokenizer: Tokenizer) -> LlamaModel:

@@ -16,6 +16,11 @@ the run drops the rest); commit then advances the computed-token count by what
 was kept and hands the blocks reserved past it back (speculative.py explains why
 the output is the same as without). The step's seconds and its rows feed the
 policy's cost model (spec_policy.py).
+
+A request with a response_format (grammar.py) waits outside the scheduler until its format is
+compiled (on a background thread), then joins the queue with its matcher fed the tokens it
+already has; the runner masks its rows, and accept advances its matcher with each kept token.
+A compile error fails only that request (`Sequence.is_invalid_request`: INVALID_ARGUMENT).
 """
 
 from __future__ import annotations
@@ -24,11 +29,14 @@ import random
 import threading
 import time
 from collections.abc import Sequence as Seq
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_for_futures
 from dataclasses import dataclass
 
 import torch
 
 from protos.params import FinishReason, SamplingParams
+from worker.engine.grammar import Constraint, GrammarCompiler
 from worker.engine.kv_manager import KVCacheManager
 from worker.engine.model_runner import ModelRunner, SampledToken
 from worker.engine.outputs import context_overflow
@@ -38,6 +46,9 @@ from worker.engine.spec_policy import SpeculationPolicy
 from worker.engine.speculative import NgramProposer, Proposer, num_accepted
 from worker.engine.stopping import StoppingCriteria
 from worker.model.llama import KVCache, LlamaModel
+
+# How long an idle engine waits for a compiling format before its caller's loop goes on.
+COMPILE_WAIT_S = 0.05
 
 
 @dataclass
@@ -54,7 +65,8 @@ class EngineCore:
     def __init__(self, model: LlamaModel, *, num_blocks: int, block_size: int, max_model_len: int,
                  max_num_seqs: int, max_prefill_tokens: int, eos_token_ids: frozenset[int],
                  kv_cache_dtype: torch.dtype | None = None, enable_prefix_caching: bool = True,
-                 num_speculative_tokens: int = 0, proposer: Proposer | None = None) -> None:
+                 num_speculative_tokens: int = 0, proposer: Proposer | None = None,
+                 grammar: GrammarCompiler | None = None) -> None:
         self.model = model
         self.max_len = max_model_len
         self.eos_token_ids = eos_token_ids
@@ -67,6 +79,8 @@ class EngineCore:
         self.spec = SpeculationPolicy(num_speculative_tokens) if num_speculative_tokens > 0 else None
         self.proposer: Proposer = proposer or NgramProposer()
         self.num_spec_drafts = self.num_spec_draft_tokens = self.num_spec_accepted_tokens = 0
+        self.grammar = grammar  # None: response_format is refused (the structured extra is missing)
+        self.compiling: list[Sequence] = []  # constrained sequences whose format is not compiled yet
         self._aborts: set[str] = set()
         self._lock = threading.Lock()
 
@@ -86,7 +100,12 @@ class EngineCore:
         if len(seq.output_ids) >= seq.params.max_tokens:
             raise ValueError(f"resumed request {seq.request_id!r} already has max_tokens "
                              f"({seq.params.max_tokens}) tokens")
-        self.scheduler.add(seq)
+        if seq.constraint is None:
+            return self.scheduler.add(seq)
+        self.compiling.append(seq)
+        self._admit_compiled(wait_s=0.0)
+        if seq.is_finished:  # a format known to fail (cached)
+            raise ValueError(seq.error)
 
     def new_sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                      arrival_time: float | None = None, *, seed: int | None = None,
@@ -94,7 +113,7 @@ class EngineCore:
         """A validated Sequence, not queued (`add_request` queues it)."""
         if not prompt_ids:
             raise ValueError("prompt must contain at least one token")
-        if self.scheduler.find(request_id) is not None:
+        if self.scheduler.find(request_id) is not None or self._find_compiling(request_id) is not None:
             raise ValueError(f"request_id {request_id!r} is already running")
         if len(prompt_ids) + params.max_tokens > self.max_len:
             raise context_overflow(len(prompt_ids), params.max_tokens, self.max_len)
@@ -108,7 +127,40 @@ class EngineCore:
                         stopping=StoppingCriteria(params, self.eos_token_ids, params.max_tokens),
                         cache_scope=cache_scope,
                         arrival_time=arrival_time if arrival_time is not None else time.time(),
-                        output_ids=list(resume_ids), num_carried_over_tokens=len(resume_ids))
+                        output_ids=list(resume_ids), num_carried_over_tokens=len(resume_ids),
+                        constraint=self._constraint(params))
+
+    def _constraint(self, params: SamplingParams) -> Constraint | None:
+        """The request's format, compiling (or compiled: a cache hit) on the grammar thread."""
+        if params.response_format is None:
+            return None
+        if self.grammar is None:
+            raise ValueError("response_format: this worker has no grammar compiler (its structured "
+                             "extra, xgrammar, is not installed)")
+        return Constraint(self.grammar.compile(params.response_format))
+
+    def _find_compiling(self, request_id: str) -> Sequence | None:
+        return next((s for s in self.compiling if s.request_id == request_id), None)
+
+    def _admit_compiled(self, wait_s: float) -> list[EngineOutput]:
+        """Queue the sequences whose format is compiled now; fail those whose format does not
+        compile. Waits up to wait_s for one (the engine is idle otherwise)."""
+        if not self.compiling:
+            return []
+        if wait_s > 0 and not any(s.constraint.is_ready for s in self.compiling if s.constraint):
+            wait_for_futures([s.constraint.future for s in self.compiling if s.constraint], timeout=wait_s,
+                             return_when=FIRST_COMPLETED)
+        outputs = []
+        for seq in [s for s in self.compiling if s.constraint is not None and s.constraint.is_ready]:
+            self.compiling.remove(seq)
+            assert seq.constraint is not None
+            if seq.constraint.start(seq.output_ids):
+                self.scheduler.add(seq)
+            else:
+                seq.is_invalid_request = True
+                self.scheduler.finish(seq, FinishReason.ERROR, seq.constraint.error)
+                outputs.append(EngineOutput(seq, None, FinishReason.ERROR, seq.constraint.error))
+        return outputs
 
     def abort(self, request_id: str) -> None:
         """Thread-safe; takes effect at the start of the next step."""
@@ -116,10 +168,11 @@ class EngineCore:
             self._aborts.add(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._aborts)
+        return self.scheduler.has_unfinished() or bool(self._aborts) or bool(self.compiling)
 
     def step(self) -> list[EngineOutput]:
         outputs = self._apply_aborts()
+        outputs += self._admit_compiled(wait_s=0.0 if self.scheduler.has_unfinished() else COMPILE_WAIT_S)
         self._propose()
         sched = self.scheduler.schedule()
         self.num_step_prefill_tokens = sum(c.num_tokens for c in sched.prefills)
@@ -155,7 +208,9 @@ class EngineCore:
             aborts, self._aborts = self._aborts, set()
         outputs = []
         for request_id in aborts:
-            seq = self.scheduler.find(request_id)
+            seq = self.scheduler.find(request_id) or self._find_compiling(request_id)
+            if seq in self.compiling:
+                self.compiling.remove(seq)
             if seq is not None:
                 self.scheduler.finish(seq, FinishReason.ABORT)
                 outputs.append(EngineOutput(seq, None, FinishReason.ABORT))
@@ -208,13 +263,18 @@ class EngineCore:
     def _append(seq: Sequence, tok: SampledToken, now: float) -> EngineOutput:
         """Append one token, then check, in order: finite logits (else ERROR, nothing appended),
         the token-level stop (EOS, a stop token, length: `Sequence.stopping`), then the text-level
-        stop a text engine attached (stop strings: `Sequence.stop_text`)."""
+        stop a text engine attached (stop strings: `Sequence.stop_text`). A constrained sequence
+        advances its matcher first, and ends (EOS) once its format is complete."""
         if not tok.is_finite:
             return EngineOutput(seq, None, FinishReason.ERROR, "the model produced non-finite logits")
+        if seq.constraint is not None and not seq.constraint.accept(tok.token_id):
+            return EngineOutput(seq, None, FinishReason.ERROR, f"the format refused token {tok.token_id}")
         seq.output_ids.append(tok.token_id)
         seq.first_token_time = seq.first_token_time or now
         seq.last_token_time = now
         reason = seq.stopping(tok.token_id, len(seq.output_ids))
+        if reason is None and seq.constraint is not None and seq.constraint.is_terminated:
+            reason = FinishReason.EOS  # its stop token, generated under ignore_eos
         if seq.stop_text is not None:
             reason = seq.stop_text(tok.token_id, reason)
         return EngineOutput(seq, tok, reason)

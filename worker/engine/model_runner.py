@@ -13,14 +13,19 @@ that is causal chunk attention, on the batched decode path (the fused C layers
 on CPU) that plain decodes take. Row j's sampling history is the output plus
 the proposals before it: it draws the target's own output token
 len(output) + j with that index's noise and penalties.
+
+Rows of constrained sequences (a response_format) get their grammar's mask before sampling
+(grammar.apply_masks; a decode's proposal rows the masks of its matcher advanced through them).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 
+from worker.engine.grammar import apply_masks
 from worker.engine.kv_manager import KVCacheManager
 from worker.engine.sampling import Sampler, SamplerOutput, SamplingRow, build_sampling_batch
 from worker.engine.sequence import PrefillChunk, Sequence, sampled_sequences
@@ -42,6 +47,7 @@ class ModelRunner:
         self.kv = kv
         self.device = model.device
         self.sampler = Sampler()
+        self.mask_seconds = 0.0  # what masking the constrained rows took in the last step
 
     def run(self, prefills: list[PrefillChunk], decodes: list[Sequence]) -> list[list[SampledToken]]:
         """Compute the chunks and decodes; sample the next token of every sequence whose
@@ -55,6 +61,7 @@ class ModelRunner:
         rows = [SamplingRow(params=s.params, seed=s.seed, prompt_token_ids=s.prompt_ids,
                             output_token_ids=s.output_ids + draft[:j])
                 for s, draft in zip(seqs, drafts, strict=True) for j in range(1 + len(draft))]
+        self._mask(logits, seqs, drafts)
         batch = build_sampling_batch(rows, logits.shape[-1], self.device)
         flat = self._to_host(self.sampler(logits, batch))
         out, i = [], 0
@@ -62,6 +69,20 @@ class ModelRunner:
             out.append(flat[i:i + 1 + len(draft)])
             i += 1 + len(draft)
         return out
+
+    def _mask(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]) -> None:
+        """Apply the grammar masks of the constrained sequences' rows (R, V), in place."""
+        constrained, first_row = [], 0
+        for seq, draft in zip(seqs, drafts, strict=True):
+            if seq.constraint is not None:
+                constrained.append((first_row, seq.constraint, draft))
+            first_row += 1 + len(draft)
+        if not constrained:
+            self.mask_seconds = 0.0
+            return
+        start = time.perf_counter()
+        apply_masks(logits, constrained)
+        self.mask_seconds = time.perf_counter() - start
 
     def prepare(self, prefills: list[PrefillChunk], decodes: list[Sequence]) -> ForwardBatch:
         """The flattened batch: every chunk's tokens, then each decode's last token and its

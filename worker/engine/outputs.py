@@ -18,6 +18,7 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None  # set on the final output
     error: str | None = None  # set with FinishReason.ERROR
+    is_invalid_request: bool = False  # the error is the request's own (a format that does not compile)
 
     @property
     def finished(self) -> bool:
@@ -61,6 +62,12 @@ class EngineStats:
     num_spec_drafts: int = 0  # since start: decodes that verified proposals
     num_spec_draft_tokens: int = 0  # proposed tokens verified
     num_spec_accepted_tokens: int = 0  # of those, accepted
+    # Structured output (grammar.py) since start: format compilations and their cache.
+    num_grammar_compiles: int = 0
+    grammar_compile_seconds: tuple[float, ...] = ()  # of the latest compilations (at most 64), oldest first
+    num_grammar_cache_hits: int = 0
+    num_grammar_cache_misses: int = 0
+    grammar_mask_seconds: float = 0.0  # masking the constrained rows' logits in the last step
 
 
 def context_overflow(prompt_tokens: int, max_tokens: int, context: int) -> ValueError:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from protos.params import FinishReason, SamplingParams
 from worker.engine.stopping import StoppingCriteria, TextStop
@@ -64,6 +65,10 @@ class Sequence:
     first_token_time: float | None = None
     last_token_time: float | None = None
     spec: SpecState = field(default_factory=SpecState)  # proposals and their counts
+    # grammar.Constraint of a request with a response_format, else None (Any: importing it here
+    # would bring torch to the scheduler, which imports this module)
+    constraint: Any = None
+    is_invalid_request: bool = False  # failed because of its input (a format that does not compile)
 
     @property
     def num_tokens(self) -> int:

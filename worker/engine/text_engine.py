@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from protos.params import (
     ChatMessage,
@@ -121,7 +122,7 @@ class TextEngine:
         sched, kv = self.engine.scheduler, self.engine.kv
         return EngineStats(
             model_name=self.model_name, weights=self.weights, num_running=sched.num_running,
-            num_waiting=sched.num_waiting,
+            num_waiting=sched.num_waiting + len(self.engine.compiling),
             max_num_seqs=sched.max_num_seqs, max_model_len=self.max_model_len, block_size=kv.block_size,
             num_blocks=kv.num_blocks, num_free_blocks=kv.num_free_blocks, kv_cache_usage=kv.usage,
             num_prefix_cache_hit_tokens=kv.num_prefix_hit_tokens,
@@ -130,7 +131,16 @@ class TextEngine:
             num_step_decode_tokens=self.engine.num_step_decode_tokens,
             num_spec_drafts=self.engine.num_spec_drafts,
             num_spec_draft_tokens=self.engine.num_spec_draft_tokens,
-            num_spec_accepted_tokens=self.engine.num_spec_accepted_tokens)
+            num_spec_accepted_tokens=self.engine.num_spec_accepted_tokens, **self._grammar_stats())
+
+    def _grammar_stats(self) -> dict[str, Any]:
+        grammar = self.engine.grammar
+        if grammar is None:
+            return {}
+        return dict(num_grammar_compiles=grammar.num_compiles,
+                    grammar_compile_seconds=tuple(grammar.recent_compile_seconds),
+                    num_grammar_cache_hits=grammar.num_hits, num_grammar_cache_misses=grammar.num_misses,
+                    grammar_mask_seconds=self.engine.runner.mask_seconds)
 
     def step(self) -> list[RequestOutput]:
         ready, self._ready = self._ready, []
@@ -191,6 +201,7 @@ class TextEngine:
         if reason is not None:
             out.finish_reason = reason
             out.error = seq.error
+            out.is_invalid_request = seq.is_invalid_request
             out.usage = self._usage(seq, state)
             del self._states[seq.request_id]
         return out
@@ -217,5 +228,6 @@ class TextEngine:
             seed=seq.seed, truncated_prompt_tokens=state.truncated_prompt_tokens,
             cached_prompt_tokens=seq.num_cached_tokens, num_draft_tokens=seq.spec.num_draft_tokens,
             num_accepted_tokens=seq.spec.num_accepted_tokens,
+            is_constrained=seq.params.response_format is not None,
         )
 

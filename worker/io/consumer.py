@@ -165,7 +165,8 @@ class Consumer:
         if self._metrics is not None:
             stats = self.engine.stats()
             self._metrics.observe_step(time.perf_counter() - started, stats.num_step_prefill_tokens,
-                                       stats.num_step_decode_tokens)
+                                       stats.num_step_decode_tokens,
+                                       getattr(stats, "grammar_mask_seconds", 0.0))
         self._emit(outputs)
 
     def _redis_error(self) -> None:
@@ -406,6 +407,8 @@ class Consumer:
         if tracked.error is not None and out.finish_reason is FinishReason.ABORT:
             code, message = tracked.error
             return self._reject(tracked, code, message)
+        if out.is_invalid_request:  # its format does not compile: a status, like a bad field
+            return self._reject(tracked, ErrorCode.ERROR_CODE_INVALID_ARGUMENT, out.error or "invalid format")
         assert out.finish_reason is not None
         final = generate_pb2.Final(finish_reason=finish_reason_to_pb(out.finish_reason),
                                    text="".join(tracked.text_parts), error_message=out.error or "",

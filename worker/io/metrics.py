@@ -43,6 +43,12 @@ class WorkerMetrics:
         self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative tokens proposed.")
         self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens",
                                             "Speculative tokens accepted (equal to the model's own).")
+        self.grammar_hits = counter("grammar_cache_hits", "Response formats found compiled in the cache.")
+        self.grammar_misses = counter("grammar_cache_misses", "Response formats compiled (cache misses).")
+        self.grammar_compile_time = histogram("grammar_compile_seconds", "Time to compile one response "
+                                              "format (on the grammar thread).", STEP_BUCKETS)
+        self.grammar_mask_time = histogram("grammar_mask_seconds", "Time to mask the constrained rows' "
+                                           "logits in one engine step (steps with any).", STEP_BUCKETS)
         self.reclaimed = counter("requests_reclaimed", "Requests of dead workers this worker re-claimed.")
         self.redis_errors = counter("redis_errors", "Redis commands or pipelines that failed.")
         self.taken_over = counter("requests_taken_over", "Requests another worker took over from this one "
@@ -57,7 +63,7 @@ class WorkerMetrics:
         self.decode_time = histogram("request_decode_time_seconds", "Time from the first to the last token.",
                                      REQUEST_LATENCY_BUCKETS)
         self._totals = {"preemptions": 0, "queries": 0, "hits": 0, "drafts": 0, "draft_tokens": 0,
-                        "accepted_tokens": 0}
+                        "accepted_tokens": 0, "grammar_hits": 0, "grammar_misses": 0, "grammar_compiles": 0}
 
     def update(self, stats: Any, num_parked: int) -> None:
         """From the engine's `EngineStats`: gauges, and the growth of its cumulative counts."""
@@ -71,14 +77,26 @@ class WorkerMetrics:
                                     ("drafts", self.spec_drafts, stats.num_spec_drafts),
                                     ("draft_tokens", self.spec_draft_tokens, stats.num_spec_draft_tokens),
                                     ("accepted_tokens", self.spec_accepted_tokens,
-                                     stats.num_spec_accepted_tokens)):
+                                     stats.num_spec_accepted_tokens),
+                                    ("grammar_hits", self.grammar_hits,
+                                     getattr(stats, "num_grammar_cache_hits", 0)),
+                                    ("grammar_misses", self.grammar_misses,
+                                     getattr(stats, "num_grammar_cache_misses", 0))):
             if total > self._totals[key]:
                 counter.inc(total - self._totals[key])
                 self._totals[key] = total
+        num_new = getattr(stats, "num_grammar_compiles", 0) - self._totals["grammar_compiles"]
+        if num_new > 0:  # the newest compilations' times (the engine keeps the latest 64)
+            for seconds in stats.grammar_compile_seconds[-num_new:]:
+                self.grammar_compile_time.observe(seconds)
+            self._totals["grammar_compiles"] = stats.num_grammar_compiles
 
-    def observe_step(self, seconds: float, num_prefill_tokens: int, num_decode_tokens: int) -> None:
+    def observe_step(self, seconds: float, num_prefill_tokens: int, num_decode_tokens: int,
+                     mask_seconds: float = 0.0) -> None:
         if not num_prefill_tokens and not num_decode_tokens:
             return  # nothing ran (only aborts were applied)
+        if mask_seconds > 0:
+            self.grammar_mask_time.observe(mask_seconds)
         kind = "mixed" if num_prefill_tokens and num_decode_tokens else \
             "prefill" if num_prefill_tokens else "decode"
         self._step.labels(**self._step_labels, kind=kind).observe(seconds)

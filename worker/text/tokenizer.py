@@ -148,6 +148,12 @@ class Tokenizer:
                 return bytes(decoder[c] for c in token)
         return self.decode([token_id]).encode()
 
+    def encoded_vocab(self) -> list[bytes]:
+        """Every token's raw bytes by id, b"" for special tokens (what a grammar compiler needs:
+        a constrained output never spells `<|im_start|>`, though a stop token may end it)."""
+        special = {i for i, t in self.backend.get_added_tokens_decoder().items() if t.special}
+        return [b"" if i in special else self.token_bytes(i) for i in range(self.vocab_size)]
+
     def token_text(self, token_id: int) -> str:
         """Display text of one token for logprobs: a byte fragment of a multi-byte
         character shows as `\\xe6` escapes instead of U+FFFD."""

@@ -68,8 +68,37 @@ class StoppingParameters(_message.Message):
     ignore_eos: bool
     def __init__(self, max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
+class ResponseFormat(_message.Message):
+    __slots__ = ("json_schema", "json_object", "regex", "grammar", "choice")
+    class JsonSchema(_message.Message):
+        __slots__ = ("schema", "strict")
+        SCHEMA_FIELD_NUMBER: _ClassVar[int]
+        STRICT_FIELD_NUMBER: _ClassVar[int]
+        schema: str
+        strict: bool
+        def __init__(self, schema: _Optional[str] = ..., strict: _Optional[bool] = ...) -> None: ...
+    class JsonObject(_message.Message):
+        __slots__ = ()
+        def __init__(self) -> None: ...
+    class Choice(_message.Message):
+        __slots__ = ("choices",)
+        CHOICES_FIELD_NUMBER: _ClassVar[int]
+        choices: _containers.RepeatedScalarFieldContainer[str]
+        def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    json_schema: ResponseFormat.JsonSchema
+    json_object: ResponseFormat.JsonObject
+    regex: str
+    grammar: str
+    choice: ResponseFormat.Choice
+    def __init__(self, json_schema: _Optional[_Union[ResponseFormat.JsonSchema, _Mapping]] = ..., json_object: _Optional[_Union[ResponseFormat.JsonObject, _Mapping]] = ..., regex: _Optional[str] = ..., grammar: _Optional[str] = ..., choice: _Optional[_Union[ResponseFormat.Choice, _Mapping]] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "chat", "request_id", "sampling", "stopping", "logprobs", "top_logprobs", "truncate_prompt", "priority", "resume_from_index", "cache_salt")
+    __slots__ = ("prompt", "chat", "request_id", "sampling", "stopping", "logprobs", "top_logprobs", "truncate_prompt", "priority", "resume_from_index", "cache_salt", "response_format")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +110,7 @@ class GenerateRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     RESUME_FROM_INDEX_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     chat: ChatMessages
     request_id: str
@@ -92,7 +122,8 @@ class GenerateRequest(_message.Message):
     priority: int
     resume_from_index: int
     cache_salt: str
-    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., request_id: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[StoppingParameters, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., truncate_prompt: _Optional[bool] = ..., priority: _Optional[int] = ..., resume_from_index: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    response_format: ResponseFormat
+    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., request_id: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[StoppingParameters, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., truncate_prompt: _Optional[bool] = ..., priority: _Optional[int] = ..., resume_from_index: _Optional[int] = ..., cache_salt: _Optional[str] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "text")
@@ -125,7 +156,7 @@ class Chunk(_message.Message):
     def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[Logprobs, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "queue_time_s", "time_to_first_token_s", "decode_time_s", "seed", "truncated_prompt_tokens", "cached_prompt_tokens", "num_draft_tokens", "num_accepted_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "queue_time_s", "time_to_first_token_s", "decode_time_s", "seed", "truncated_prompt_tokens", "cached_prompt_tokens", "num_draft_tokens", "num_accepted_tokens", "is_constrained")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_TIME_S_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +167,7 @@ class Usage(_message.Message):
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    IS_CONSTRAINED_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     queue_time_s: float
@@ -146,7 +178,8 @@ class Usage(_message.Message):
     cached_prompt_tokens: int
     num_draft_tokens: int
     num_accepted_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., queue_time_s: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., decode_time_s: _Optional[float] = ..., seed: _Optional[int] = ..., truncated_prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ...) -> None: ...
+    is_constrained: bool
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., queue_time_s: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., decode_time_s: _Optional[float] = ..., seed: _Optional[int] = ..., truncated_prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., is_constrained: _Optional[bool] = ...) -> None: ...
 
 class Final(_message.Message):
     __slots__ = ("finish_reason", "usage", "text", "error_message", "worker_id", "tenant")
