@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= What is the capital of France? Answer in one sentence.
 
-.PHONY: demo serve test lint deploy-check bench-engine bench-kv bench-e2e bench-fleet bench-llamacpp bench-speculative bench-batch-invariance docs chaos protos clean
+.PHONY: demo serve test lint deploy-check bench-engine bench-kv bench-e2e bench-fleet bench-llamacpp bench-speculative bench-batch-invariance bench-structured docs chaos protos clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -64,6 +64,9 @@ bench-llamacpp: $(STAMP)  ## vs llama.cpp on the same GGUF; needs the llamacpp e
 
 bench-speculative: $(STAMP)  ## --speculative ngram vs plain decoding on SmolLM2 (repetitive, open, 16 concurrent)
 	$(BIN)/python benchmarks/speculative.py --record
+
+bench-structured: $(STAMP)  ## JSON-Schema-constrained vs free decoding on SmolLM2: overhead, compile time, validity
+	$(BIN)/python benchmarks/structured.py --record
 
 bench-batch-invariance: $(STAMP)  ## seeded and greedy requests alone vs in a busy batch: no token may change
 	$(BIN)/python benchmarks/batch_invariance.py --record

@@ -9,7 +9,9 @@
 Parameters are named like `protos.params.SamplingParams` fields (max_tokens,
 temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty,
 frequency_penalty, seed, stop, stop_token_ids, ignore_eos, logprobs,
-top_logprobs, truncate_prompt); unset ones take the server's defaults.
+top_logprobs, truncate_prompt, and response_format: a `protos.params.ResponseFormat`,
+e.g. `ResponseFormat("json_schema", text=json.dumps(schema))` or
+`ResponseFormat("choice", choices=("yes", "no"))`); unset ones take the server's defaults.
 Errors surface as `grpc.RpcError` with the status code and a message.
 
 TLS: `secure=True` (or a `ca`) connects with TLS, trusting `ca` or the system's
@@ -30,13 +32,14 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
 
 from gateway.tls import channel_credentials
 from protos.convert import build_request, finish_reason_from_pb
-from protos.params import FinishReason
+from protos.params import FinishReason, ResponseFormat
 from protos.tokenrelay.v1 import generate_pb2, generate_pb2_grpc
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -172,6 +175,14 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, help="make sampling reproducible")
     g.add_argument("--stop", action="append", metavar="TEXT", help="stop at this text (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", default=None, help="keep going past end-of-sequence")
+    f = p.add_argument_group("structured output (at most one; unset = free text)")
+    x = f.add_mutually_exclusive_group()
+    x.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid against this schema file")
+    x.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    x.add_argument("--regex", metavar="REGEX", help="the output fully matches this regular expression")
+    x.add_argument("--grammar", metavar="FILE", help="the output follows this EBNF/GBNF file (rule root)")
+    x.add_argument("--choice", action="append", metavar="TEXT", help="the output is one of these; repeatable")
+    f.add_argument("--strict", action="store_true", help="with --json-schema: no properties beyond its own")
 
 
 def add_connection_args(p: argparse.ArgumentParser) -> None:
@@ -202,7 +213,24 @@ GENERATION_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "rep
 
 
 def generation_params(args: argparse.Namespace) -> dict[str, Any]:
-    return {name: getattr(args, name) for name in GENERATION_FLAGS}
+    """The flags as build_request's parameters; OSError if a --json-schema/--grammar file is unreadable."""
+    params = {name: getattr(args, name) for name in GENERATION_FLAGS}
+    return params | {"response_format": response_format(args)}
+
+
+def response_format(args: argparse.Namespace) -> ResponseFormat | None:
+    """ValueError for an empty one (the server's message); OSError for an unreadable file."""
+    if args.json_schema:
+        return ResponseFormat("json_schema", text=Path(args.json_schema).read_text(), is_strict=args.strict)
+    if args.json_object:
+        return ResponseFormat("json_object")
+    if args.regex is not None:
+        return ResponseFormat("regex", text=args.regex)
+    if args.grammar:
+        return ResponseFormat("grammar", text=Path(args.grammar).read_text())
+    if args.choice:
+        return ResponseFormat("choice", choices=tuple(args.choice))
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -212,7 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="examples:\n"
                "  tokenrelay-client 'Once upon a time'\n"
                "  tokenrelay-client --chat --max-tokens 64 --temperature 0 'What is the capital of France?'\n"
-               "  echo 'Tell me a joke' | tokenrelay-client --chat -",
+               "  echo 'Tell me a joke' | tokenrelay-client --chat -\n"
+               "  tokenrelay-client --chat --choice yes --choice no 'Is Paris in France?'\n"
+               "  tokenrelay-client --chat --json-schema person.json 'Describe a person as JSON.'",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("prompt", help="the text to complete, or the user message with --chat; - reads stdin")
     add_connection_args(p)
@@ -253,10 +283,14 @@ def main(argv: list[str] | None = None) -> int:
     messages = None
     if args.chat:
         messages = ([("system", args.system)] if args.system else []) + [("user", text)]
+    try:
+        params = generation_params(args)
+    except (OSError, ValueError) as e:
+        parser.error(str(e))
     with client:
         try:
             responses = client.generate(None if args.chat else text, messages, timeout_s=args.timeout,
-                                        **generation_params(args))
+                                        **params)
             print_stream(responses, quiet=args.quiet)
         except grpc.RpcError as e:
             sys.stderr.write(f"\nerror: {e.code().name}: {e.details()}\n")

@@ -18,10 +18,18 @@ MAX_TOP_LOGPROBS = 20
 MAX_SEED = 2**64 - 1  # the whole uint64 range of the proto field
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 # ResponseFormat (generate.proto): the kinds, and the caps that keep one format's compilation
-# on a worker bounded (a 1,000-property schema is ~30 KB and compiles in well under a second).
+# on a worker bounded (what each costs is measured next to it).
 RESPONSE_FORMAT_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
 MAX_RESPONSE_FORMAT_BYTES = 64 * 1024  # schema, regex, grammar, or all choices together
 MAX_CHOICES = 256
+# JSON levels (objects and arrays) of a JSON Schema, ~64 nested object properties: the gateway's
+# meta-schema check and the worker's compiler (~50 ms at this depth) both stay well inside bounds.
+MAX_SCHEMA_DEPTH = 128
+# Object properties in a JSON Schema, all objects together. xgrammar's compile time grows
+# linearly with them, ~8 ms each over SmolLM2's vocabulary (2026-12-02, 2-core Xeon: 64 in
+# 0.55 s, 256 in 2.0 s, 512 in 4.0 s, 1,000 in ~8 s, required or not), so 256 bounds a new
+# schema's wait (off the step loop) at ~2 s there; a larger one is refused with the limit.
+MAX_SCHEMA_PROPERTIES = 256
 
 
 class FinishReason(enum.Enum):

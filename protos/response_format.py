@@ -12,7 +12,7 @@ import json
 import re
 from functools import lru_cache
 
-from protos.params import ResponseFormat
+from protos.params import MAX_SCHEMA_DEPTH, MAX_SCHEMA_PROPERTIES, ResponseFormat
 from protos.tokenrelay.v1 import generate_pb2
 
 
@@ -72,6 +72,12 @@ def _check_json_schema(text: str) -> None:
         raise ValueError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(schema, dict | bool):
         raise ValueError(f"{path} must be a JSON object (or true/false), got {type(schema).__name__}")
+    depth, num_properties = _shape(schema)
+    if depth > MAX_SCHEMA_DEPTH:  # the meta-schema check recurses ~8 frames a level
+        raise ValueError(f"{path} nests {depth} levels deep; the limit is {MAX_SCHEMA_DEPTH}")
+    if num_properties > MAX_SCHEMA_PROPERTIES:  # the worker's compile time grows with them
+        raise ValueError(f"{path} has {num_properties} object properties; "
+                         f"the limit is {MAX_SCHEMA_PROPERTIES}")
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as e:
@@ -79,6 +85,21 @@ def _check_json_schema(text: str) -> None:
         raise ValueError(f"{path} is not a valid JSON Schema at {where}: {e.message}") from None
     except RecursionError:
         raise ValueError(f"{path} is nested too deeply") from None
+
+
+def _shape(value: object) -> tuple[int, int]:
+    """(levels of JSON objects and arrays, entries of every `properties` object) of a schema;
+    iterative: the value may be deeper than Python's stack."""
+    depth, num_properties, stack = 0, 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, dict) and isinstance(item.get("properties"), dict):
+            num_properties += len(item["properties"])
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            depth = max(depth, level)
+            stack.extend((child, level + 1) for child in children)
+    return depth, num_properties
 
 
 @lru_cache(maxsize=256)

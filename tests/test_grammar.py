@@ -5,6 +5,7 @@ tokens do not depend on the batch, on speculation, on preemption or on a resume.
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -198,3 +199,24 @@ def test_a_request_for_a_format_without_a_compiler_is_refused(model: Any) -> Non
     with pytest.raises(ValueError, match="response_format"):
         engine.add_request("r", [5, 6], SamplingParams(max_tokens=4,
                                                        response_format=ResponseFormat("json_object")))
+
+
+def test_running_streams_keep_decoding_while_a_new_format_compiles(new: Callable[..., EngineCore]) -> None:
+    engine = new(num_seqs=9)
+    gate = threading.Event()
+    compiler = GrammarCompiler(ascii_vocab(), VOCAB, [EOS])
+    slow_compile = compiler._compile
+    compiler._compile = lambda fmt: gate.wait(30) and slow_compile(fmt)  # type: ignore[method-assign]
+    engine.grammar = compiler
+    prompts = make_prompts(9)
+    for i in range(8):
+        engine.add_request(f"r{i}", prompts[i], SamplingParams(max_tokens=20, temperature=0.0))
+    engine.add_request("new", prompts[8], SamplingParams(max_tokens=20, response_format=ResponseFormat(
+        "regex", text=EMAIL)))
+    before = {o.seq.request_id for _ in range(3) for o in engine.step() if o.token}
+    assert before == {f"r{i}" for i in range(8)}  # three steps of all 8 streams, none for "new"
+    assert engine.scheduler.find("new") is None and [s.request_id for s in engine.compiling] == ["new"]
+    gate.set()
+    tokens = [o.token.token_id for _ in range(100) if engine.has_unfinished() for o in engine.step()
+              if o.token and o.seq.request_id == "new"]
+    assert re.fullmatch(EMAIL, text(tokens))

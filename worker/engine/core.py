@@ -100,12 +100,12 @@ class EngineCore:
         if len(seq.output_ids) >= seq.params.max_tokens:
             raise ValueError(f"resumed request {seq.request_id!r} already has max_tokens "
                              f"({seq.params.max_tokens}) tokens")
-        if seq.constraint is None:
-            return self.scheduler.add(seq)
-        self.compiling.append(seq)
-        self._admit_compiled(wait_s=0.0)
-        if seq.is_finished:  # a format known to fail (cached)
-            raise ValueError(seq.error)
+        if seq.constraint is not None and not seq.constraint.is_ready:
+            self.compiling.append(seq)  # the scheduler gets it once compiled (_admit_compiled)
+            return
+        if seq.constraint is not None and not seq.constraint.start(seq.output_ids):
+            raise ValueError(seq.constraint.error)  # a format known not to compile (cached)
+        self.scheduler.add(seq)
 
     def new_sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                      arrival_time: float | None = None, *, seed: int | None = None,

@@ -41,6 +41,9 @@ except ImportError:  # the `structured` extra is not installed: constrained requ
     xgr = None  # type: ignore[assignment]
 
 DEFAULT_MAX_CACHED_GRAMMARS = 128
+# Whitespace characters in a row that a JSON format allows between its tokens: room for a
+# newline and nested indentation, not for a sampled model to pad until max_tokens.
+MAX_JSON_WHITESPACE = 20
 NUM_RECENT_COMPILES = 64  # compile times kept for the metrics (EngineStats.grammar_compile_seconds)
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[10:21:40] /project/cpp/x.cc:94: " in its errors
 
@@ -93,10 +96,10 @@ class GrammarCompiler:
     def _compile(self, fmt: ResponseFormat) -> Any:
         start = time.perf_counter()
         try:
-            if fmt.kind == "json_schema":
-                return self._compiler.compile_json_schema(fmt.text, strict_mode=fmt.is_strict)
-            if fmt.kind == "json_object":
-                return self._compiler.compile_builtin_json_grammar()
+            if fmt.kind in ("json_schema", "json_object"):
+                schema = fmt.text if fmt.kind == "json_schema" else '{"type": "object"}'
+                return self._compiler.compile_json_schema(schema, strict_mode=fmt.is_strict,
+                                                          max_whitespace_cnt=MAX_JSON_WHITESPACE)
             if fmt.kind == "regex":
                 return self._compiler.compile_regex(fmt.text)
             if fmt.kind == "choice":
