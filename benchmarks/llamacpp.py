@@ -47,7 +47,25 @@ NUM_CONCURRENT = 16
 PREFILL_LEN = 512
 SIDES = ("ours", "llamacpp", "hf")
 LLAMA_CPP = "llama-cpp-python==0.3.36"
-INSTALL = f'CMAKE_ARGS="-DGGML_NATIVE=ON" .venv/bin/pip install "{LLAMA_CPP}"'
+
+
+
+def cmake_args() -> str:
+    """Build llama.cpp for this CPU. Not -DGGML_NATIVE=ON where the CPU has AMX: -march=native
+    then compiles ggml's AMX path, whose first llama_decode of more than one token segfaulted on
+    the 2-core Xeon VMs (AMX_INT8 = 1 in its system info; 2026-12-02). There every other ISA this
+    CPU has is named instead, and AMX left out."""
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    if "amx_tile" not in flags:
+        return "-DGGML_NATIVE=ON"
+    isa = {"avx": "AVX", "avx2": "AVX2", "fma": "FMA", "f16c": "F16C", "bmi2": "BMI2", "avx_vnni": "AVX_VNNI",
+           "avx512f": "AVX512", "avx512_vbmi": "AVX512_VBMI", "avx512_vnni": "AVX512_VNNI",
+           "avx512_bf16": "AVX512_BF16"}
+    on = " ".join(f"-DGGML_{name}=ON" for flag, name in isa.items() if flag in flags)
+    return f"-DGGML_NATIVE=OFF {on} -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+
+
+INSTALL = f'CMAKE_ARGS="{cmake_args()}" .venv/bin/pip install "{LLAMA_CPP}"'
 CPU_FLAGS = ("avx2", "avx512_vnni", "avx512_bf16", "avx_vnni")
 
 
@@ -254,7 +272,8 @@ def run_side(side: str, args: argparse.Namespace) -> dict[str, Any]:
            args.quantization, "--new-tokens", str(args.new_tokens), "--prefill-len", str(args.prefill_len)]
     out = subprocess.run(cmd, cwd=root, capture_output=True, text=True)
     if out.returncode:
-        sys.exit(f"side {side} failed:\n{out.stderr[-4000:]}")
+        sys.exit(f"side {side} failed (exit status {out.returncode}; -11: a segfault):\n"
+                 f"{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -264,9 +283,8 @@ def ensure_llama_cpp(install: bool) -> None:
     if not install:
         sys.exit("llama_cpp is not installed. It compiles llama.cpp from source (~20-30 min on 2 cores):\n"
                  f"    {INSTALL}\n"
-                 "(or: CMAKE_ARGS=\"-DGGML_NATIVE=ON\" .venv/bin/pip install -e '.[llamacpp]'),"
                  " or pass --install")
-    env = {**os.environ, "CMAKE_ARGS": "-DGGML_NATIVE=ON"}
+    env = {**os.environ, "CMAKE_ARGS": cmake_args()}
     subprocess.run([sys.executable, "-m", "pip", "install", LLAMA_CPP], env=env, check=True)
 
 
