@@ -19,6 +19,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from gateway.config import GatewayConfig
+from protos.convert import event_from_log
 from protos.keys import (
     RECORD_LEASE_S,
     STREAM_DATA_FIELD,
@@ -176,7 +177,7 @@ class RequestQueue:
                                                   args=[request_id, first_seq, MAX_LOG_READ])
             for offset, value in enumerate(values):
                 if value:
-                    events[int(start) + offset] = queue_pb2.TokenEvent.FromString(value)
+                    events[int(start) + offset] = event_from_log(value)
             if len(values) < MAX_LOG_READ:
                 return events
             first_seq += MAX_LOG_READ

@@ -23,7 +23,7 @@ from protos.params import (
     Usage,
 )
 from protos.response_format import response_format_from_pb, response_format_to_pb
-from protos.tokenrelay.v1 import generate_pb2
+from protos.tokenrelay.v1 import generate_pb2, queue_pb2
 
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
@@ -129,6 +129,26 @@ def chunk_to_pb(index: int, token_ids: list[int], text: str,
                 logprobs: list[Logprobs] | None = None) -> generate_pb2.Chunk:
     return generate_pb2.Chunk(index=index, token_ids=token_ids, text=text,
                               logprobs=logprobs_to_pb(logprobs or ()))
+
+
+_EVENTS_TAG = b"\x12"  # TokenEventBatch.events: field 2, length-delimited
+
+
+def log_value(event: queue_pb2.TokenEvent) -> bytes:
+    """The event as a worker log stores it (protos/keys.py): framed as a one-event
+    TokenEventBatch, so a round's published batch is the concatenation of its events' values."""
+    data = event.SerializeToString()
+    size, prefix = len(data), bytearray(_EVENTS_TAG)
+    while size >= 0x80:
+        prefix.append(size & 0x7F | 0x80)
+        size >>= 7
+    prefix.append(size)
+    return bytes(prefix) + data
+
+
+def event_from_log(value: bytes) -> queue_pb2.TokenEvent:
+    """The event of a worker log's value (`log_value`)."""
+    return queue_pb2.TokenEventBatch.FromString(value).events[0]
 
 
 def build_request(prompt: str | None = None, messages: Iterable[tuple[str, str]] | None = None,

@@ -70,7 +70,9 @@ The request record and its log: one generation per request id
   replayed, not generated again, for that long.
 
   The events live in the owner's log hash ``{p}:log:{consumer}`` (fields: `LogField`):
-  ``{request_id}:{seq}`` per chunk and the final, ``{request_id}:n`` the next seq, and
+  ``{request_id}:{seq}`` per chunk and the final (the `queue.TokenEvent` framed as a
+  one-event `queue.TokenEventBatch`, so a round's published batch is its events' logged
+  values concatenated: protos/convert.py `log_value`), ``{request_id}:n`` the next seq, and
   ``{request_id}:p`` the `queue.Progress` (seed, first-token time: O(1), written when it
   changes, never the tokens so far). One HSET per worker round logs every request's
   events, so a round costs O(new tokens) whatever the output length. A claim (OWN
@@ -90,7 +92,7 @@ Request ids are per tenant
 
 Delivery guarantee: every chunk exactly once to a caller that keeps resending.
   Per round a worker makes ONE call of its STEP script (worker/io/scripts.py): it checks
-  the fence (below), logs the round's events and progress of every request in one HSET,
+  the fence and the revocations (below), logs the round's events and progress of every request in one HSET,
   ends finished attempts (``final`` into the record, XACK+XDEL of the entry), and
   PUBLISHes every event of the round in one ``queue.TokenEventBatch`` on
   ``{p}:out:{consumer}``. A script is atomic, so an event is logged before anyone hears
@@ -131,7 +133,8 @@ Fencing: a zombie's writes fail
   all it holds and exits (status 3), like a Kafka producer fenced by a newer epoch. A
   claim (OWN script) that takes a request from an owner that had not released it names
   the request in ``{p}:revoked:{owner}`` (an entry delivered twice after an AOF loss, say):
-  that owner's next STEP leaves the request out, tells the worker, which drops it. Since
+  that owner's next STEP writes nothing and names the request to the worker, which drops it
+  and sends the round again without it (the set keeps it until the worker confirms). Since
   STEP, RECLAIM and OWN are scripts, a round is either wholly before a takeover (and the
   taker resumes after everything it published) or refused: a caller never receives a
   stream spliced from two generations, and a zombie's XACK cannot remove the taker's

@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from gateway.redis_server import EmbeddedRedis
-from protos.convert import build_request
+from protos.convert import build_request, log_value
 from protos.keys import STREAM_DATA_FIELD, Heartbeat, Keys, LogField, Record
 from protos.tokenrelay.v1 import generate_pb2, queue_pb2
 from tests import factories
@@ -251,7 +251,7 @@ def log_as(client: redis.Redis, keys: Keys, consumer: str, request_id: str, toke
     for i, token in enumerate(token_ids):
         chunk = generate_pb2.Chunk(index=i, token_ids=[token])
         event = queue_pb2.TokenEvent(request_id=request_id, seq=i, chunk=chunk)
-        client.hset(log, LogField.event(request_id, i), event.SerializeToString())
+        client.hset(log, LogField.event(request_id, i), log_value(event))
     progress = queue_pb2.Progress(seed=seed, first_token_unix=time.time(), worker_id=consumer)
     client.hset(log, mapping={request_id + LogField.PROGRESS: progress.SerializeToString(),
                               request_id + LogField.NEXT: len(token_ids)})

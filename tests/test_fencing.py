@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from gateway.server import request_digest
-from protos.convert import build_request
+from protos.convert import build_request, event_from_log
 from protos.keys import FENCE_MARK, STREAM_DATA_FIELD, Keys, LogField, Record
 from protos.tokenrelay.v1 import generate_pb2, queue_pb2
 from tests.service import GatewayThread, WorkerProcess, WorkerThread, stub_for, wait_until, workers_ready
@@ -22,7 +22,7 @@ from worker.config import WorkerConfig
 from worker.engine.sim import SimConfig, SimEngine, sim_token_ids
 from worker.io.claim import Claimer
 from worker.io.reclaim import reconcile
-from worker.io.redis_io import Outbox
+from worker.io.redis_io import Outbox, Publisher
 from worker.io.scripts import OWN, RECLAIM, STEP
 
 
@@ -38,9 +38,10 @@ def chunk_event(request_id: str, seq: int, token: int = 7) -> queue_pb2.TokenEve
                                 chunk=generate_pb2.Chunk(index=seq, token_ids=[token]))
 
 
-def step(client: redis.Redis, keys: Keys, consumer: str, outbox: Outbox) -> list[str]:
+def step(client: redis.Redis, keys: Keys, consumer: str, outbox: Outbox,
+         known: list[str] | None = None) -> list[str]:
     script = client.register_script(STEP)
-    reply = script(args=outbox.args(keys.prefix, consumer))
+    reply = script(args=outbox.args(keys.prefix, consumer, known=known))
     return [r.decode() for r in reply]
 
 
@@ -83,19 +84,60 @@ def test_a_takeover_moves_the_log_and_revokes_the_old_owners_writes(client: redi
     # b takes it over while a is alive (an entry delivered twice after an AOF loss)
     state, deliveries, progress, *chunks = own(client, keys, "b", "r", entry_id)
     assert (state, deliveries, queue_pb2.Progress.FromString(progress).seed) == (b"own", 1, 5)
-    assert [queue_pb2.TokenEvent.FromString(c).seq for c in chunks] == [0, 1, 2]
+    assert [event_from_log(c).seq for c in chunks] == [0, 1, 2]
     assert client.hget(keys.record("r"), Record.OWNER) == b"b"
     assert client.hget(keys.log("b"), "r" + LogField.NEXT) == b"3" and not client.exists(keys.log("a"))
     late = Outbox()
     late.log(chunk_event("r", 3, token=99))
     late.log(chunk_event("other", 0))
-    assert step(client, keys, "a", late) == ["ok", "r"]  # refused for r, and a is told
+    assert step(client, keys, "a", late) == ["revoked", "r"]  # the round is refused, and a is told
     assert client.hget(keys.log("b"), "r" + LogField.NEXT) == b"3"  # nothing of a's spliced in
-    assert client.hget(keys.log("a"), "other" + LogField.NEXT) == b"1"  # the rest of its round went out
+    assert not client.hexists(keys.log("a"), "other" + LogField.NEXT)  # nothing at all was written
+    assert step(client, keys, "a", late.without({"r"}), known=["r"]) == ["ok"]  # the round without r
+    assert client.hget(keys.log("b"), "r" + LogField.NEXT) == b"3"
+    assert client.hget(keys.log("a"), "other" + LogField.NEXT) == b"1"
     forget = Outbox()
     forget.forget.append("r")
-    step(client, keys, "a", forget)
+    step(client, keys, "a", forget, known=["r"])
     assert not client.exists(keys.revoked("a"))
+
+
+def test_the_publisher_sends_a_round_again_without_a_request_taken_over_since(client: redis.Redis,
+                                                                             prefix: str) -> None:
+    keys = Keys(prefix)
+    config = WorkerConfig(redis_url="redis://unused", key_prefix=prefix, worker_id="a")
+    me = config.consumer_name
+    entry_id = enqueue(client, keys, "r")
+    client.xgroup_create(keys.requests, keys.group, id="0")
+    client.xreadgroup(keys.group, "b", {keys.requests: ">"})  # pending under b from here on
+    own(client, keys, me, "r", entry_id)
+    own(client, keys, "b", "r", entry_id)  # b takes r over; the publisher of `a` does not know yet
+    publisher = Publisher(client, config)
+    publisher.start()
+    try:
+        round_ = Outbox()
+        round_.log(chunk_event("r", 0))
+        round_.log(chunk_event("other", 0))
+        round_.end("r", keys.record("r"), keys.requests, entry_id, 1000, final_seq=1)
+        publisher.submit(round_)
+        wait_until(lambda: client.hexists(keys.log(me), "other" + LogField.NEXT), timeout=5)
+        assert publisher.revoked() == {"r"}  # told once
+        assert not client.hexists(keys.log(me), "r" + LogField.NEXT)  # nothing of r's written by a
+        assert client.hget(keys.record("r"), Record.OWNER) == b"b"  # nor its end
+        assert client.xpending(keys.requests, keys.group)["pending"] == 1  # b's entry is not acked
+        later = Outbox()
+        later.log(chunk_event("r", 1))  # produced before the consumer dropped r
+        later.log(chunk_event("other", 1))
+        publisher.submit(later)
+        dropped = Outbox()
+        dropped.forget.append("r")
+        publisher.submit(dropped)
+        wait_until(lambda: not client.exists(keys.revoked(me)), timeout=5)
+        assert client.hget(keys.log(me), "other" + LogField.NEXT) == b"2"
+        assert not client.hexists(keys.log(me), "r" + LogField.NEXT)
+        assert publisher.revoked() == set()
+    finally:
+        publisher.close()
 
 
 def test_own_acknowledges_finished_and_stale_attempts(client: redis.Redis, prefix: str) -> None:

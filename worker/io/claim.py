@@ -20,6 +20,7 @@ from typing import Any, cast
 
 import redis
 
+from protos.convert import event_from_log
 from protos.tokenrelay.v1 import queue_pb2
 from worker.config import WorkerConfig
 from worker.io.reclaim import Claimed, parse_entry, reclaim_dead_workers, reconcile
@@ -181,4 +182,4 @@ def _owned(item: list[Any]) -> Owned:
         return Owned(_text(state), int(deliveries))
     return Owned(_text(state), int(deliveries),
                  queue_pb2.Progress.FromString(progress) if progress else None,
-                 [queue_pb2.TokenEvent.FromString(c) for c in chunks])
+                 [event_from_log(c) for c in chunks])

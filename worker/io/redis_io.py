@@ -2,8 +2,9 @@
 
 `Publisher` is the only writer of token events: one FIFO thread, so the events of one
 request leave in order, and each round is ONE call of the STEP script (worker/io/scripts.py):
-it checks that this consumer is not fenced and which of its requests were taken over, then
-logs the round's events and progress in the worker's log hash (one HSET for every request),
+it checks that this consumer is not fenced and that no request was taken over unbeknown to it
+(else it writes nothing and names them: the round goes again without them), then logs the
+round's events and progress in the worker's log hash (one HSET for every request),
 ends finished attempts (final, XACK+XDEL), and PUBLISHes every event of the round in one
 `TokenEventBatch` on the worker's out channel. A failed round is resent until Redis answers
 (every write in it is idempotent; gateways drop duplicates by `seq`). `Heartbeat` runs on its
@@ -24,7 +25,9 @@ from typing import Any
 
 import redis
 
+from protos.convert import log_value
 from protos.keys import Heartbeat as HeartbeatField
+from protos.keys import LogField
 from protos.redis_conn import Backoff, sync_client
 from protos.tokenrelay.v1 import queue_pb2
 from worker.config import WorkerConfig
@@ -88,21 +91,35 @@ class Outbox:
         self.drops += other.drops
         self.forget += other.forget
 
-    def args(self, prefix: str, consumer: str, *, is_resent: bool = False) -> list[bytes | str | int]:
-        """ARGV of the STEP script; is_resent: the round failed once (Redis may have come back
-        empty), so it also points its requests' records at this worker's log (REOWN)."""
+    def without(self, request_ids: set[str]) -> Outbox:
+        """This round minus every write for `request_ids` (taken over by other workers)."""
+        if not request_ids:
+            return self
+        return Outbox({r: events for r, events in self.logged.items() if r not in request_ids},
+                      [e for e in self.published if e.request_id not in request_ids],
+                      {r: p for r, p in self.progress.items() if r not in request_ids},
+                      [e for e in self.ends if e.request_id not in request_ids],
+                      self.drops, self.forget)
+
+    def args(self, prefix: str, consumer: str, *, known: list[str] | None = None,
+             is_resent: bool = False) -> list[bytes | str | int]:
+        """ARGV of the STEP script (its comment has the layout); known: the revocations the worker
+        knows of (none of them is in this round; the ids in `forget` count as known); is_resent:
+        the round failed once (Redis may have come back empty), so it also points its requests'
+        records at this worker's log (REOWN)."""
         reown = list(self.logged) if is_resent else []
-        args: list[bytes | str | int] = [prefix, consumer, len(reown), *reown, len(self.logged)]
-        for request_id, events in self.logged.items():
-            args += [request_id, len(events)]
-            for event in events:
-                args += [event.seq, event.SerializeToString()]
-        args.append(len(self.published))
-        for event in self.published:
-            args += [event.request_id, event.SerializeToString()]
-        args.append(len(self.progress))
+        known = sorted({*(known or ()), *self.forget})  # what it confirms dropping, it knows of
+        events: list[bytes | str | int] = []
+        fields: list[bytes | str | int] = []
+        for request_id, logged in self.logged.items():
+            for event in logged:
+                events += [LogField.event(request_id, event.seq), log_value(event)]
+            fields += [request_id + LogField.NEXT, logged[-1].seq + 1]
         for request_id, progress in self.progress.items():
-            args += [request_id, progress]
+            fields += [request_id + LogField.PROGRESS, progress]
+        args: list[bytes | str | int] = [prefix, consumer, len(reown), *reown, len(known), *known,
+                                         len(events) // 2, (len(events) + len(fields)) // 2, *events, *fields,
+                                         len(self.published), *(log_value(e) for e in self.published)]
         args.append(len(self.ends))
         for e in self.ends:
             args += [e.request_id, e.record, "" if e.final_seq is None else e.final_seq, e.ttl_ms, e.stream,
@@ -130,6 +147,7 @@ class Publisher:
         self._queue: queue.Queue[Outbox | None] = queue.Queue()
         self._give_up_at = float("inf")
         self._revoked: deque[str] = deque()
+        self._known: set[str] = set()  # revoked ids reported to the consumer, not yet forgotten
         self._step = client.register_script(STEP)
         self._thread = threading.Thread(target=self._run, name="publisher", daemon=True)
 
@@ -176,11 +194,15 @@ class Publisher:
 
     def _send(self, outbox: Outbox) -> None:
         backoff = Backoff(self._config.max_backoff_s)
-        args = outbox.args(self._keys.prefix, self._config.consumer_name)
+        is_resent = False
         while True:
+            outbox = outbox.without(self._known)
+            if not outbox:
+                return
+            args = outbox.args(self._keys.prefix, self._config.consumer_name, known=sorted(self._known),
+                               is_resent=is_resent)
             try:
                 reply = self._step(args=args)
-                break
             except redis.ResponseError as e:  # a bug in the round, not an outage: resending cannot help
                 log.error("Redis refused a round of %d requests' events: %s", len(outbox.logged), e)
                 return
@@ -192,16 +214,22 @@ class Publisher:
                               len(outbox.logged), e)
                     return
                 delay = backoff.failed()
-                args = outbox.args(self._keys.prefix, self._config.consumer_name, is_resent=True)
+                is_resent = True
                 log.warning("publish failed (%s); retrying in %.2fs", e, delay)
                 time.sleep(delay)  # nothing else for this thread to do until Redis answers
-        status, *revoked = [r.decode() if isinstance(r, bytes) else str(r) for r in reply]
+                continue
+            status, *revoked = [r.decode() if isinstance(r, bytes) else str(r) for r in reply]
+            if status != "revoked":
+                break
+            # Taken over since the last round: nothing was written; send the round without them.
+            self._known.update(revoked)
+            self._revoked.extend(revoked)
         if status == "fenced":
             log.error("this worker (%s) was fenced: another worker re-claimed its requests; its round of "
                       "%d requests was refused", self._config.consumer_name, len(outbox.logged))
             if self._on_fenced is not None:
                 self._on_fenced()
-        self._revoked.extend(revoked)
+        self._known.difference_update(outbox.forget)  # removed from the revoked set by this round
 
 
 def heartbeat_fields(worker_id: str, s: Any, num_finished: int, num_parked: int) -> dict[str, str]:
