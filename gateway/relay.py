@@ -17,7 +17,7 @@ worker abandoned a parked request, or Redis lost the entry), and a deadline
 that was the earlier caller's, not this one's.
 
 A call that hears nothing for `liveness_check_s` asks Redis whether its entry
-is still queued or held by a live worker. While Redis is unreachable it keeps
+is still queued or held by a live worker (on the router's next TICK after that). While Redis is unreachable it keeps
 waiting, up to `max_outage_s`; the router resubscribes when Redis is back.
 """
 
@@ -32,7 +32,7 @@ from redis.exceptions import RedisError
 
 from gateway.errors import DataLoss, GatewayError, OutOfRange, Unavailable, WorkerError, redis_unavailable
 from gateway.queue import EntryState, RequestQueue
-from gateway.replies import CallItem, Resync
+from gateway.replies import CallItem, Resync, Tick
 from protos.tokenrelay.v1 import generate_pb2, queue_pb2
 
 # Consecutive GONE answers before the attempt counts as ended: the first may race with
@@ -74,6 +74,7 @@ async def relay(follow: Follow, calls: asyncio.Queue[CallItem], queue: RequestQu
     follow.next_seq = follow.resume_from if follow.next_seq < 0 else follow.next_seq
     if read_log:
         await _fill_from_log(follow, queue)
+    heard_at = time.monotonic()  # the last item; TICKs (replies.py) tell how long ago that was
     while True:
         while follow.next_seq in follow.pending:
             event = follow.pending.pop(follow.next_seq)
@@ -88,15 +89,15 @@ async def relay(follow: Follow, calls: asyncio.Queue[CallItem], queue: RequestQu
             follow.gap_deadline = None
         elif follow.gap_deadline is not None and time.monotonic() > follow.gap_deadline:
             await _fill_gap(follow, queue, checks, grace_s=0)
-        try:
-            async with asyncio.timeout(liveness_check_s):
-                item = await calls.get()
-        except TimeoutError:
-            if follow.gap_deadline is not None:
-                continue  # judged above
+        item = await calls.get()
+        if isinstance(item, Tick):
+            if follow.gap_deadline is not None or time.monotonic() - heard_at < liveness_check_s:
+                continue  # a gap is judged above
+            heard_at = time.monotonic()
             if await checks.has_ended(follow.entry_id, follow.stream):
                 await _start_next_attempt(follow, queue)
             continue
+        heard_at = time.monotonic()
         if isinstance(item, GatewayError):
             raise item
         if isinstance(item, Resync):

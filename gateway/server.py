@@ -43,7 +43,7 @@ from gateway.metrics import GatewayMetrics, GrpcMetricsInterceptor
 from gateway.queue import Attached, RequestQueue, connect
 from gateway.quotas import Quotas
 from gateway.relay import Follow, relay
-from gateway.replies import ReplyRouter
+from gateway.replies import DEFAULT_TICK_S, ReplyRouter
 from gateway.server_info import ServerInfoView
 from gateway.tls import ServerCertificates, bind
 from gateway.tracing import CallTrace
@@ -335,6 +335,7 @@ class Gateway:
         self.router = ReplyRouter(self.client, config.keys.gateway(config.gateway_id), config.keys.events,
                                   config.keys.out_pattern, max_backoff_s=config.max_backoff_s,
                                   max_queued_events=config.max_queued_events,
+                                  tick_s=min(DEFAULT_TICK_S, config.liveness_check_s / 2),
                                   on_ready_change=self._on_ready_change)
         self.health = health_aio.HealthServicer()
         self.metrics_server = MetricsServer(config.metrics_port, compat_vllm=config.metrics_compat == "vllm")

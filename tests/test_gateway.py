@@ -23,7 +23,7 @@ from gateway.errors import PUSHBACK_TRAILER, DataLoss, OutOfRange, QueueFull, Un
 from gateway.queue import Attached, EntryState, RequestQueue, connect
 from gateway.redis_server import EmbeddedRedis, free_port
 from gateway.relay import Follow, relay
-from gateway.replies import RESYNC
+from gateway.replies import RESYNC, TICK
 from protos.convert import build_request
 from protos.keys import RECORD_LEASE_S, Record
 from protos.tokenrelay.v1 import generate_pb2, queue_pb2
@@ -106,10 +106,21 @@ def run_relay(items: list, queue: FakeQueue | None = None, *, liveness_s: float 
         calls: asyncio.Queue = asyncio.Queue()
         for item in items:
             calls.put_nowait(item)
+
+        async def tick() -> None:  # what ReplyRouter does for every idle call
+            while True:
+                await asyncio.sleep(liveness_s / 2)
+                if calls.empty():
+                    calls.put_nowait(TICK)
+
+        ticker = asyncio.ensure_future(tick())
         follow = Follow("r", ENTRY, resume_from, next_attempt=next_attempt)
         responses = relay(follow, calls, queue or FakeQueue(), read_log=read_log,  # type: ignore[arg-type]
                           liveness_check_s=liveness_s, max_outage_s=1.0)
-        return [r.chunk.text if r.HasField("chunk") else "final" async for r in responses]
+        try:
+            return [r.chunk.text if r.HasField("chunk") else "final" async for r in responses]
+        finally:
+            ticker.cancel()
     return asyncio.run(go())
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from gateway.replies import RESYNC, ReplyRouter, offer
+from gateway.replies import RESYNC, TICK, ReplyRouter, offer
 from protos.keys import Keys
 from protos.tokenrelay.v1 import queue_pb2
 
@@ -86,3 +86,26 @@ def test_events_of_every_worker_reach_the_calls_that_follow_them(redis_url: str,
         await client.aclose()
         return got
     assert asyncio.run(go()) == [0, 1]
+
+
+def test_an_idle_call_gets_ticks_and_a_busy_one_only_its_events(redis_url: str, prefix: str) -> None:
+    """TICK is the relay's clock for its liveness checks (gateway/relay.py): one per tick_s into
+    a call whose queue is empty, none piled up behind events."""
+    keys = Keys(prefix)
+
+    async def go() -> tuple[list[Any], list[Any]]:
+        client = aioredis.Redis.from_url(redis_url)
+        replies = ReplyRouter(client, keys.gateway("g"), keys.events, keys.out_pattern, tick_s=0.05)
+        try:
+            assert await replies.start(timeout_s=5)
+            idle, busy = await replies.follow("idle"), await replies.follow("busy")
+            offer(busy, event(0))
+            await asyncio.sleep(0.3)
+            return ([idle.get_nowait() for _ in range(idle.qsize())],
+                    [busy.get_nowait() for _ in range(busy.qsize())])
+        finally:
+            await replies.close()
+            await client.aclose()
+    idle, busy = asyncio.run(go())
+    assert idle == [TICK]  # the relay reads it and waits again; here nobody read it
+    assert [getattr(item, "seq", None) for item in busy] == [0]
