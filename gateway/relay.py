@@ -17,8 +17,9 @@ worker abandoned a parked request, or Redis lost the entry), and a deadline
 that was the earlier caller's, not this one's.
 
 A call that hears nothing for `liveness_check_s` asks Redis whether its entry
-is still queued or held by a live worker (on the router's next TICK after that). While Redis is unreachable it keeps
-waiting, up to `max_outage_s`; the router resubscribes when Redis is back.
+is still queued or held by a live worker (at the router's next TICK after that).
+While Redis is unreachable it keeps waiting, up to `max_outage_s`; the router
+resubscribes when Redis is back.
 """
 
 from __future__ import annotations
