@@ -1,14 +1,19 @@
 """Structured output in the engine core (worker/engine/grammar.py) on a tiny random Llama whose
 128 token ids are the 128 ASCII bytes (id 2 is EOS): every output follows its format, and the
-tokens do not depend on the batch, on speculation, on preemption or on a resume."""
+tokens do not depend on the batch, on speculation, on preemption or on a resume; a format compiling
+does not hold up the streams already decoding."""
 
 from __future__ import annotations
 
+import json
 import re
 import threading
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
+import jsonschema
 import pytest
 
 pytest.importorskip("transformers")
@@ -16,11 +21,12 @@ pytest.importorskip("xgrammar")
 
 from protos.params import FinishReason, ResponseFormat, SamplingParams  # noqa: E402
 from tests.factories import VOCAB, make_engine, make_hf_model, make_prompts, ours_from_hf  # noqa: E402
-from worker.engine.core import EngineCore  # noqa: E402
+from worker.engine.core import EngineCore, EngineOutput  # noqa: E402
 from worker.engine.grammar import GrammarCompiler, choice_grammar  # noqa: E402
 from worker.engine.spec_policy import SpeculationPolicy  # noqa: E402
 
 EOS = 2
+T = TypeVar("T")
 EMAIL = r"[a-z]{3,6}@[a-z]{2,4}\.(com|org)"
 
 
@@ -201,22 +207,104 @@ def test_a_request_for_a_format_without_a_compiler_is_refused(model: Any) -> Non
                                                        response_format=ResponseFormat("json_object")))
 
 
-def test_running_streams_keep_decoding_while_a_new_format_compiles(new: Callable[..., EngineCore]) -> None:
-    engine = new(num_seqs=9)
+# A step of this model takes milliseconds: the timeout only turns a step that waits for the held-back
+# compilation (and so would never return) into a failure instead of a hang; no speed is asserted.
+STEP_TIMEOUT_S = 60
+RECORD = {  # bounded, so a random model completes it: every value's length is capped
+    "type": "object",
+    "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999}, "ok": {"type": "boolean"},
+                   "tag": {"enum": ["red", "green", "blue"]},
+                   "code": {"type": "string", "pattern": "^[a-z]{2,4}$"}},
+    "required": ["id", "ok", "tag", "code"], "additionalProperties": False,
+}
+
+
+@pytest.fixture
+def held_compiler() -> Iterator[tuple[GrammarCompiler, threading.Event]]:
+    """A compiler whose one compile thread is busy until the test sets the event: a format it is
+    asked for stays compiling until then. Set at teardown, so a failed test leaves no thread behind."""
     gate = threading.Event()
-    compiler = GrammarCompiler(ascii_vocab(), VOCAB, [EOS])
-    slow_compile = compiler._compile
-    compiler._compile = lambda fmt: gate.wait(30) and slow_compile(fmt)  # type: ignore[method-assign]
+    compile_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="held-grammar")
+    compile_thread.submit(gate.wait)
+    compiler = GrammarCompiler(ascii_vocab(), VOCAB, [EOS], executor=compile_thread)
+    yield compiler, gate
+    gate.set()
+    compiler.close()
+
+
+def call_or_fail(call: Callable[..., T], *args: Any) -> T:
+    """call(*args) on a thread of its own, so that an engine call blocked on a compilation fails the
+    test (after STEP_TIMEOUT_S) instead of hanging it."""
+    thread = ThreadPoolExecutor(max_workers=1)
+    try:
+        return thread.submit(call, *args).result(timeout=STEP_TIMEOUT_S)
+    except TimeoutError:
+        pytest.fail(f"{call.__name__} did not return in {STEP_TIMEOUT_S} s: it waits for the compilation")
+    finally:
+        thread.shutdown(wait=False)
+
+
+def step_or_fail(engine: EngineCore) -> list[EngineOutput]:
+    return call_or_fail(engine.step)
+
+
+def collect(outputs: list[EngineOutput]) -> dict[str, tuple[list[int], FinishReason | None]]:
+    """Every request's tokens and finish reason, as `run` gives them."""
+    tokens: dict[str, list[int]] = {}
+    reasons: dict[str, FinishReason] = {}
+    for o in outputs:
+        tokens.setdefault(o.seq.request_id, []).extend([o.token.token_id] if o.token else [])
+        if o.finish_reason is not None:
+            reasons[o.seq.request_id] = o.finish_reason
+    return {r: (ids, reasons.get(r)) for r, ids in tokens.items()}
+
+
+def num_tokens(outputs: list[EngineOutput]) -> Counter[str]:
+    return Counter(o.seq.request_id for o in outputs if o.token is not None)
+
+
+def test_a_new_schema_compiling_does_not_stall_8_decoding_streams(
+        new: Callable[..., EngineCore], held_compiler: tuple[GrammarCompiler, threading.Event]) -> None:
+    """Issue 22, without a clock: the new schema's compilation is held back until the test lets it
+    go. Meanwhile every step gives each of the 8 streams its next token and the new request none;
+    the step after the schema is compiled admits it next to the 8; its output validates against
+    the schema, and every request's tokens are those it gets alone."""
+    compiler, gate = held_compiler
+    engine = new(num_seqs=9, max_len=256)
     engine.grammar = compiler
     prompts = make_prompts(9)
-    for i in range(8):
-        engine.add_request(f"r{i}", prompts[i], SamplingParams(max_tokens=20, temperature=0.0))
-    engine.add_request("new", prompts[8], SamplingParams(max_tokens=20, response_format=ResponseFormat(
-        "regex", text=EMAIL)))
-    before = {o.seq.request_id for _ in range(3) for o in engine.step() if o.token}
-    assert before == {f"r{i}" for i in range(8)}  # three steps of all 8 streams, none for "new"
-    assert engine.scheduler.find("new") is None and [s.request_id for s in engine.compiling] == ["new"]
+    streams = {f"r{i}": (prompts[i], SamplingParams(max_tokens=16, temperature=1.0, seed=i, ignore_eos=True))
+               for i in range(8)}
+    fmt = ResponseFormat("json_schema", text=json.dumps(RECORD), is_strict=True)
+    request = (prompts[8], SamplingParams(max_tokens=160, temperature=1.0, seed=1, response_format=fmt))
+    for request_id, (prompt, params) in streams.items():
+        engine.add_request(request_id, prompt, params)
+    outputs = step_or_fail(engine)
+    assert num_tokens(outputs) == dict.fromkeys(streams, 1)  # prefilled: all 8 decode from now on
+
+    seq = call_or_fail(engine.add_request, "new", *request)  # the worker's step loop calls it too
+    assert seq.constraint is not None
+    for _ in range(4):
+        step = step_or_fail(engine)
+        assert num_tokens(step) == dict.fromkeys(streams, 1)  # each of the 8 gains its token; "new" none
+        outputs += step
+    assert not seq.constraint.future.done() and engine.compiling == [seq]
+    assert engine.scheduler.find("new") is None
+
     gate.set()
-    tokens = [o.token.token_id for _ in range(100) if engine.has_unfinished() for o in engine.step()
-              if o.token and o.seq.request_id == "new"]
-    assert re.fullmatch(EMAIL, text(tokens))
+    seq.constraint.future.result(timeout=STEP_TIMEOUT_S)  # compiled: the next step must admit it
+    step = step_or_fail(engine)
+    assert num_tokens(step) == dict.fromkeys([*streams, "new"], 1)
+    outputs += step
+    for _ in range(200):
+        if not engine.has_unfinished():
+            break
+        outputs += step_or_fail(engine)
+    assert not engine.has_unfinished()
+
+    results = collect(outputs)
+    tokens, reason = results["new"]
+    assert reason is FinishReason.EOS
+    jsonschema.validate(json.loads(text(tokens)), RECORD)
+    for request_id, alone in (streams | {"new": request}).items():
+        assert run(new(max_len=256), {request_id: alone})[request_id] == results[request_id], request_id

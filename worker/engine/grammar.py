@@ -28,7 +28,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -57,9 +57,10 @@ class GrammarCompiler:
     compilations run on one background thread."""
 
     def __init__(self, encoded_vocab: Sequence[bytes], vocab_size: int, stop_token_ids: Iterable[int],
-                 max_cached: int = DEFAULT_MAX_CACHED_GRAMMARS) -> None:
+                 max_cached: int = DEFAULT_MAX_CACHED_GRAMMARS, executor: Executor | None = None) -> None:
         """encoded_vocab[i]: token i's bytes (b"" for special tokens, which a format never
-        produces); vocab_size: the model's logits width (>= len(encoded_vocab))."""
+        produces); vocab_size: the model's logits width (>= len(encoded_vocab)); executor: where
+        compilations run (default: one background thread), shut down by `close`."""
         if xgr is None:
             raise RuntimeError("structured output needs xgrammar: pip install -e '.[structured]'")
         if max_cached < 1:
@@ -70,7 +71,7 @@ class GrammarCompiler:
         # xgrammar's own cache is unbounded by count; ours is an LRU of futures (so a second
         # request for a format being compiled waits on the same compilation).
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        self._pool = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self._cache: OrderedDict[ResponseFormat, Future[Any]] = OrderedDict()
         self.max_cached = max_cached
         self._lock = threading.Lock()
