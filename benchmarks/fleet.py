@@ -60,6 +60,7 @@ sys.path.insert(0, str(ROOT))
 import grpc  # noqa: E402
 import redis  # noqa: E402
 
+from benchmarks.fleet_floor import grpc_floor  # noqa: E402
 from benchmarks.fleet_procs import ChildDied, Fleet  # noqa: E402
 from benchmarks.fleet_shed import shedding_test  # noqa: E402
 from benchmarks.fleet_stats import (  # noqa: E402
@@ -329,10 +330,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def summarize(rows: list[dict[str, Any]], shed: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+def summarize(rows: list[dict[str, Any]], shed: dict[str, Any], floor: dict[str, Any],
+              args: argparse.Namespace) -> dict[str, Any]:
     summary: dict[str, Any] = {"points": rows, **headline(rows),
                                "reject_p50_ms": shed.get("reject_p50_ms"),
-                               "reject_p99_ms": shed.get("reject_p99_ms"), "shedding": shed}
+                               "reject_p99_ms": shed.get("reject_p99_ms"), "shedding": shed, "grpc_floor": floor}
+    floor_cpu, gateway_cpu = floor.get("cpu_s_per_1k_messages"), summary.get("gateway_cpu_s_per_1k_tokens")
+    summary["gateway_cpu_over_grpc_floor"] = (gateway_cpu / floor_cpu if floor_cpu and gateway_cpu is not None
+                                              else None)
     for key in ("lost", "duplicated", "mismatched"):
         summary[key] = sum(r[key] for r in rows)
     summary["machine"] = (f"{platform.machine()} {os.cpu_count()} CPUs, {platform.system()} "
@@ -357,6 +362,17 @@ def rounded(value: Any) -> Any:
     return value
 
 
+def measure_floor(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+    """The gRPC floor (benchmarks/fleet_floor.py) at the largest point's streams and token rate."""
+    num_workers, num_streams = max(args.points, key=lambda p: p[1])
+    try:
+        return grpc_floor(log_dir, num_streams, num_workers, 1000 * num_streams / args.token_budget,
+                          warmup_s=args.warmup_s, window_s=args.window_s)
+    except (ChildDied, grpc.RpcError) as e:
+        print(f"  gRPC floor CRASHED: {e}", file=sys.stderr)
+        return {"error": str(e)}
+
+
 def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt  # SIGTERM (and SIGINT, even if ignored when started) stop the children
 
@@ -378,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
                 number += 1
                 rows.append(run_point(redis_url, client, server is not None, num_workers, num_streams,
                                       output_len, args, log_dir, number).row())
+        floor = measure_floor(args, log_dir)
         try:
             shed = shedding_test(redis_url, log_dir, args.shed_burst)
         except (ChildDied, RuntimeError, grpc.RpcError) as e:
@@ -390,8 +407,12 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if server is not None:
             server.stop()
-    summary = summarize(rows, shed, args)
+    summary = summarize(rows, shed, floor, args)
     print(format_table(rows))
+    if floor.get("cpu_s_per_1k_messages") is not None:
+        print(f"gRPC floor: a no-op grpc.aio server streaming one message per token to {floor['streams']} "
+              f"calls costs {floor['cpu_s_per_1k_messages']:.4f} CPU s per 1k messages; the gateway "
+              f"{summary['gateway_cpu_over_grpc_floor']:.2f}x that (tokenrelay sends one message per token)")
     if shed.get("error"):
         print(f"CRASHED shedding test: {shed['error']}")
     elif shed["reject_p99_ms"] is not None:
