@@ -72,7 +72,8 @@ async def serve(target: str, num_streams: int, num_groups: int, step_ms: float) 
     ticker.cancel()
 
 
-async def _measure(target: str, pid: int, num_streams: int, warmup_s: float, window_s: float) -> dict[str, Any]:
+async def _measure(target: str, pid: int, num_streams: int, warmup_s: float,
+                   window_s: float) -> dict[str, Any]:
     counted = 0
 
     async def stream(stub: Any) -> None:
@@ -113,7 +114,8 @@ def grpc_floor(log_dir: Path, num_streams: int, num_workers: int, step_ms: float
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--serve", required=True, metavar="HOST:PORT")
     parser.add_argument("--streams", type=int, required=True)
     parser.add_argument("--workers", type=int, required=True)
