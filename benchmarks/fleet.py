@@ -337,6 +337,7 @@ def summarize(rows: list[dict[str, Any]], shed: dict[str, Any], floor: dict[str,
                                "reject_p99_ms": shed.get("reject_p99_ms"), "shedding": shed,
                                "grpc_floor": floor}
     floor_cpu, gateway_cpu = floor.get("cpu_s_per_1k_messages"), summary.get("gateway_cpu_s_per_1k_tokens")
+    summary["grpc_floor_cpu_s_per_1k_messages"] = floor_cpu
     summary["gateway_cpu_over_grpc_floor"] = (gateway_cpu / floor_cpu if floor_cpu and gateway_cpu is not None
                                               else None)
     for key in ("lost", "duplicated", "mismatched"):
