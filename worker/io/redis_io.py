@@ -27,7 +27,6 @@ import redis
 
 from protos.convert import log_value
 from protos.keys import Heartbeat as HeartbeatField
-from protos.keys import LogField
 from protos.redis_conn import Backoff, sync_client
 from protos.tokenrelay.v1 import queue_pb2
 from worker.config import WorkerConfig
@@ -109,17 +108,16 @@ class Outbox:
         records at this worker's log (REOWN)."""
         reown = list(self.logged) if is_resent else []
         known = sorted({*(known or ()), *self.forget})  # what it confirms dropping, it knows of
-        events: list[bytes | str | int] = []
-        fields: list[bytes | str | int] = []
-        for request_id, logged in self.logged.items():
-            for event in logged:
-                events += [LogField.event(request_id, event.seq), log_value(event)]
-            fields += [request_id + LogField.NEXT, logged[-1].seq + 1]
+        # one run of consecutive seqs a section item: its first seq names every event's field
+        runs = [(request_id, run) for request_id, events in self.logged.items()
+                for run in _consecutive(events)]
+        args: list[bytes | str | int] = [prefix, consumer, len(reown), *reown, len(known), *known, len(runs)]
+        for request_id, run in runs:
+            args += [request_id, run[0].seq, len(run), *(log_value(e) for e in run)]
+        args.append(len(self.progress))
         for request_id, progress in self.progress.items():
-            fields += [request_id + LogField.PROGRESS, progress]
-        args: list[bytes | str | int] = [prefix, consumer, len(reown), *reown, len(known), *known,
-                                         len(events) // 2, (len(events) + len(fields)) // 2, *events, *fields,
-                                         len(self.published), *(log_value(e) for e in self.published)]
+            args += [request_id, progress]
+        args += [len(self.published), *(log_value(e) for e in self.published)]
         args.append(len(self.ends))
         for e in self.ends:
             args += [e.request_id, e.record, "" if e.final_seq is None else e.final_seq, e.ttl_ms, e.stream,
@@ -129,6 +127,17 @@ class Outbox:
 
     def __bool__(self) -> bool:
         return bool(self.logged or self.published or self.progress or self.ends or self.drops or self.forget)
+
+
+def _consecutive(events: list[queue_pb2.TokenEvent]) -> list[list[queue_pb2.TokenEvent]]:
+    """The events split where their seq does not go up by one (a round has one run a request)."""
+    runs = [[events[0]]]
+    for event in events[1:]:
+        if event.seq == runs[-1][-1].seq + 1:
+            runs[-1].append(event)
+        else:
+            runs.append([event])
+    return runs
 
 
 class Publisher:
