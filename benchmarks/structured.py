@@ -1,6 +1,7 @@
 """What does structured output cost? JSON-Schema-constrained vs free decoding on SmolLM2.
 
-Same chat prompt, same number of tokens, sides alternating within each run:
+Same chat prompt, same number of tokens, one warm-up request of each side first (not counted), then
+sides alternating within each run:
 - b1: one request of --tokens tokens, plain (ignore_eos) vs constrained to a schema that needs
   more than --tokens tokens (a list of at least 8 people), so both sides stop at LENGTH;
   tok/s = (tokens - 1) / decode seconds; overhead_b1 = plain tok/s / constrained tok/s;
@@ -118,6 +119,8 @@ def main() -> None:
     people = ResponseFormat("json_schema", text=json.dumps(PEOPLE), is_strict=True)
     person = ResponseFormat("json_schema", text=json.dumps(PERSON), is_strict=True)
     compile_p50, cached = compile_ms(engine, person, args.compiles)
+    for fmt in (None, people):  # warm-up, not counted: a fresh engine's first runs were up to 15% slower
+        throughput(engine, 1, args.tokens, fmt, seed=0)
     sides: dict[str, list[float]] = {k: [] for k in ("b1_plain", "b1_json", "c_plain", "c_json")}
     mask_ms: list[float] = []
     for i in range(args.runs):  # alternating, the order flipped every run

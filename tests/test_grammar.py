@@ -15,14 +15,15 @@ from typing import Any, TypeVar
 
 import jsonschema
 import pytest
+import torch
 
 pytest.importorskip("transformers")
-pytest.importorskip("xgrammar")
+xgr = pytest.importorskip("xgrammar")
 
 from protos.params import FinishReason, ResponseFormat, SamplingParams  # noqa: E402
 from tests.factories import VOCAB, make_engine, make_hf_model, make_prompts, ours_from_hf  # noqa: E402
 from worker.engine.core import EngineCore, EngineOutput  # noqa: E402
-from worker.engine.grammar import GrammarCompiler, choice_grammar  # noqa: E402
+from worker.engine.grammar import Constraint, GrammarCompiler, apply_masks, choice_grammar  # noqa: E402
 from worker.engine.spec_policy import SpeculationPolicy  # noqa: E402
 
 EOS = 2
@@ -194,6 +195,31 @@ def test_compilations_are_cached_by_format_in_a_bounded_lru() -> None:
     assert (compiler.num_misses, compiler.num_hits) == (3, 1)
     compiler.compile(formats[0]).result()  # evicted by the third
     assert compiler.num_misses == 4 and len(compiler.recent_compile_seconds) == 4
+
+
+def test_the_cpu_masks_equal_xgrammars_kernel_on_every_row_kind(compiler: GrammarCompiler) -> None:
+    """apply_masks unpacks the bitmask itself on the CPU: same logits as xgrammar's kernel, for all
+    rows constrained, some rows, and a sequence with proposals (rows after the first)."""
+    fmt = ResponseFormat("regex", text=EMAIL)
+    started = []
+    for prefix in (b"", b"abc", b"abcd@x"):
+        constraint = Constraint(compiler.compile(fmt))
+        assert constraint.start(list(prefix))
+        started.append(constraint)
+    cases = [[(0, started[0], []), (1, started[1], []), (2, started[2], [])],  # every row
+             [(1, started[1], []), (3, started[2], [])],  # some rows
+             [(0, started[1], [ord("d"), ord("@")]), (4, started[0], [])]]  # proposals' rows
+    gen = torch.Generator().manual_seed(0)
+    for constraints in cases:
+        num_rows = 5 if constraints[-1][0] >= 3 else 3
+        logits = torch.randn(num_rows, VOCAB, generator=gen)  # (R, V)
+        expected = logits.clone()
+        bitmask = xgr.allocate_token_bitmask(num_rows, VOCAB)
+        rows = [r for first, c, drafts in constraints for r in c.fill_rows(bitmask, first, drafts)]
+        xgr.apply_token_bitmask_inplace(expected, bitmask, vocab_size=VOCAB, indices=rows)
+        apply_masks(logits, constraints)
+        assert torch.equal(logits, expected)
+        assert torch.isinf(logits).any()  # something was masked
 
 
 def test_choice_grammar_escapes_quotes_and_newlines() -> None:
