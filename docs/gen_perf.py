@@ -166,7 +166,9 @@ HEADLINES = (
     Headline("gateway + Redis + worker, 16 streams: tok/s", "e2e", "e2e_tps", "inproc_tps",
              "engine in-process", "ratio"),
     Headline("Redis commands per generated token (16 streams)", "e2e", "redis_cmds_per_token"),
-    Headline("fleet: gateway CPU s per 1k tokens (largest S)", "fleet", "gateway_cpu_s_per_1k_tokens"),
+    Headline("fleet: gateway CPU s per 1k tokens (largest S)", "fleet", "gateway_cpu_s_per_1k_tokens",
+             "grpc_floor_cpu_s_per_1k_messages", "no-op grpc.aio server, 1 message a token",
+             "gateway_cpu_over_grpc_floor"),
     Headline("fleet: Redis CPU s per 1k tokens (largest S)", "fleet", "redis_cpu_s_per_1k_tokens"),
 )
 

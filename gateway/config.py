@@ -33,8 +33,12 @@ class GatewayConfig:
     # Sent as the `grpc-retry-pushback-ms` trailer with RESOURCE_EXHAUSTED.
     retry_pushback_ms: int = 1000
     # The queue depth is re-read from Redis at most this often; in between the
-    # gateway adds what it enqueued itself.
-    depth_cache_ms: float = 5.0
+    # gateway adds what it enqueued itself, so a refusal needs no Redis round trip. At
+    # 5 ms a 500-call burst re-read it ~50 times, each read holding the refusals behind
+    # it, and the reads were ~1.3 Redis commands per request of 64 tokens at 256 streams
+    # (bench-fleet, 2026-12-03); at 50 ms another gateway's enqueues and the workers'
+    # claims are seen up to 50 ms later.
+    depth_cache_ms: float = 50.0
     # Socket timeout of every Redis command: Redis unreachable -> UNAVAILABLE
     # after at most this long.
     redis_timeout_s: float = 2.0
