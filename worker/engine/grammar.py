@@ -192,15 +192,23 @@ class Constraint:
         return rows
 
 
-def apply_masks(logits: torch.Tensor, constraints: Sequence[tuple[int, Constraint, Sequence[int]]]) -> None:
-    """Mask the constrained rows of a step's logits (R, V) in place. constraints: (first row,
-    constraint, proposals) per constrained sequence; its rows are first row .. + len(proposals)."""
+def fill_masks(num_rows: int, vocab_size: int, constraints: Sequence[tuple[int, Constraint, Sequence[int]]],
+               ) -> tuple[torch.Tensor, list[int]]:
+    """The bitmask of a step's R rows (R, ceil(V / 32)) int32 and the rows filled. constraints:
+    (first row, constraint, proposals) per constrained sequence; its rows are first row ..
+    + len(proposals). Reads only the matchers, so it may run while the model computes."""
     assert xgr is not None
-    vocab_size = logits.shape[-1]
-    bitmask = xgr.allocate_token_bitmask(logits.shape[0], vocab_size)  # (R, ceil(V / 32)) int32, all allowed
+    bitmask = xgr.allocate_token_bitmask(num_rows, vocab_size)  # (R, ceil(V / 32)) int32, all allowed
     rows: list[int] = []
     for first_row, constraint, draft_ids in constraints:
         rows += constraint.fill_rows(bitmask, first_row, draft_ids)
+    return bitmask, rows
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """-inf in `rows` of the logits (R, V), in place, where the bitmask forbids the token."""
+    assert xgr is not None
+    vocab_size = logits.shape[-1]
     if logits.device.type != "cpu" or sys.byteorder != "little":  # the unpacking below reads bytes
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=vocab_size,
                                         indices=rows)
@@ -217,3 +225,10 @@ def apply_masks(logits: torch.Tensor, constraints: Sequence[tuple[int, Constrain
             return
         for i, row in enumerate(rows):
             logits[row].masked_fill_(forbidden[i], float("-inf"))
+
+
+def apply_masks(logits: torch.Tensor, constraints: Sequence[tuple[int, Constraint, Sequence[int]]]) -> None:
+    """Mask the constrained rows of a step's logits (R, V) in place (`fill_masks`, then
+    `apply_bitmask`)."""
+    bitmask, rows = fill_masks(logits.shape[0], logits.shape[-1], constraints)
+    apply_bitmask(logits, bitmask, rows)

@@ -15,17 +15,19 @@ the proposals before it: it draws the target's own output token
 len(output) + j with that index's noise and penalties.
 
 Rows of constrained sequences (a response_format) get their grammar's mask before sampling
-(grammar.apply_masks; a decode's proposal rows the masks of its matcher advanced through them).
+(grammar.fill_masks, on a thread of its own while the model computes, then apply_bitmask; a
+decode's proposal rows the masks of its matcher advanced through them).
 """
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
-from worker.engine.grammar import apply_masks
+from worker.engine.grammar import apply_bitmask, fill_masks
 from worker.engine.kv_manager import KVCacheManager
 from worker.engine.sampling import Sampler, SamplerOutput, SamplingRow, build_sampling_batch
 from worker.engine.sequence import PrefillChunk, Sequence, sampled_sequences
@@ -48,20 +50,29 @@ class ModelRunner:
         self.device = model.device
         self.sampler = Sampler()
         self.mask_seconds = 0.0  # what masking the constrained rows took in the last step
+        # Grammar masks are filled here while the model computes: they depend only on the tokens
+        # already accepted (xgrammar releases the GIL).
+        self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
 
     def run(self, prefills: list[PrefillChunk], decodes: list[Sequence]) -> list[list[SampledToken]]:
         """Compute the chunks and decodes; sample the next token of every sequence whose
         prompt completes this step, then of every decode: results in that order, one token
         each, or for a decode with k proposals the target's token at each of k + 1 positions."""
-        logits = self.model.forward(self.prepare(prefills, decodes), self.cache)  # (R, V)
         seqs = sampled_sequences(prefills, decodes)
+        drafts: list[list[int]] = [[] for c in prefills if c.is_last] + [s.spec.draft_ids for s in decodes]
+        masks = self._fill_masks(seqs, drafts)  # on the mask thread while the model computes
+        logits = self.model.forward(self.prepare(prefills, decodes), self.cache)  # (R, V)
         if not seqs:
             return []  # only partial prompt chunks ran
-        drafts: list[list[int]] = [[] for c in prefills if c.is_last] + [s.spec.draft_ids for s in decodes]
         rows = [SamplingRow(params=s.params, seed=s.seed, prompt_token_ids=s.prompt_ids,
                             output_token_ids=s.output_ids + draft[:j])
                 for s, draft in zip(seqs, drafts, strict=True) for j in range(1 + len(draft))]
-        self._mask(logits, seqs, drafts)
+        if masks is not None:
+            start = time.perf_counter()
+            bitmask, masked = masks.result()
+            assert bitmask.shape[0] == logits.shape[0], "a mask row for every sampled row"
+            apply_bitmask(logits, bitmask, masked)
+            self.mask_seconds += time.perf_counter() - start
         batch = build_sampling_batch(rows, logits.shape[-1], self.device)
         flat = self._to_host(self.sampler(logits, batch))
         out, i = [], 0
@@ -70,19 +81,25 @@ class ModelRunner:
             i += 1 + len(draft)
         return out
 
-    def _mask(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]) -> None:
-        """Apply the grammar masks of the constrained sequences' rows (R, V), in place."""
+    def _fill_masks(self, seqs: list[Sequence], drafts: list[list[int]],
+                    ) -> Future[tuple[torch.Tensor, list[int]]] | None:
+        """Start filling the grammar masks of the constrained sequences' rows; None: no row is
+        constrained. mask_seconds: the fill's time (set on the mask thread), then the apply's."""
         constrained, first_row = [], 0
         for seq, draft in zip(seqs, drafts, strict=True):
             if seq.constraint is not None:
                 constrained.append((first_row, seq.constraint, draft))
             first_row += 1 + len(draft)
+        self.mask_seconds = 0.0
         if not constrained:
-            self.mask_seconds = 0.0
-            return
-        start = time.perf_counter()
-        apply_masks(logits, constrained)
-        self.mask_seconds = time.perf_counter() - start
+            return None
+
+        def fill() -> tuple[torch.Tensor, list[int]]:
+            start = time.perf_counter()
+            masks = fill_masks(first_row, self.model.config.vocab_size, constrained)
+            self.mask_seconds += time.perf_counter() - start
+            return masks
+        return self._mask_thread.submit(fill)
 
     def prepare(self, prefills: list[PrefillChunk], decodes: list[Sequence]) -> ForwardBatch:
         """The flattened batch: every chunk's tokens, then each decode's last token and its
