@@ -18,7 +18,7 @@ pytest.importorskip("xgrammar")
 
 from protos.convert import build_request  # noqa: E402
 from protos.params import MAX_SCHEMA_PROPERTIES, ChatMessage, PromptInput, ResponseFormat, SamplingParams  # noqa: E402
-from protos.response_format import check_response_format  # noqa: E402
+from protos.response_format import MAX_SCHEMA_DEPTH, _shape, check_response_format  # noqa: E402
 from protos.tokenrelay.v1 import generate_pb2  # noqa: E402
 from tests.conftest import TEST_MAX_MODEL_LEN  # noqa: E402
 from tests.service import GatewayThread, WorkerProcess, WorkerThread, stub_for, wait_until, workers_ready  # noqa: E402
@@ -172,6 +172,28 @@ def test_a_schema_of_1000_properties_is_refused_naming_the_limit_and_one_at_the_
     with pytest.raises(ValueError, match=f"has 1000 object properties; the limit is {MAX_SCHEMA_PROPERTIES}"):
         check_response_format(wide(1000))
     at_limit = wide(MAX_SCHEMA_PROPERTIES)
+    check_response_format(at_limit)
+    assert smollm_engine.engine.grammar.compile(at_limit).result(timeout=120) is not None
+
+
+def test_a_schema_nested_past_the_limit_is_refused_naming_it_and_one_at_the_limit_compiles(
+        smollm_engine: Any) -> None:
+    """Deep nesting: refused before any compiler (or the meta-schema check, which recurses ~8
+    frames a level) sees it; a schema nested exactly MAX_SCHEMA_DEPTH levels compiles."""
+    def deep(levels: int) -> ResponseFormat:
+        schema: dict[str, Any] = {"type": "integer"}
+        for _ in range(levels - 1):  # each object adds a level of properties
+            schema = {"type": "object", "properties": {"x": schema}, "required": ["x"]}
+        return ResponseFormat("json_schema", text=json.dumps(schema))
+
+    def nesting(fmt: ResponseFormat) -> int:
+        return _shape(json.loads(fmt.text))[0]
+
+    levels = next(n for n in range(1, 4 * MAX_SCHEMA_DEPTH) if nesting(deep(n + 1)) > MAX_SCHEMA_DEPTH)
+    at_limit = deep(levels)
+    too_deep = deep(levels + 1)
+    with pytest.raises(ValueError, match=f"levels deep; the limit is {MAX_SCHEMA_DEPTH}"):
+        check_response_format(too_deep)
     check_response_format(at_limit)
     assert smollm_engine.engine.grammar.compile(at_limit).result(timeout=120) is not None
 

@@ -47,8 +47,9 @@ class WorkerMetrics:
         self.grammar_misses = counter("grammar_cache_misses", "Response formats compiled (cache misses).")
         self.grammar_compile_time = histogram("grammar_compile_seconds", "Time to compile one response "
                                               "format (on the grammar thread).", STEP_BUCKETS)
-        self.grammar_mask_time = histogram("grammar_mask_seconds", "Time to mask the constrained rows' "
-                                           "logits in one engine step (steps with any).", STEP_BUCKETS)
+        self.grammar_mask_time = histogram("grammar_mask_seconds", "Time to fill the constrained rows' "
+                                           "masks (while the model computes) and apply them in one engine "
+                                           "step (steps with any).", STEP_BUCKETS)
         self.reclaimed = counter("requests_reclaimed", "Requests of dead workers this worker re-claimed.")
         self.redis_errors = counter("redis_errors", "Redis commands or pipelines that failed.")
         self.taken_over = counter("requests_taken_over", "Requests another worker took over from this one "
