@@ -255,7 +255,9 @@ def run_point(redis_url: str, client: redis.Redis, is_own_redis: bool, num_worke
 
 # -- report ------------------------------------------------------------------------------------------
 
-def write_plot(rows: list[dict[str, Any]], path: Path) -> bool:
+def write_plot(rows: list[dict[str, Any]], path: Path, floor_cpu: float | None = None) -> bool:
+    """Gateway and Redis CPU per 1k tokens against S; floor_cpu: the gRPC floor (CPU s per 1k
+    messages), drawn across the gateway's panel."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -271,7 +273,10 @@ def write_plot(rows: list[dict[str, Any]], path: Path) -> bool:
                             if r["output_len"] == output_len and r[key] is not None)
             if points:
                 ax.plot(*zip(*points, strict=True), marker="o", label=f"{output_len}-token outputs")
-                ax.legend()
+        if key.startswith("gateway") and floor_cpu is not None:
+            ax.axhline(floor_cpu, linestyle="--", color="grey",
+                       label="gRPC floor: no-op grpc.aio server, largest S")
+        ax.legend(loc="lower left")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent streams S")
         ax.set_title(title)
@@ -423,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
               f"same burst: p50 {shed['floor_reject_p50_ms']:.1f}, p99 {shed['floor_reject_p99_ms']:.1f})")
     else:
         print(f"shedding: {shed['outcomes']}, nothing refused")
-    if write_plot(rows, args.plot):
+    if write_plot(rows, args.plot, summary.get("grpc_floor_cpu_s_per_1k_messages")):
         print(f"plot: {args.plot}")
     print(f"machine busy is all of this machine's CPUs ({os.cpu_count()}): every process shares them, "
           "so compare points within one run")

@@ -58,9 +58,18 @@ DEFAULT_MAX_QUEUED_EVENTS = 1024
 DEFAULT_TICK_S = 1.0
 
 
+class CallQueue(asyncio.Queue[CallItem]):
+    """One call's items. is_heard: something was offered since the ticker's last look, so the
+    call is not idle and needs no TICK (a streaming call is never woken for nothing)."""
+
+    is_heard = False
+
+
 def offer(queue: asyncio.Queue[CallItem], item: CallItem) -> None:
     """Queue `item`; a full queue is emptied first and told to RESYNC (the log has its events;
     the queue's maxsize is >= 2)."""
+    if isinstance(queue, CallQueue):
+        queue.is_heard = True
     if queue.full():
         while not queue.empty():
             queue.get_nowait()
@@ -84,7 +93,7 @@ class ReplyRouter:
         self._max_queued = max(2, max_queued_events)
         self._tick_s = tick_s
         self._on_ready_change = on_ready_change
-        self._calls: dict[str, list[asyncio.Queue[CallItem]]] = {}  # request id -> its followers
+        self._calls: dict[str, list[CallQueue]] = {}  # request id -> its followers
         self._confirmed: dict[str, asyncio.Future[None]] = {}  # channel -> its SUBSCRIBE confirmation
         self._pubsub: Any = None
         self._ready = asyncio.Event()
@@ -118,12 +127,12 @@ class ReplyRouter:
             for queue in calls:
                 offer(queue, Unavailable("the gateway is shutting down; resume on another gateway"))
 
-    async def follow(self, request_id: str) -> asyncio.Queue[CallItem]:
+    async def follow(self, request_id: str) -> CallQueue:
         """Deliver the request's events to a new queue, and SUBSCRIBE its presence channel (returns
         once Redis confirmed, so a worker claiming it next counts this call). If this raises or is
         cancelled, nothing stays registered."""
         channel = self._channel_of(request_id)
-        queue: asyncio.Queue[CallItem] = asyncio.Queue(self._max_queued)
+        queue = CallQueue(self._max_queued)
         self._calls.setdefault(request_id, []).append(queue)
         try:
             if self._pubsub is None:
@@ -161,12 +170,16 @@ class ReplyRouter:
             await self._pubsub.unsubscribe(channel)
 
     async def _tick_forever(self) -> None:
-        """TICK into every empty call queue each tick_s (a queue with items is read anyway)."""
+        """Each tick_s, TICK into every call queue that was offered nothing since the last tick
+        and is empty (else it is read anyway): at 1,024 streams a TICK into every queue each
+        second woke 1,024 relays in one burst, ahead of the tokens arriving meanwhile."""
         while True:
             await asyncio.sleep(self._tick_s)
             for calls in self._calls.values():
                 for queue in calls:
-                    if queue.empty():
+                    if queue.is_heard:
+                        queue.is_heard = False
+                    elif queue.empty():
                         queue.put_nowait(TICK)
 
     async def _run(self) -> None:

@@ -88,24 +88,31 @@ def test_events_of_every_worker_reach_the_calls_that_follow_them(redis_url: str,
     assert asyncio.run(go()) == [0, 1]
 
 
-def test_an_idle_call_gets_ticks_and_a_busy_one_only_its_events(redis_url: str, prefix: str) -> None:
+def test_only_an_idle_call_gets_ticks(redis_url: str, prefix: str) -> None:
     """TICK is the relay's clock for its liveness checks (gateway/relay.py): one per tick_s into
-    a call whose queue is empty, none piled up behind events."""
+    a call offered nothing since the last tick whose queue is empty; none piled up behind
+    events, and none at all for a call whose events keep coming."""
     keys = Keys(prefix)
 
-    async def go() -> tuple[list[Any], list[Any]]:
+    async def go() -> tuple[list[Any], list[Any], list[Any]]:
         client = aioredis.Redis.from_url(redis_url)
         replies = ReplyRouter(client, keys.gateway("g"), keys.events, keys.out_pattern, tick_s=0.05)
         try:
             assert await replies.start(timeout_s=5)
-            idle, busy = await replies.follow("idle"), await replies.follow("busy")
+            idle, busy, streaming = (await replies.follow("idle"), await replies.follow("busy"),
+                                     await replies.follow("streaming"))
             offer(busy, event(0))
-            await asyncio.sleep(0.3)
+            read: list[Any] = []
+            for seq in range(30):  # an event every 0.01 s, read at once
+                offer(streaming, event(seq))
+                await asyncio.sleep(0.01)
+                read += [streaming.get_nowait() for _ in range(streaming.qsize())]
             return ([idle.get_nowait() for _ in range(idle.qsize())],
-                    [busy.get_nowait() for _ in range(busy.qsize())])
+                    [busy.get_nowait() for _ in range(busy.qsize())], read)
         finally:
             await replies.close()
             await client.aclose()
-    idle, busy = asyncio.run(go())
+    idle, busy, streaming = asyncio.run(go())
     assert idle == [TICK]  # the relay reads it and waits again; here nobody read it
     assert [getattr(item, "seq", None) for item in busy] == [0]
+    assert [getattr(item, "seq", None) for item in streaming] == list(range(30))
