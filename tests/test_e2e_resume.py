@@ -167,7 +167,7 @@ def test_a_stream_resumes_through_another_gateway_after_its_gateway_is_killed(
         make_worker: Callable[..., WorkerThread], monkeypatch: pytest.MonkeyPatch) -> None:
     # Callers counted every 50 ms, not every second: on a fast host the remaining ~50 tokens
     # took less than a second, and the request finished before the worker noticed it was orphaned.
-    monkeypatch.setattr("worker.io.consumer.FOLLOW_CHECK_S", 0.05)
+    monkeypatch.setattr("worker.io.parking.FOLLOW_CHECK_S", 0.05)
     survivor, _ = make_gateway(), make_worker()
     doomed = GatewayProcess(redis_url, prefix).wait_serving()
     channel, stub = stub_for(survivor.target)

@@ -42,7 +42,7 @@ from worker.config import WorkerConfig
 from worker.engine.outputs import Admitted, RequestOutput, Resume
 from worker.io.claim import Claimer, Owned, claim_capacity
 from worker.io.metrics import WorkerMetrics
-from worker.io.parking import POLL_INTERVAL_S, ParkingLot, listeners
+from worker.io.parking import POLL_INTERVAL_S, FollowCheck, ParkingLot
 from worker.io.reclaim import Claimed, other_workers_alive
 from worker.io.redis_io import AbortListener, Outbox, Publisher, connect, heartbeat_fields
 from worker.io.redis_io import Heartbeat as HeartbeatThread
@@ -52,7 +52,6 @@ from worker.io.tracked import Tracked
 log = logging.getLogger(__name__)
 
 ErrorCode = queue_pb2.ErrorCode
-FOLLOW_CHECK_S = 1.0  # how often the callers of running requests are counted (PUBSUB NUMSUB)
 
 
 class TextEngineProtocol(Protocol):
@@ -94,7 +93,7 @@ class Consumer:
         self._claimer = Claimer(self._client, config)
         self._retry_claim_at = 0.0
         self._next_poll_at = 0.0  # a busy worker's next look at the streams
-        self._next_follow_check = 0.0
+        self._follow_check = FollowCheck()
         self._expiring: list[tuple[float, list[str]]] = []  # heap: (monotonic, log fields of a result)
         self.num_finished = 0
 
@@ -336,27 +335,16 @@ class Consumer:
         self._outbox.forget += list(revoked)
 
     def _apply_aborts(self) -> None:
-        """Park what nobody follows (checked every FOLLOW_CHECK_S, and at once on an abort hint);
-        abort what passed its deadline."""
-        suspects = set()
-        if time.monotonic() >= self._next_follow_check:
-            self._next_follow_check = time.monotonic() + FOLLOW_CHECK_S
-            suspects = set(self._running)
-        for request_id, entry_id in self._aborts.drain():
-            suspects |= {key for key, t in self._running.items()
-                         if t.request_id == request_id and entry_id in (b"", t.entry_id)}
-        suspects = {key for key in suspects if not self._running[key].is_parking}
-        if suspects:
-            try:
-                counts = listeners(self._client, (self._running[key].channel for key in suspects))
-            except redis.RedisError as e:  # asked again at the next check
-                log.warning("could not count the listeners of %d requests: %s", len(suspects), e)
-                self._redis_error()
-                counts = {}
-            for key in suspects:
-                if counts.get(self._running[key].channel) == 0:
-                    self._running[key].is_parking = True
-                    self.engine.abort(key)  # the next step returns its ABORT output
+        """Park what nobody follows (parking.FollowCheck); abort what passed its deadline."""
+        try:
+            unfollowed = self._follow_check.unfollowed(self._client, self._running, self._aborts.drain())
+        except redis.RedisError as e:  # asked again at the next check
+            log.warning("could not count the listeners of the running requests: %s", e)
+            self._redis_error()
+            unfollowed = []
+        for key in unfollowed:
+            self._running[key].is_parking = True
+            self.engine.abort(key)  # the next step returns its ABORT output
         now = self._heartbeat.redis_now()
         for key, tracked in self._running.items():
             if tracked.error is None and tracked.is_past_deadline(now):

@@ -22,6 +22,7 @@ import redis
 from worker.io.tracked import Tracked
 
 POLL_INTERVAL_S = 0.1  # how soon a resume is noticed (one NUMSUB of every parked channel)
+FOLLOW_CHECK_S = 1.0  # how often the callers of running requests are counted (PUBSUB NUMSUB)
 
 
 def listeners(client: redis.Redis, channels: Iterable[str]) -> dict[str, int]:
@@ -31,6 +32,31 @@ def listeners(client: redis.Redis, channels: Iterable[str]) -> dict[str, int]:
         return {}
     reply: list[tuple[bytes | str, int]] = client.pubsub_numsub(*names)  # type: ignore[assignment]
     return {(c.decode() if isinstance(c, bytes) else c): int(n) for c, n in reply}
+
+
+class FollowCheck:
+    """Which running requests nobody follows: all of them every FOLLOW_CHECK_S, and at once those
+    an Abort hint names (one PUBSUB NUMSUB for all)."""
+
+    def __init__(self) -> None:
+        self._next_at = 0.0
+
+    def unfollowed(self, client: redis.Redis, running: dict[str, Tracked],
+                   hints: Iterable[tuple[str, bytes]]) -> list[str]:
+        """Keys of the running requests to park (none already parking); hints: (request id,
+        entry id or b"") of Abort messages. Raises RedisError (the next check asks again)."""
+        suspects = set()
+        if time.monotonic() >= self._next_at:
+            self._next_at = time.monotonic() + FOLLOW_CHECK_S
+            suspects = set(running)
+        for request_id, entry_id in hints:
+            suspects |= {key for key, t in running.items()
+                         if t.request_id == request_id and entry_id in (b"", t.entry_id)}
+        suspects = {key for key in suspects if not running[key].is_parking}
+        if not suspects:
+            return []
+        counts = listeners(client, (running[key].channel for key in suspects))
+        return [key for key in suspects if counts.get(running[key].channel) == 0]
 
 
 @dataclass
