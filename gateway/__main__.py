@@ -12,8 +12,10 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
+from typing import cast
 
-from gateway.config import DEFAULT_LISTEN, GatewayConfig
+from gateway.config import DEFAULT_LISTEN, EVENT_LOOPS, GatewayConfig
 from gateway.limits import KEEPALIVE_TIMEOUT_MS, MAX_PING_STRIKES
 from gateway.server import Gateway
 from protos.keys import DEFAULT_PREFIX, default_instance_id
@@ -87,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quota-slot-ttl", type=float, default=_env("TOKENRELAY_QUOTA_SLOT_TTL_S", 30),
                    help="seconds after which a max_concurrent slot of a gateway that died is free again "
                         "[env TOKENRELAY_QUOTA_SLOT_TTL_S]")
+    p.add_argument("--event-loop", choices=EVENT_LOOPS, default=_env("TOKENRELAY_EVENT_LOOP", "auto"),
+                   help="asyncio event loop: uvloop (less CPU per token, faster refusals), the standard "
+                        "asyncio one, or auto = uvloop when installed [env TOKENRELAY_EVENT_LOOP]")
     p.add_argument("--log-level", default=_env("TOKENRELAY_LOG_LEVEL", "INFO"),
                    help="DEBUG, INFO, WARNING or ERROR [env TOKENRELAY_LOG_LEVEL]")
     add_observability_args(p, default_metrics_port=DEFAULT_GATEWAY_PORT)
@@ -167,7 +172,7 @@ def config_from_args(argv: list[str] | None = None) -> tuple[GatewayConfig, str]
             max_connection_age_grace_s=args.max_connection_age_grace_s,
             max_prompt_bytes=args.max_prompt_bytes, max_messages=args.max_messages,
             max_stop_strings=args.max_stop_strings, max_stop_token_ids=args.max_stop_token_ids,
-            max_queued_events=args.max_queued_events)
+            max_queued_events=args.max_queued_events, event_loop=args.event_loop)
     except ValueError as e:
         parser.error(str(e))
     return config, args.log_level
@@ -194,10 +199,28 @@ async def serve(config: GatewayConfig) -> None:
     await gateway.stop()
 
 
+def loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The event loop `--event-loop` asks for (None: asyncio's own); SystemExit when it asks for
+    uvloop and uvloop is not installed."""
+    if choice == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            raise SystemExit("tokenrelay-gateway: error: --event-loop uvloop: uvloop is not installed "
+                             "(pip install uvloop)") from None
+        return None
+    return cast(Callable[[], asyncio.AbstractEventLoop], uvloop.new_event_loop)
+
+
 def main(argv: list[str] | None = None) -> int:
     config, log_level = config_from_args(argv)
     configure(log_level, config.log_format, "gateway", gateway=config.gateway_id)
-    asyncio.run(serve(config))
+    factory = loop_factory(config.event_loop)
+    logging.getLogger(__name__).info("event loop: %s", "uvloop" if factory else "asyncio")
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(serve(config))
     return 0
 
 

@@ -34,7 +34,6 @@ import redis.asyncio.sentinel
 import redis.retry
 import redis.sentinel
 from redis.backoff import AbstractBackoff, NoBackoff
-from redis.driver_info import DriverInfo
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 SENTINEL_SCHEME = "redis+sentinel://"
@@ -111,10 +110,15 @@ def check_redis_url(url: str) -> None:
         SentinelUrl.parse(url)
 
 
-# CLIENT SETINFO's library name and version, given: left to redis-py, every new connection
-# looked its version up in the installed packages (~0.4 ms), which a gateway opening connections
-# under a burst of calls paid each time (py-spy, bench-fleet's shedding test, 2026-12-03).
-DRIVER_INFO = DriverInfo(lib_version=redis.__version__)
+# CLIENT SETINFO's library name and version, given: left to it, redis-py 8 looked its version
+# up in the installed packages for every new connection (~0.4 ms, 14 us given), which a gateway
+# opening connections under a burst of calls paid each time (py-spy, bench-fleet's shedding
+# test, 2026-12-03). Older redis-py looked it up once, and has no DriverInfo.
+try:
+    from redis.driver_info import DriverInfo
+    _DRIVER_OPTIONS: dict[str, Any] = {"driver_info": DriverInfo(lib_version=redis.__version__)}
+except ImportError:
+    _DRIVER_OPTIONS = {}
 
 
 def client_options(retry_type: Callable[[AbstractBackoff, int], Any], timeout_s: float) -> dict[str, Any]:
@@ -129,7 +133,7 @@ def client_options(retry_type: Callable[[AbstractBackoff, int], Any], timeout_s:
     """
     return {"protocol": 2, "socket_timeout": timeout_s,
             "socket_connect_timeout": min(MAX_CONNECT_TIMEOUT_S, timeout_s),
-            "retry": retry_type(NoBackoff(), 0), "driver_info": DRIVER_INFO}
+            "retry": retry_type(NoBackoff(), 0), **_DRIVER_OPTIONS}
 
 
 def _sentinel_args(url: str, retry_type: Callable[[AbstractBackoff, int], Any],

@@ -12,7 +12,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import IO, Any, NamedTuple
 
 import grpc
 import redis
@@ -102,13 +102,15 @@ class WorkerProcess:
 class GatewayProcess:
     """`python -m gateway` as a child process, so a test can SIGKILL it."""
 
-    def __init__(self, redis_url: str, key_prefix: str, *extra: str) -> None:
+    def __init__(self, redis_url: str, key_prefix: str, *extra: str, log: IO[bytes] | None = None) -> None:
+        """log: where its output goes (default: the test's)."""
         from gateway.redis_server import free_port
 
         self.target = f"127.0.0.1:{free_port()}"
         args = [sys.executable, "-m", "gateway", "--listen", self.target, "--redis-url", redis_url,
                 "--key-prefix", key_prefix, "--log-level", "WARNING", "--metrics-port", "0", *extra]
-        self.proc = subprocess.Popen(args, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.proc = subprocess.Popen(args, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                     stdout=log, stderr=log)
 
     def wait_serving(self, timeout: float = 30) -> GatewayProcess:
         def serving() -> bool:

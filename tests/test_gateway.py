@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -18,6 +19,7 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
+from gateway.__main__ import loop_factory
 from gateway.config import GatewayConfig
 from gateway.errors import PUSHBACK_TRAILER, DataLoss, OutOfRange, QueueFull, Unavailable, WorkerError
 from gateway.queue import Attached, EntryState, RequestQueue, connect
@@ -28,9 +30,10 @@ from protos.convert import build_request
 from protos.keys import RECORD_LEASE_S, Record
 from protos.tokenrelay.v1 import generate_pb2, queue_pb2
 from tests.factories import make_stats
-from tests.service import GatewayThread, WorkerThread, stub_for, wait_until, workers_ready
+from tests.service import GatewayProcess, GatewayThread, WorkerThread, stub_for, wait_until, workers_ready
 from worker.config import WorkerConfig
 from worker.engine.outputs import Admitted
+from worker.engine.sim import SimConfig, SimEngine, sim_token_ids
 
 NO_TORCH_MODULES = ["gateway.server", "gateway.client", "gateway.cli", "gateway.launcher", "gateway.__main__",
                     "worker.io.consumer", "worker.config", "worker.__main__"]
@@ -418,3 +421,34 @@ def test_attach_creates_finds_or_refuses_a_request_record(redis_url: str, prefix
         assert 0 < sync.ttl(keys.record("r")) <= RECORD_LEASE_S
     finally:
         sync.close()
+
+
+# -- the event loop -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("event_loop", ["uvloop", "asyncio"])
+def test_a_gateway_streams_on_either_event_loop(redis_url: str, prefix: str, event_loop: str,
+                                                tmp_path: Path, start_worker: Callable[..., WorkerThread],
+                                                ) -> None:
+    start_worker(SimEngine(SimConfig(step_ms=1.0, ms_per_token=0.0), max_num_seqs=4))
+    log = tmp_path / "gateway.log"
+    with open(log, "wb") as out:
+        gateway = GatewayProcess(redis_url, prefix, "--event-loop", event_loop, "--log-level", "INFO",
+                                 log=out)
+    try:
+        gateway.wait_serving()
+        channel, stub = stub_for(gateway.target)
+        with channel:
+            wait_until(workers_ready(stub, 1), timeout=10)
+            responses = list(stub.Generate(build_request("hi", max_tokens=8, seed=3), timeout=30))
+    finally:
+        gateway.proc.terminate()
+        gateway.proc.wait(timeout=30)
+    assert [t for r in responses[:-1] for t in r.chunk.token_ids] == sim_token_ids(3, 0, 8)
+    assert f"event loop: {event_loop}" in log.read_text()
+
+
+def test_the_event_loop_flag_is_checked() -> None:
+    assert loop_factory("asyncio") is None
+    assert loop_factory("uvloop") is not None and loop_factory("auto") is not None  # uvloop is installed
+    with pytest.raises(ValueError, match="event_loop must be one of auto, uvloop, asyncio"):
+        GatewayConfig(event_loop="trio")
