@@ -40,6 +40,7 @@ import grpc  # noqa: E402
 import redis  # noqa: E402
 
 from benchmarks import results as bench  # noqa: E402
+from gateway.__main__ import loop_factory  # noqa: E402
 from gateway.redis_server import EmbeddedRedis, free_port  # noqa: E402
 from protos.convert import build_request  # noqa: E402
 from protos.tokenrelay.v1 import generate_pb2, generate_pb2_grpc  # noqa: E402
@@ -222,7 +223,8 @@ def main() -> int:
     bench.add_record_arg(parser)
     args = parser.parse_args()
     if args.noop_server:
-        asyncio.run(serve_noop(args.noop_server))
+        with asyncio.Runner(loop_factory=loop_factory("auto")) as runner:  # the gateway's event loop
+            runner.run(serve_noop(args.noop_server))
         return 0
 
     inproc, e2e, gateway_rss = run_both(args.threads, args.max_model_len, args.runs)

@@ -1,6 +1,7 @@
 """The gRPC floor of benchmarks/fleet.py: what one streamed message costs grpc.aio itself.
 
-A no-op grpc.aio server holds S server-streaming calls and sends each one small chunk per
+A no-op grpc.aio server (on the gateway's event loop, `--event-loop auto`) holds S
+server-streaming calls and sends each one small chunk per
 simulated step, woken in W groups as W workers' rounds wake a gateway's calls, with no
 Redis and no relay: the server's CPU seconds per 1,000 messages is the least a Python
 gateway that sends one message per token can cost on this machine, now. The fleet's
@@ -25,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 import grpc  # noqa: E402
 
 from benchmarks.fleet_procs import Child, Fleet, proc_cpu_s  # noqa: E402
+from gateway.__main__ import loop_factory  # noqa: E402
 from gateway.redis_server import free_port  # noqa: E402
 from protos.convert import build_request  # noqa: E402
 from protos.tokenrelay.v1 import generate_pb2, generate_pb2_grpc  # noqa: E402
@@ -121,4 +123,5 @@ if __name__ == "__main__":
     parser.add_argument("--workers", type=int, required=True)
     parser.add_argument("--step-ms", type=float, required=True)
     args = parser.parse_args()
-    asyncio.run(serve(args.serve, args.streams, args.workers, args.step_ms))
+    with asyncio.Runner(loop_factory=loop_factory("auto")) as runner:  # the gateway's event loop
+        runner.run(serve(args.serve, args.streams, args.workers, args.step_ms))

@@ -3,7 +3,8 @@
 A gateway with --max-queue-depth 16 on a key prefix no worker serves; 16 calls fill its
 queue, then a burst of calls fired at once must all get RESOURCE_EXHAUSTED, and each
 refusal's latency (its own send -> the error) is measured. The same burst from the same
-client against a no-op grpc.aio server that refuses every call at once (no Redis) is
+client against a no-op grpc.aio server (on the gateway's event loop) that refuses every call
+at once (no Redis) is
 the floor: the part of the latency that is Python gRPC itself, on this machine, now.
 
     python benchmarks/fleet_shed.py --serve-refusing 127.0.0.1:PORT   (the floor's server)
@@ -26,6 +27,7 @@ import grpc  # noqa: E402
 
 from benchmarks.fleet_procs import Child, Fleet  # noqa: E402
 from benchmarks.fleet_stats import percentile  # noqa: E402
+from gateway.__main__ import loop_factory  # noqa: E402
 from gateway.redis_server import free_port  # noqa: E402
 from protos.convert import build_request  # noqa: E402
 from protos.tokenrelay.v1 import generate_pb2, generate_pb2_grpc  # noqa: E402
@@ -143,4 +145,5 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--serve-refusing", required=True, metavar="HOST:PORT")
-    asyncio.run(serve_refusing(parser.parse_args().serve_refusing))
+    with asyncio.Runner(loop_factory=loop_factory("auto")) as runner:  # the gateway's event loop
+        runner.run(serve_refusing(parser.parse_args().serve_refusing))
