@@ -1,5 +1,6 @@
-"""The child processes of benchmarks/fleet.py: gateways and sim workers, each with its own
-log file, its CPU time from /proc, and a clean stop (SIGTERM, then SIGKILL).
+"""The child processes of benchmarks/fleet.py (gateways and sim workers) and routing.py
+(a gateway and model workers), each with its own log file, its CPU time from /proc, and a
+clean stop (SIGTERM, then SIGKILL).
 
 Children run in their own session, so a Ctrl-C in the terminal reaches only the bench,
 which stops them in its `finally`; an atexit hook kills whatever is still running if the
@@ -102,27 +103,13 @@ class Child:
         self.wait(time.monotonic() + STOP_TIMEOUT_S)
 
 
-class Fleet:
-    """G gateways on free loopback ports and W sim workers, on one key prefix."""
+class ChildGroup:
+    """Gateways serving on `targets` and workers: started together, serving once every gateway
+    answers and lists every worker, stopped together."""
 
-    def __init__(self, redis_url: str, prefix: str, log_dir: Path, *, num_gateways: int, num_workers: int,
-                 max_num_seqs: int, max_queue_depth: int, step_ms: float, max_model_len: int) -> None:
-        common = ["--redis-url", redis_url, "--key-prefix", prefix, "--metrics-port", "0",
-                  "--log-level", "WARNING"]
-        ports = [free_port() for _ in range(num_gateways)]
-        self.targets = [f"127.0.0.1:{p}" for p in ports]
-        self.gateways = [Child(f"gateway-{i}",
-                               ["-m", "gateway", "--listen", t, "--max-queue-depth", str(max_queue_depth),
-                                "--shutdown-grace", "1", *common], log_dir / f"gateway-{i}.log")
-                         for i, t in enumerate(self.targets)]
-        self.workers = [Child(f"worker-{i}",
-                              ["-m", "worker", "--engine", "sim", "--sim-step-ms", f"{step_ms:.3f}",
-                               "--sim-ms-per-token", "0",
-                               "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len),
-                               "--drain-timeout", "1", "--reattach-grace", "1",
-                               "--worker-id", f"{prefix}-w{i}", *common], log_dir / f"worker-{i}.log")
-                        for i in range(num_workers)]
-        self.children = [*self.gateways, *self.workers]
+    def __init__(self, gateways: list[Child], targets: list[str], workers: list[Child]) -> None:
+        self.gateways, self.targets, self.workers = gateways, targets, workers
+        self.children = [*gateways, *workers]
 
     def start(self, timeout_s: float) -> None:
         """Until every gateway answers and the registry lists every worker."""
@@ -162,6 +149,29 @@ class Fleet:
         deadline = time.monotonic() + STOP_TIMEOUT_S
         for child in self.children:
             child.wait(deadline)
+
+
+class Fleet(ChildGroup):
+    """G gateways on free loopback ports and W sim workers, on one key prefix."""
+
+    def __init__(self, redis_url: str, prefix: str, log_dir: Path, *, num_gateways: int, num_workers: int,
+                 max_num_seqs: int, max_queue_depth: int, step_ms: float, max_model_len: int) -> None:
+        common = ["--redis-url", redis_url, "--key-prefix", prefix, "--metrics-port", "0",
+                  "--log-level", "WARNING"]
+        ports = [free_port() for _ in range(num_gateways)]
+        targets = [f"127.0.0.1:{p}" for p in ports]
+        gateways = [Child(f"gateway-{i}",
+                          ["-m", "gateway", "--listen", t, "--max-queue-depth", str(max_queue_depth),
+                           "--shutdown-grace", "1", *common], log_dir / f"gateway-{i}.log")
+                    for i, t in enumerate(targets)]
+        workers = [Child(f"worker-{i}",
+                         ["-m", "worker", "--engine", "sim", "--sim-step-ms", f"{step_ms:.3f}",
+                          "--sim-ms-per-token", "0",
+                          "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len),
+                          "--drain-timeout", "1", "--reattach-grace", "1",
+                          "--worker-id", f"{prefix}-w{i}", *common], log_dir / f"worker-{i}.log")
+                   for i in range(num_workers)]
+        super().__init__(gateways, targets, workers)
 
 
 def _num_workers(target: str) -> int:

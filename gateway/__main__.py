@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable
 from typing import cast
 
-from gateway.config import DEFAULT_LISTEN, EVENT_LOOPS, GatewayConfig
+from gateway.config import DEFAULT_LISTEN, EVENT_LOOPS, ROUTINGS, GatewayConfig
 from gateway.limits import KEEPALIVE_TIMEOUT_MS, MAX_PING_STRIKES
 from gateway.server import Gateway
 from protos.keys import DEFAULT_PREFIX, default_instance_id
@@ -89,6 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quota-slot-ttl", type=float, default=_env("TOKENRELAY_QUOTA_SLOT_TTL_S", 30),
                    help="seconds after which a max_concurrent slot of a gateway that died is free again "
                         "[env TOKENRELAY_QUOTA_SLOT_TTL_S]")
+    p.add_argument("--routing", choices=ROUTINGS, default=_env("TOKENRELAY_ROUTING", "prefix"),
+                   help="prefix: send a new request to the worker whose prefix cache most likely holds "
+                        "its prompt's beginning (when one with room does); none: every worker takes "
+                        "from the shared queue [env TOKENRELAY_ROUTING]")
+    p.add_argument("--route-max-wait-ms", type=float, default=_env("TOKENRELAY_ROUTE_MAX_WAIT_MS", 500),
+                   help="a routed request its worker has not claimed within this moves to the shared "
+                        "queue [env TOKENRELAY_ROUTE_MAX_WAIT_MS]")
     p.add_argument("--event-loop", choices=EVENT_LOOPS, default=_env("TOKENRELAY_EVENT_LOOP", "auto"),
                    help="asyncio event loop: uvloop (less CPU per token, faster refusals), the standard "
                         "asyncio one, or auto = uvloop when installed [env TOKENRELAY_EVENT_LOOP]")
@@ -172,7 +179,8 @@ def config_from_args(argv: list[str] | None = None) -> tuple[GatewayConfig, str]
             max_connection_age_grace_s=args.max_connection_age_grace_s,
             max_prompt_bytes=args.max_prompt_bytes, max_messages=args.max_messages,
             max_stop_strings=args.max_stop_strings, max_stop_token_ids=args.max_stop_token_ids,
-            max_queued_events=args.max_queued_events, event_loop=args.event_loop)
+            max_queued_events=args.max_queued_events, event_loop=args.event_loop,
+            routing=args.routing, route_max_wait_ms=args.route_max_wait_ms)
     except ValueError as e:
         parser.error(str(e))
     return config, args.log_level

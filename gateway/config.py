@@ -15,6 +15,7 @@ from protos.tracing import check_otlp_endpoint
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
 EVENT_LOOPS = ("auto", "uvloop", "asyncio")
+ROUTINGS = ("prefix", "none")
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,13 @@ class GatewayConfig:
     # refused a 500-call burst 14-28% faster and added half the inter-token latency p99
     # (bench-fleet A/B, alternating, 2-core EPYC, 2026-12-03).
     event_loop: str = "auto"
+    # "prefix": a new request goes to the live worker with room whose prefix cache most likely
+    # holds its prompt's beginning, when one does (gateway/routing.py); "none": every request
+    # goes to the shared stream, where the first worker with room takes it.
+    routing: str = "prefix"
+    # A routed request its worker has not claimed this long after it was enqueued moves to the
+    # shared stream (routing is a preference, never a wait on a busy worker).
+    route_max_wait_ms: float = 500.0
     # gRPC server reflection (grpcurl without .proto files). Off by default: it answers
     # without a token; `tokenrelay up` and the demo turn it on.
     enable_reflection: bool = False
@@ -128,6 +136,10 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.event_loop not in EVENT_LOOPS:
             raise ValueError(f"event_loop must be one of {', '.join(EVENT_LOOPS)}, got {self.event_loop!r}")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {self.routing!r}")
+        if self.route_max_wait_ms <= 0:
+            raise ValueError(f"route_max_wait_ms must be > 0, got {self.route_max_wait_ms}")
         check_metrics_options(self.metrics_port, self.metrics_compat)
         check_otlp_endpoint(self.otlp_traces_endpoint)
         check_log_format(self.log_format)

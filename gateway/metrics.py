@@ -33,8 +33,11 @@ from gateway.errors import (
     WorkerError,
 )
 from gateway.quotas import QuotaExceeded
+from gateway.routing import Route
 from protos.metrics import ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS
 from protos.tokenrelay.v1 import generate_pb2
+
+RATIO_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 1.0)
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +95,18 @@ class GatewayMetrics:
         self.inflight = gauge("requests_inflight", "Calls open on this gateway.")
         self.queue_depth = gauge("queue_depth", "Requests in the queue not claimed by a worker yet.")
         self.queue_pending = gauge("queue_pending", "Requests claimed by workers and not finished.")
+        self.routed = counter("routed_requests", "New requests by where they were enqueued: a worker's own "
+                              "stream (prefix routing) or the shared one.", "route")
+        self.route_moves = counter("route_moves", "Routed requests moved to the shared stream: their worker "
+                                   "had not claimed them within --route-max-wait-ms.")
+        # The two side by side show whether the workers' prefix indexes are stale: a routed request
+        # predicted to match 90% of its prompt that finds 10% cached was a wasted preference.
+        self.route_predicted = histogram(
+            "route_predicted_overlap_ratio",
+            "Routed requests: share of the prompt's prefix chunks the chosen worker's index held.",
+            RATIO_BUCKETS)
+        self.route_cached = histogram("route_cached_prompt_ratio", "Routed requests: cached_prompt_tokens / "
+                                      "prompt_tokens the worker reported.", RATIO_BUCKETS)
         self.queue_oldest_age = gauge("queue_oldest_waiting_age_seconds",
                                       "Age of the oldest request not claimed yet (0 when none waits).")
 
@@ -125,6 +140,12 @@ class GatewayMetrics:
             raise
         finally:
             inflight.dec()
+
+    def observe_route(self, route: Route, usage: generate_pb2.Usage, tenant: str) -> None:
+        """A created request's final: how its route's prediction compares with what was cached."""
+        if route.consumer and usage.prompt_tokens:
+            self.route_predicted.labels(self.model).observe(route.predicted_fraction)
+            self.route_cached.labels(self.model).observe(usage.cached_prompt_tokens / usage.prompt_tokens)
 
     def count_rejected(self, tenant: str, error: GatewayError) -> None:
         self.rejected.labels(self.model, tenant, rejection_reason(error)).inc()

@@ -22,6 +22,7 @@ from gateway.config import GatewayConfig
 from protos.convert import event_from_log
 from protos.keys import (
     RECORD_LEASE_S,
+    ROUTE_FIELD,
     STREAM_DATA_FIELD,
     WORKER_KEY_MARK,
     Heartbeat,
@@ -47,29 +48,85 @@ class EntryState(enum.Enum):
 
 
 # Atomically: find the request's record, or (may_create) create it and XADD its first
-# attempt to the stream of its priority class (KEYS[2]: the class is part of the digest, so
-# a record's attempts all live in that stream); with `expect` = the entry of an attempt
-# that ended without a final, XADD the next attempt (compare-and-set: two gateways never
-# start two). Results: {"mismatch"} {"unknown"} {"finished", entry} {"live", entry, seed}
-# {"ended", entry, seed} {"created", entry, seed}.
+# attempt to KEYS[2] (the shared stream of its priority class, or the routed stream of the
+# worker the router chose: protos/keys.py, "Routing"; a routed entry names its record, for
+# MOVE); with `expect` = the entry of an attempt that ended without a final, XADD the next
+# attempt (compare-and-set: two gateways never start two). The record's STREAM says where
+# its current attempt is. Results: {"mismatch"} {"unknown"} {"finished", entry}
+# {"live", entry, seed, stream} {"ended", entry, seed, stream} {"created", entry, seed, stream}.
 ATTACH_SCRIPT = f"""
 local rec, stream = KEYS[1], KEYS[2]
 local digest, data, seed, lease_ms, may_create, expect = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
-local f = redis.call('HMGET', rec, '{Record.DIGEST}', '{Record.ENTRY}', '{Record.FINAL}', '{Record.SEED}')
+local f = redis.call('HMGET', rec, '{Record.DIGEST}', '{Record.ENTRY}', '{Record.FINAL}', '{Record.SEED}',
+                     '{Record.STREAM}')
 if f[1] then
   if f[1] ~= digest then return {{'mismatch'}} end
   if f[3] then return {{'finished', f[2]}} end
-  if f[2] and #redis.call('XRANGE', stream, f[2], f[2]) > 0 then return {{'live', f[2], f[4]}} end
-  if expect == '' or expect ~= (f[2] or '') then return {{'ended', f[2] or '', f[4]}} end
+  local at = f[5] or stream
+  if f[2] and #redis.call('XRANGE', at, f[2], f[2]) > 0 then return {{'live', f[2], f[4], at}} end
+  if expect == '' or expect ~= (f[2] or '') then return {{'ended', f[2] or '', f[4], at}} end
   seed = f[4]
 elseif may_create ~= '1' then
   return {{'unknown'}}
 end
-local id = redis.call('XADD', stream, '*', '{STREAM_DATA_FIELD.decode()}', data)
+local id
+if ARGV[7] == '1' then
+  id = redis.call('XADD', stream, '*', '{STREAM_DATA_FIELD.decode()}', data, '{ROUTE_FIELD.decode()}', rec)
+else
+  id = redis.call('XADD', stream, '*', '{STREAM_DATA_FIELD.decode()}', data)
+end
 redis.call('HSET', rec, '{Record.DIGEST}', digest, '{Record.ENTRY}', id, '{Record.STREAM}', stream,
            '{Record.SEED}', seed)
 redis.call('PEXPIRE', rec, lease_ms)
-return {{'created', id, seed}}
+return {{'created', id, seed, stream}}
+"""
+
+# MOVE: KEYS = a routed stream, the shared stream of its class; ARGV = group, entry. A routed
+# entry nobody claimed goes to the shared stream and its record follows (compare-and-set on the
+# record's entry and stream), in one script: either a worker's XREADGROUP delivered it first
+# (it stays, pending under that worker) or it is deleted here before any worker sees it. An
+# entry whose record has moved on to a later attempt is stale: deleted, nothing added. Returns
+# the new entry id, or nil.
+MOVE_SCRIPT = f"""
+local from, to, group, id = KEYS[1], KEYS[2], ARGV[1], ARGV[2]
+local found = redis.call('XRANGE', from, id, id)
+if #found == 0 then return nil end
+local ok, pending = pcall(redis.call, 'XPENDING', from, group, id, id, 1)
+if ok and #pending > 0 then return nil end
+local data, rec = nil, nil
+local fields = found[1][2]
+for k = 1, #fields, 2 do
+  if fields[k] == '{STREAM_DATA_FIELD.decode()}' then data = fields[k + 1] end
+  if fields[k] == '{ROUTE_FIELD.decode()}' then rec = fields[k + 1] end
+end
+redis.call('XDEL', from, id)
+if not data or not rec then return nil end
+local f = redis.call('HMGET', rec, '{Record.ENTRY}', '{Record.STREAM}')
+if f[1] ~= id or f[2] ~= from then return nil end
+local moved = redis.call('XADD', to, '*', '{STREAM_DATA_FIELD.decode()}', data)
+redis.call('HSET', rec, '{Record.ENTRY}', moved, '{Record.STREAM}', to)
+return moved
+"""
+
+# ROUTE: for each worker in ARGV (after the hashes: ARGV[1] = how many hashes), how many of
+# the request's leading prefix hashes its index (KEYS[i], `Keys.prefixes`) holds: one call
+# for every live worker, the hashes sent once.
+ROUTE_SCRIPT = """
+local n = tonumber(ARGV[1])
+local hashes = {}
+for i = 1, n do hashes[i] = ARGV[i + 1] end
+local reply = {}
+for w, key in ipairs(KEYS) do
+  local found = 0
+  if n > 0 then
+    for _, score in ipairs(redis.call('ZMSCORE', key, unpack(hashes))) do
+      if not score then break end
+      found = found + 1
+    end
+  end
+  reply[w] = found
+end
+return reply
 """
 
 
@@ -97,14 +154,14 @@ table.insert(reply, 1, first)
 return reply
 """
 
-# Live workers in one round trip: the registry's members whose expiry (Redis ms) is ahead,
-# each followed by its heartbeat hash. No SCAN: the registry is one sorted set.
+# Live workers in one round trip: the registry's members (consumer names) whose expiry
+# (Redis ms) is ahead, each with its heartbeat hash. No SCAN: the registry is one sorted set.
 LIVE_WORKERS_SCRIPT = f"""
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local reply = {{}}
 for _, name in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now, '+inf')) do
-  reply[#reply + 1] = redis.call('HGETALL', ARGV[1] .. '{WORKER_KEY_MARK}' .. name)
+  reply[#reply + 1] = {{name, redis.call('HGETALL', ARGV[1] .. '{WORKER_KEY_MARK}' .. name)}}
 end
 return reply
 """
@@ -140,6 +197,7 @@ class Attached:
     state: str
     entry_id: bytes = b""
     seed: int | None = None
+    stream: str = ""  # where the attempt is (the record's STREAM)
 
 
 class RequestQueue:
@@ -153,20 +211,42 @@ class RequestQueue:
         self._read_log = client.register_script(READ_LOG_SCRIPT)
         self._live_workers = client.register_script(LIVE_WORKERS_SCRIPT)
         self._entry_state = client.register_script(ENTRY_STATE_SCRIPT)
+        # The live workers' routed streams, as the router last saw them: queue depth counts them.
+        self.routed_streams: tuple[str, ...] = ()
+        self._move = client.register_script(MOVE_SCRIPT)
+        self._route = client.register_script(ROUTE_SCRIPT)
 
     async def attach(self, request: queue_pb2.QueuedRequest, digest: str, *, may_create: bool,
-                     expect: bytes = b"") -> Attached:
-        """Run ATTACH_SCRIPT for `request` (its seed is used only if the record is new)."""
-        keys = [self.keys.record(request.request_id), self.stream_of(request.request)]
+                     expect: bytes = b"", routed_to: str = "") -> Attached:
+        """Run ATTACH_SCRIPT for `request` (its seed is used only if the record is new); a new
+        attempt goes to the routed stream of consumer `routed_to`, or ("") the shared one."""
+        priority_class = PriorityClass.of(request.request.priority)
+        stream = (self.keys.routed(routed_to, priority_class) if routed_to
+                  else self.keys.requests_of(priority_class))
         seed, lease_ms = str(request.request.sampling.seed), int(RECORD_LEASE_S * 1000)
         args: list[bytes | str | int] = [digest, request.SerializeToString(), seed, lease_ms,
-                                         "1" if may_create else "0", expect]
-        reply = await self._attach(keys=keys, args=args)
+                                         "1" if may_create else "0", expect, "1" if routed_to else "0"]
+        reply = await self._attach(keys=[self.keys.record(request.request_id), stream], args=args)
         state = reply[0].decode()
         if state == "created":
             self._num_enqueued_since_read += 1
         entry_id = reply[1] if len(reply) > 1 else b""
-        return Attached(state, entry_id, int(reply[2]) if len(reply) > 2 and reply[2] else None)
+        return Attached(state, entry_id, int(reply[2]) if len(reply) > 2 and reply[2] else None,
+                        reply[3].decode() if len(reply) > 3 else "")
+
+    async def move(self, routed: str, entry_id: bytes, priority: int) -> tuple[bytes, str] | None:
+        """MOVE a routed entry no worker claimed to the shared stream of its class: the new entry
+        and that stream, or None (a worker has it already, or it is gone)."""
+        shared = self.keys.requests_of(PriorityClass.of(priority))
+        moved = await self._move(keys=[routed, shared], args=[self.keys.group, entry_id])
+        return (moved, shared) if moved else None
+
+    async def prefix_overlap(self, consumers: list[str], hashes: list[bytes]) -> list[int]:
+        """Per consumer, how many of `hashes` (in order, from the first) its prefix index holds."""
+        if not consumers:
+            return []
+        keys = [self.keys.prefixes(c) for c in consumers]
+        return [int(n) for n in await self._route(keys=keys, args=[len(hashes), *hashes])]
 
     async def read_log(self, request_id: str, first_seq: int = 0) -> dict[int, queue_pb2.TokenEvent]:
         """seq -> event of what the request's log holds from first_seq on (chunks and the final),
@@ -197,6 +277,10 @@ class RequestQueue:
                     self._num_enqueued_since_read = 0
         return self._depth + self._num_enqueued_since_read
 
+    def is_routed(self, stream: str) -> bool:
+        """A worker's own stream (protos/keys.py, "Routing"), not a shared one."""
+        return stream.startswith(self.keys.routed_mark)
+
     def stream_of(self, request: generate_pb2.GenerateRequest) -> str:
         """The request stream of the request's priority class (protos/keys.py)."""
         return self.keys.requests_of(PriorityClass.of(request.priority))
@@ -226,16 +310,17 @@ class RequestQueue:
                 workers[0].model if workers else None)
 
     async def _read_streams(self) -> list[_StreamDepth]:
-        """Per request stream: finished entries are XDELed, so XLEN = queued + in flight, and in
-        flight is the group's pending count (Redis 6.2 has no XINFO `lag`)."""
+        """Per request stream (the shared ones and the live workers' routed ones): finished
+        entries are XDELed, so XLEN = queued + in flight, and in flight is the group's pending
+        count (Redis 6.2 has no XINFO `lag`)."""
+        streams = self.keys.request_streams + self.routed_streams
         pipe = self.client.pipeline(transaction=False)
-        for stream in self.keys.request_streams:
+        for stream in streams:
             pipe.xlen(stream)
             pipe.xinfo_groups(stream)
         replies = await pipe.execute(raise_on_error=False)
         depths = []
         name = self.keys.group.encode()
-        streams = self.keys.request_streams
         for stream, length, groups in zip(streams, replies[::2], replies[1::2], strict=True):
             if isinstance(length, Exception):
                 raise length
@@ -260,8 +345,12 @@ class RequestQueue:
 
     async def workers(self) -> list[generate_pb2.WorkerInfo]:
         """Live workers: the registry's, with their heartbeat hashes (one round trip)."""
-        hashes = await self._live_workers(keys=[self.keys.registry], args=[self.keys.prefix])
-        return [_worker_info(h) for h in hashes if h]  # [] = expired between the two reads
+        return [info for _, info in await self.consumers()]
+
+    async def consumers(self) -> list[tuple[str, generate_pb2.WorkerInfo]]:
+        """Live workers by consumer name (protos/keys.py: a worker process), in one round trip."""
+        found = await self._live_workers(keys=[self.keys.registry], args=[self.keys.prefix])
+        return [(name.decode(), _worker_info(h)) for name, h in found if h]  # [] = expired meanwhile
 
 
 def _worker_info(flat: list[bytes]) -> generate_pb2.WorkerInfo:
@@ -271,4 +360,6 @@ def _worker_info(flat: list[bytes]) -> generate_pb2.WorkerInfo:
     info: dict[str, Any] = {name: f.get(name, "") for name in Heartbeat.TEXT}
     info |= {name: float(f.get(name) or 0) for name in Heartbeat.FLOAT}
     info |= {name: int(f.get(name) or 0) for name in Heartbeat.INT}
+    queried = info[Heartbeat.NUM_PREFIX_CACHE_QUERY_TOKENS]
+    info["prefix_cache_hit_rate"] = info[Heartbeat.NUM_PREFIX_CACHE_HIT_TOKENS] / queried if queried else 0.0
     return generate_pb2.WorkerInfo(**info)

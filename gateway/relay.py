@@ -52,10 +52,16 @@ class Follow:
     request_id: str  # the request's key in Redis: tenant-scoped (Tenant.request_key)
     entry_id: bytes  # the attempt whose errors count
     resume_from: int = 0  # chunks the caller already has: the first seq to relay
-    stream: str = ""  # the request stream of its priority class ("" = the NORMAL one)
+    stream: str = ""  # the stream the attempt is in ("" = the NORMAL class's shared one)
     # Start the next attempt after `entry_id` ended without an answer; returns the entry to
-    # follow, or None when the request turned out finished (its final is in the log).
-    next_attempt: Callable[[bytes], Awaitable[bytes | None]] | None = None
+    # follow and its stream, or None when the request turned out finished (its final is in
+    # the log).
+    next_attempt: Callable[[bytes], Awaitable[tuple[bytes, str] | None]] | None = None
+    # An attempt routed to a worker's own stream (gateway/routing.py): at `move_at` (monotonic)
+    # with nothing heard yet, `move(stream, entry)` takes it to the shared stream unless a
+    # worker claimed it (the new entry and stream, or None).
+    move: Callable[[str, bytes], Awaitable[tuple[bytes, str] | None]] | None = None
+    move_at: float | None = None
     # Seconds left of this call's deadline (None = no deadline).
     time_remaining: Callable[[], float | None] = lambda: None
     next_seq: int = -1  # -1: resume_from
@@ -90,7 +96,16 @@ async def relay(follow: Follow, calls: asyncio.Queue[CallItem], queue: RequestQu
             follow.gap_deadline = None
         elif follow.gap_deadline is not None and time.monotonic() > follow.gap_deadline:
             await _fill_gap(follow, queue, checks, grace_s=0)
-        item = await calls.get()
+        if follow.move_at is not None:
+            try:
+                item = await asyncio.wait_for(calls.get(), max(0.0, follow.move_at - time.monotonic()))
+            except TimeoutError:
+                await _move(follow)
+                continue
+            if not isinstance(item, Tick):
+                follow.move_at = None  # a worker has it (or the call ends): it stays where it is
+        else:
+            item = await calls.get()
         if isinstance(item, Tick):
             if follow.gap_deadline is not None or time.monotonic() - heard_at < liveness_check_s:
                 continue  # a gap is judged above
@@ -159,6 +174,19 @@ async def _fill_gap(follow: Follow, queue: RequestQueue, checks: _Liveness, *, g
                        "and resending cannot bring them back: start a new request")
 
 
+async def _move(follow: Follow) -> None:
+    """Routing was a preference: the attempt's worker did not claim it in time."""
+    follow.move_at = None
+    if follow.move is None:
+        return
+    try:
+        moved = await follow.move(follow.stream, follow.entry_id)
+    except RedisError:
+        return  # it stays routed; the liveness checks watch it as any other attempt
+    if moved is not None:
+        follow.entry_id, follow.stream = moved
+
+
 async def _on_error(follow: Follow, queue: RequestQueue, error: queue_pb2.RequestError) -> None:
     remaining = follow.time_remaining()
     is_earlier_deadline = (error.code == queue_pb2.ErrorCode.ERROR_CODE_DEADLINE_EXCEEDED
@@ -174,11 +202,11 @@ async def _start_next_attempt(follow: Follow, queue: RequestQueue) -> None:
         raise Unavailable(f"request {follow.caller_id} left the queue without an answer "
                           f"{follow.num_attempts} times (was Redis restarted without its data?); retry")
     try:
-        entry_id = await follow.next_attempt(follow.entry_id)
+        found = await follow.next_attempt(follow.entry_id)
     except RedisError as e:
         raise redis_unavailable(e) from e
-    if entry_id is not None:
-        follow.entry_id = entry_id
+    if found is not None:
+        follow.entry_id, follow.stream = found
     await _fill_from_log(follow, queue)
 
 

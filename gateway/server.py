@@ -44,6 +44,7 @@ from gateway.queue import Attached, RequestQueue, connect
 from gateway.quotas import Quotas
 from gateway.relay import Follow, relay
 from gateway.replies import DEFAULT_TICK_S, ReplyRouter
+from gateway.routing import SHARED, PrefixRouter, Route
 from gateway.server_info import ServerInfoView
 from gateway.tls import ServerCertificates, bind
 from gateway.tracing import CallTrace
@@ -129,6 +130,7 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
         self.admission = Admission(queue, router, metrics, quotas)
         self._background: set[asyncio.Task[None]] = set()
         self.server_info = ServerInfoView(config, queue)
+        self.prefix_router = PrefixRouter(queue) if config.routing == "prefix" else None
 
     async def Generate(self, request: generate_pb2.GenerateRequest | MalformedRequest,  # noqa: N802
                        context: grpc.aio.ServicerContext) -> AsyncIterator[generate_pb2.GenerateResponse]:
@@ -198,8 +200,8 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
         try:
             queued = self._queued(key, request, context, tenant)
             with call.enqueue(queued):
-                follow, is_new = await self._attach(queued, request_digest(request, tenant.name), depth,
-                                                    resume_from, request_id)
+                digest = request_digest(request, tenant.name)
+                follow, is_new, route = await self._attach(queued, digest, depth, resume_from, request_id)
             log.debug("request %s: %s entry %s", request_id, "enqueued" if is_new else "following",
                       follow.entry_id.decode())
             follow.time_remaining = context.time_remaining
@@ -211,6 +213,8 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
                     response.final.tenant = tenant.name
                     if is_new:  # the call that created the generation pays for its prompt
                         used.num_tokens += response.final.usage.prompt_tokens
+                        if self.metrics is not None:
+                            self.metrics.observe_route(route, response.final.usage, tenant.name)
                 else:
                     used.num_tokens += len(response.chunk.token_ids)
                 yield response
@@ -224,13 +228,17 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
                 self.abort_later(key, "the caller went away", follow.entry_id)
 
     async def _attach(self, queued: queue_pb2.QueuedRequest, digest: str, depth: int,
-                      resume_from: int, request_id: str) -> tuple[Follow, bool]:
-        """The attempt to follow, and whether this call created the request (nothing logged yet).
-        request_id: the caller's (queued.request_id is its tenant-scoped key)."""
+                      resume_from: int, request_id: str) -> tuple[Follow, bool, Route]:
+        """The attempt to follow, whether this call created the request (nothing logged yet), and
+        where a request it created went. request_id: the caller's (queued.request_id is its
+        tenant-scoped key)."""
         max_depth = self.config.max_queue_depth_of(PriorityClass.of(queued.request.priority))
-        has_room = depth < max_depth
+        may_create = depth < max_depth and not resume_from
+        route = SHARED
         try:
-            found = await self.queue.attach(queued, digest, may_create=has_room and not resume_from)
+            if may_create and self.prefix_router is not None:
+                route = await self.prefix_router.choose(queued)
+            found = await self.queue.attach(queued, digest, may_create=may_create, routed_to=route.consumer)
             is_new = found.state == "created"
             if found.state == "ended":  # the last attempt ended without an answer: start the next
                 found = await self._next_attempt(queued, digest, found)
@@ -248,15 +256,27 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
         if found.seed is not None:  # every attempt samples with the record's seed
             queued.request.sampling.seed = found.seed
 
-        async def next_attempt(ended: bytes) -> bytes | None:
+        async def next_attempt(ended: bytes) -> tuple[bytes, str] | None:
             again = await self._next_attempt(queued, digest, Attached("ended", ended), may_create=True)
             if again.state == "mismatch":
                 raise FailedPrecondition(f"request_id {request_id!r} was taken by another request body")
-            return again.entry_id if again.state in ("created", "live") else None
+            return (again.entry_id, again.stream) if again.state in ("created", "live") else None
 
-        stream = self.queue.stream_of(queued.request)
-        return Follow(queued.request_id, found.entry_id, resume_from, stream, next_attempt=next_attempt,
-                      caller_id=request_id), is_new
+        async def move(routed: str, entry_id: bytes) -> tuple[bytes, str] | None:
+            moved = await self.queue.move(routed, entry_id, queued.request.priority)
+            if moved is not None and self.metrics is not None:
+                self.metrics.route_moves.labels(self.metrics.model, queued.tenant).inc()
+            return moved
+
+        follow = Follow(queued.request_id, found.entry_id, resume_from, found.stream or
+                        self.queue.stream_of(queued.request), next_attempt=next_attempt, caller_id=request_id)
+        if self.queue.is_routed(follow.stream):  # not claimed within the wait: to the shared stream
+            follow.move = move
+            follow.move_at = time.monotonic() + self.config.route_max_wait_ms / 1000
+        if is_new and self.metrics is not None:
+            self.metrics.routed.labels(self.metrics.model, queued.tenant,
+                                       "worker" if route.consumer else "shared").inc()
+        return follow, is_new, route
 
     async def _next_attempt(self, queued: queue_pb2.QueuedRequest, digest: str, found: Attached, *,
                             may_create: bool = False) -> Attached:

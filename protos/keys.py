@@ -8,6 +8,10 @@ or test runs can share one Redis. ``{p}`` below is that prefix.
 | {p}:requests             | stream  | none         | gateway XADD (``data``)   | workers XREADGROUP       |
 | {p}:requests:high        | stream  | none         | gateway XADD (``data``)   | workers XREADGROUP       |
 | {p}:requests:low         | stream  | none         | gateway XADD (``data``)   | workers XREADGROUP       |
+| {p}:routed:{class}:{c}   | stream  | none         | gateway XADD (routing),   | worker {c} XREADGROUP    |
+|                          |         |              | MOVE                      | gateway/sweeper MOVE     |
+| {p}:prefixes:{consumer}  | zset    | PREFIX_INDEX | that worker, per claim    | gateways (routing)       |
+|                          |         | _TTL_S       |                           |                          |
 | {p}:workers              | group   | (on each     | worker XGROUP CREATE/XACK | gateway XINFO/XPENDING   |
 |                          |         |  stream)     |                           |                          |
 | {p}:request:{request_id} | hash    | lease (*)    | gateway ATTACH, worker    | gateways, workers        |
@@ -121,16 +125,36 @@ Delivery guarantee: every chunk exactly once to a caller that keeps resending.
   acknowledged without a final (abandoned) and the log keeps its progress; a later resume
   starts a new attempt from there.
 
+Routing (protos/routing.py; the gateway's --routing prefix)
+  Each worker keeps ``{p}:prefixes:{consumer}``: the prefix hashes (`routing.prefix_hashes`,
+  keyed by the cache scope) of the requests it claimed, scored by when (its clock), trimmed
+  to the most recent `prefix_index_size` (about what its KV cache holds) and expiring
+  PREFIX_INDEX_TTL_S after the last claim; written in the claim's round trip, so it costs
+  two commands per claim round. A gateway scores the live workers that have room by the
+  leading hashes they hold (one ROUTE script call reads them all) and by their load, and
+  XADDs the request to the chosen worker's own stream of its class,
+  ``{p}:routed:{class}:{consumer}`` (class = high, normal, low), with the record's key in
+  the entry (``rec``); a request with no useful overlap goes to the shared stream as
+  before. The record's STREAM says where the attempt is. A worker reads its own stream of
+  a class before the shared one (HIGH first, as above). Routing is a preference, never a
+  wait: an entry its worker has not claimed within the gateway's --route-max-wait-ms is
+  moved to the shared stream by the gateway following the call (MOVE script: atomically,
+  only while no worker has it), and a dead worker's routed streams are emptied by the
+  sweeper that fences it (its pending entries re-claimed like any others, the rest moved),
+  then deleted. So queue depth, KEDA's lag and shedding see the work: a routed entry waits
+  only on a live worker with room, and at most the wait bound.
+
 Fencing: a zombie's writes fail
   A worker is alive while its score in ``{p}:registry`` (its heartbeat's expiry, on Redis's
   clock) is in the future; the heartbeat has its own thread, so a publisher waiting for
   Redis never stops it. Every worker sweeps the group about once a second: the RECLAIM
   script takes the consumers not alive in the registry and, atomically, fences each (the
   member ``*`` in its ``{p}:revoked:{consumer}``, and its name in ``{p}:fenced`` for
-  operators), removes it from the registry and XCLAIMs its pending entries to the
-  sweeper. A fenced consumer's STEP (one SMEMBERS of that set per round checks the fence
-  and the revocations together) and HEARTBEAT refuse every write; it drops
-  all it holds and exits (status 3), like a Kafka producer fenced by a newer epoch. A
+  operators), scores it 0 in the registry (dead; it leaves once nothing of it is left,
+  its routed streams included) and XCLAIMs its pending entries to the sweeper. A fenced
+  consumer's STEP (one SMEMBERS of that set per round checks the fence and the
+  revocations together) and HEARTBEAT refuse every write; it drops all it holds and exits
+  (status 3), like a Kafka producer fenced by a newer epoch. A
   claim (OWN script) that takes a request from an owner that had not released it names
   the request in ``{p}:revoked:{owner}`` (an entry delivered twice after an AOF loss, say):
   that owner's next STEP writes nothing and names the request to the worker, which drops it
@@ -213,10 +237,14 @@ from dataclasses import dataclass
 
 DEFAULT_PREFIX = "tokenrelay"
 STREAM_DATA_FIELD = b"data"  # the field of a request stream entry holding QueuedRequest bytes
+ROUTE_FIELD = b"rec"  # a routed stream entry's second field: its record's key (for MOVE)
 # A record is created with this TTL (longer than any realistic wait in the queue plus a
 # generation); the worker shortens it to the result TTL once an attempt ends.
 RECORD_LEASE_S = 24 * 3600
 WORKER_KEY_MARK = ":worker:"
+# A worker's prefix index outlives its last claim this long (its cache outlives it too);
+# a dead worker's index is never read (only live workers are scored), just left to expire.
+PREFIX_INDEX_TTL_S = 3600
 FENCE_MARK = "*"  # the member of {p}:revoked:{consumer} that fences the whole consumer
 
 
@@ -359,6 +387,27 @@ class Keys:
     def request_streams(self) -> tuple[str, ...]:
         """Every request stream, highest class first (CLAIM_ORDER)."""
         return tuple(self.requests_of(c) for c in CLAIM_ORDER)
+
+    def routed(self, consumer: str, priority_class: PriorityClass) -> str:
+        """A worker's own stream of one class: what gateways routed to it (see "Routing")."""
+        return f"{self.routed_mark}{priority_class.name.lower()}:{consumer}"
+
+    @property
+    def routed_mark(self) -> str:
+        """What every routed stream's name starts with."""
+        return f"{self.prefix}:routed:"
+
+    def routed_streams(self, consumer: str) -> tuple[str, ...]:
+        """A worker's own streams, highest class first (CLAIM_ORDER)."""
+        return tuple(self.routed(consumer, c) for c in CLAIM_ORDER)
+
+    def claim_streams(self, consumer: str) -> tuple[str, ...]:
+        """What a worker reads, in order: per class, its own stream, then the shared one."""
+        return tuple(s for c in CLAIM_ORDER for s in (self.routed(consumer, c), self.requests_of(c)))
+
+    def prefixes(self, consumer: str) -> str:
+        """Sorted set: the prefix hashes of the requests `consumer` claimed, by when."""
+        return f"{self.prefix}:prefixes:{consumer}"
 
     @property
     def group(self) -> str:

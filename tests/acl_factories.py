@@ -88,15 +88,19 @@ def sim_chunk(request_id: str, seed: int, seq: int) -> queue_pb2.TokenEvent:
         index=seq, token_ids=[token], text=sim_text(token)))
 
 
-def enqueue(admin: redis.Redis, request_id: str, consumer: str = "", seed: int = 5) -> bytes:
-    """What a gateway's ATTACH writes (an entry and its record), then, with `consumer`, that
-    consumer's XREADGROUP of it."""
+def enqueue(admin: redis.Redis, request_id: str, consumer: str = "", seed: int = 5, stream: str = "",
+            max_tokens: int = 0) -> bytes:
+    """What a gateway's ATTACH writes (an entry in `stream`, default the NORMAL shared one, and its
+    record), then, with `consumer`, that consumer's XREADGROUP of it."""
     request = generate_pb2.GenerateRequest(request_id=request_id, prompt="hi")
     request.sampling.seed = seed
+    if max_tokens:
+        request.stopping.max_tokens = max_tokens
     queued = queue_pb2.QueuedRequest(request_id=request_id, request=request, result_ttl_s=60)
-    entry_id = admin.xadd(KEYS.requests, {STREAM_DATA_FIELD: queued.SerializeToString()})
+    stream = stream or KEYS.requests
+    entry_id = admin.xadd(stream, {STREAM_DATA_FIELD: queued.SerializeToString()})
     admin.hset(KEYS.record(request_id), mapping={Record.DIGEST: "d", Record.ENTRY: entry_id,
-                                                 Record.STREAM: KEYS.requests, Record.SEED: seed})
+                                                 Record.STREAM: stream, Record.SEED: seed})
     if consumer:
         with contextlib.suppress(redis.ResponseError):  # BUSYGROUP
             admin.xgroup_create(KEYS.requests, KEYS.group, id="0")
@@ -146,11 +150,13 @@ def tokens_of(responses: list[generate_pb2.GenerateResponse]) -> list[int]:
 
 REQUEST_KEY, WORKER = "acme/order-1", "w.1"  # what the `deployed` Redis of the tests holds
 R, RID, W = KEYS.requests, REQUEST_KEY, WORKER
+ROUTED = KEYS.routed(WORKER, PriorityClass.NORMAL)
 # Commands outside each user's rights: each must be refused with NOPERM and change nothing.
 WORKER_DENIED = [
     # A worker may not delete, trim or expire a request stream, nor enqueue, nor drop the group ...
     ("DEL", R), ("DEL", KEYS.requests_of(PriorityClass.HIGH)), ("UNLINK", R), ("XTRIM", R, "MAXLEN", "0"),
     ("PEXPIRE", R, "1"), ("XADD", R, "*", "data", "x"), ("XGROUP", "DESTROY", R, KEYS.group),
+    ("XADD", ROUTED, "*", "data", "x"), ("PEXPIRE", ROUTED, "1"),
     # ... nor DEL anything but heartbeat hashes (records, logs and the registry: HSET, HDEL, ZREM) ...
     ("DEL", KEYS.record(RID)), ("DEL", KEYS.log(W)), ("DEL", KEYS.registry),
     # ... nor touch the tenants' quota keys, even to read them ...
@@ -175,6 +181,7 @@ GATEWAY_DENIED = [
     ("XACK", R, KEYS.group, "0-1"), ("XDEL", R, "0-1"), ("DEL", R), ("XGROUP", "DESTROY", R, KEYS.group),
     ("HSET", KEYS.log(W), f"{RID}:0", "x"), ("HSET", KEYS.worker(W), "model", "x"),
     ("ZADD", KEYS.registry, "1e15", "ghost"), ("SADD", KEYS.revoked(W), FENCE_MARK),
+    ("XACK", ROUTED, KEYS.group, "0-1"), ("DEL", ROUTED), ("ZADD", KEYS.prefixes(W), "1", "x"),
     # ... and no forged tokens: it publishes only aborts, and subscribes only to its own channels.
     ("PUBLISH", KEYS.out(W), "x"), ("PUBLISH", KEYS.events(RID), "x"), ("SUBSCRIBE", KEYS.aborts),
     ("SUBSCRIBE", KEYS.out(W)), ("PSUBSCRIBE", f"{PREFIX}:*"), ("SUBSCRIBE", "other:events:1"),

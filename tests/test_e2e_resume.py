@@ -116,7 +116,8 @@ def test_a_finished_request_is_answered_again_without_generating(
     gateway, worker, ref = reference
     channel, stub = stub_for(make_gateway().target)
     with channel:
-        finished_before = info(stub).num_finished
+        # the reference's finish reaches the heartbeat with the worker's next round: wait for it
+        finished_before = wait_until(lambda: info(stub).num_finished, timeout=5)
         again = list(stub.Generate(story("reference"), timeout=30))
         tail = list(stub.Generate(resumed(story("reference"), 30), timeout=30))
         assert info(stub).num_finished == finished_before  # replayed from the record

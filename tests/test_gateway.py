@@ -167,9 +167,9 @@ def test_relay_raises_its_attempts_error_and_ignores_other_attempts() -> None:
 def test_an_earlier_callers_deadline_or_a_vanished_entry_starts_the_next_attempt() -> None:
     started: list[bytes] = []
 
-    async def next_attempt(ended: bytes) -> bytes:
+    async def next_attempt(ended: bytes) -> tuple[bytes, str]:
         started.append(ended)
-        return b"2-0"
+        return b"2-0", ""
 
     deadline = error(queue_pb2.ERROR_CODE_DEADLINE_EXCEEDED)
     later = queue_pb2.TokenEvent(request_id="r", seq=1, entry_id=b"2-0", chunk=generate_pb2.Chunk(index=1))
@@ -179,10 +179,10 @@ def test_an_earlier_callers_deadline_or_a_vanished_entry_starts_the_next_attempt
     # resumes, and what it logs reaches the call.
     gone = FakeQueue([EntryState.GONE, EntryState.GONE])
 
-    async def resume_attempt(ended: bytes) -> bytes:
+    async def resume_attempt(ended: bytes) -> tuple[bytes, str]:
         started.append(ended)
         gone.log = {1: chunk(1, entry_id=b"3-0"), 2: final(2)}
-        return b"3-0"
+        return b"3-0", ""
 
     relayed = run_relay([chunk(0)], gone, liveness_s=0.02, next_attempt=resume_attempt)
     assert relayed == ["<0>", "<1>", "final"]
@@ -190,8 +190,8 @@ def test_an_earlier_callers_deadline_or_a_vanished_entry_starts_the_next_attempt
 
 
 def test_relay_gives_up_after_too_many_attempts() -> None:
-    async def next_attempt(ended: bytes) -> bytes:
-        return ended
+    async def next_attempt(ended: bytes) -> tuple[bytes, str]:
+        return ended, ""
 
     start = time.monotonic()
     with pytest.raises(Unavailable, match="left the queue without an answer"):

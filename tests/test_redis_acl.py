@@ -19,13 +19,15 @@ from pathlib import Path
 import pytest
 import redis
 
+from gateway.auth import ANONYMOUS
 from gateway.config import GatewayConfig
 from gateway.queue import EntryState, RequestQueue
 from gateway.redis_server import EmbeddedRedis
 from gateway.replies import ReplyRouter
 from protos.convert import build_request
-from protos.keys import Heartbeat, LogField, Record
+from protos.keys import Heartbeat, LogField, PriorityClass, Record
 from protos.redis_conn import async_client, sync_client
+from protos.routing import prefix_hashes
 from protos.tokenrelay.v1 import generate_pb2, queue_pb2
 from tests.acl_factories import (
     ADMIN,
@@ -128,6 +130,40 @@ def test_a_tenants_call_streams_replays_and_parks_under_the_gateway_and_worker_u
         assert tokens_of(resumed) == sim_token_ids(8, 1, 99)
     stack.stop()
     assert not admin.zscore(KEYS.registry, consumer) and not admin.exists(KEYS.worker(consumer))
+    assert refusals(admin) == []
+
+
+def test_prefix_routing_moves_and_a_dead_workers_routed_stream_under_the_gateway_and_worker_users(
+        acl_redis: EmbeddedRedis, admin: redis.Redis, stack: Stack) -> None:
+    """The worker's prefix index (ZADD, ZREMRANGEBYRANK, PEXPIRE), ROUTE (ZMSCORE), ATTACH to a
+    routed stream and the claim from it, MOVE of an entry a live-looking worker never claims,
+    and RECLAIM of a dead worker's routed stream (XREADGROUP of what it never claimed, DEL)."""
+    scope = ANONYMOUS.cache_scope()
+    seconds, _ = admin.time()
+    for name, expiry_ms in (("stuck", (int(seconds) + 60) * 1000), ("ghost", 1)):
+        admin.zadd(KEYS.registry, {name: expiry_ms})
+        admin.hset(KEYS.worker(name), mapping={"worker_id": name, "max_num_seqs": "4"})
+    admin.xgroup_create(KEYS.routed("ghost", PriorityClass.NORMAL), KEYS.group, id="0", mkstream=True)
+    enqueue(admin, "ghosts", seed=3, stream=KEYS.routed("ghost", PriorityClass.NORMAL), max_tokens=2)
+    stucks = build_request("s" * 300, max_tokens=2, seed=4, request_id="stucks")
+    admin.zadd(KEYS.prefixes("stuck"), dict.fromkeys(prefix_hashes(stucks, scope), 1))
+    worker = stack.worker(url("worker", acl_redis.port), sim_engine(), sweep_interval_s=0.1)
+    gateway = stack.gateway(url("gateway", acl_redis.port), route_max_wait_ms=200)
+    channel, stub = stub_for(gateway.target)
+    with channel:
+        wait_until(workers_ready(stub, 2), timeout=10)
+        turns = [build_request("t" * 300 + f" turn {i}", max_tokens=2, seed=5, request_id=f"turn-{i}")
+                 for i in range(2)]
+        for turn in [*turns, stucks]:
+            assert tokens_of(list(stub.Generate(turn, timeout=20))) == sim_token_ids(turn.sampling.seed, 0, 2)
+    own = KEYS.routed(worker.config.consumer_name, PriorityClass.NORMAL)
+    assert admin.hget(KEYS.record("turn-1"), Record.STREAM) == own.encode()  # routed by turn 0's prefix
+    assert admin.hget(KEYS.record("stucks"), Record.STREAM) == KEYS.requests.encode()  # moved
+    # nobody follows "ghosts" (no call): the worker takes it and parks it
+    taker = worker.config.consumer_name.encode()
+    wait_until(lambda: admin.hget(KEYS.record("ghosts"), Record.OWNER) == taker, timeout=10)
+    wait_until(lambda: not admin.exists(KEYS.routed("ghost", PriorityClass.NORMAL)), timeout=10)
+    stack.stop()
     assert refusals(admin) == []
 
 

@@ -3,11 +3,13 @@
 In order: the entries of dead workers (a sweep at start-up and about every sweep_interval_s,
 which fences them), entries pending under this worker that it forgot (reconciliation, every
 reconcile_interval_s), then new entries (XREADGROUP ">") stream by stream, the highest priority class
-first, a lower class only while capacity is left. Only an idle worker that found nothing
-blocks, on every stream at once (one entry of each at most: XREADGROUP's COUNT is per
-stream), then claims what keeps arriving in a burst. Then, for all of them in one round
-trip, the OWN script takes their records (owner, log, progress) and PUBSUB NUMSUB says how
-many callers follow them.
+first, a lower class only while capacity is left, and within a class this worker's own stream
+(what gateways routed to it: protos/keys.py, "Routing") before the shared one. Only an idle
+worker that found nothing blocks, on every stream at once (one entry of each at most:
+XREADGROUP's COUNT is per stream), then claims what keeps arriving in a burst. Then, for
+all of them in one round trip, the OWN script takes their records (owner, log, progress),
+PUBSUB NUMSUB says how many callers follow them, and their prefix hashes go into this
+worker's prefix index.
 """
 
 from __future__ import annotations
@@ -21,12 +23,20 @@ from typing import Any, cast
 import redis
 
 from protos.convert import event_from_log
+from protos.keys import PREFIX_INDEX_TTL_S
+from protos.routing import CHUNK_CHARS, prefix_hashes
 from protos.tokenrelay.v1 import queue_pb2
 from worker.config import WorkerConfig
 from worker.io.reclaim import Claimed, parse_entry, reclaim_dead_workers, reconcile
 from worker.io.scripts import OWN
 
 log = logging.getLogger(__name__)
+
+# A prefix-index entry stands for CHUNK_CHARS characters, ~4 characters a token in English:
+# the index keeps about as many entries as the KV cache holds chunks, so what it forgets is
+# about what the cache evicted (least recently claimed first, as the cache is LRU).
+CHARS_PER_TOKEN = 4
+MIN_INDEX_SIZE = 256
 
 
 def claim_capacity(stats: Any) -> int:
@@ -63,6 +73,7 @@ class Claimer:
         self._next_reconcile_at = time.monotonic() + config.reconcile_interval_s
         self._suspects: set[str] = set()  # Claimed.key pending here but not held, at the last look
         self._own = client.register_script(OWN)
+        self._streams = config.keys.claim_streams(config.consumer_name)  # the order of claims
 
     def take(self, count: int, *, is_idle: bool, max_block_ms: int | None = None,
              held: Collection[str] = ()) -> list[Claimed]:
@@ -98,9 +109,11 @@ class Claimer:
         before then would fence live workers (they would exit) for an outage, not a death."""
         self._next_sweep_at = max(self._next_sweep_at, time.monotonic() + self.config.heartbeat_ttl_s)
 
-    def own(self, entries: list[Claimed]) -> tuple[dict[str, Owned], dict[str, int]]:
+    def own(self, entries: list[Claimed],
+            num_cached_tokens: int = 0) -> tuple[dict[str, Owned], dict[str, int]]:
         """Per claimed request, in one round trip: its record taken over (by Claimed.key), and how
-        many callers follow it (by event channel)."""
+        many callers follow it (by event channel); their prefix hashes join the prefix index,
+        kept to about what a KV cache of num_cached_tokens holds."""
         readable = [(c.key, c.request) for c in entries if c.request is not None]
         if not readable:
             return {}, {}
@@ -112,15 +125,29 @@ class Claimer:
         pipe = self.client.pipeline(transaction=False)
         self._own(keys=[keys.log(self.config.consumer_name)], args=args, client=pipe)
         pipe.pubsub_numsub(*(keys.events(qr.request_id) for _, qr in readable))
-        found, counts = pipe.execute()
+        self._index(pipe, [qr for _, qr in readable], num_cached_tokens)
+        found, counts = pipe.execute()[:2]
         owned = {key: _owned(item) for (key, _), item in zip(readable, cast(list[Any], found), strict=True)}
         followed = {(c.decode() if isinstance(c, bytes) else c): int(n) for c, n in counts}
         return owned, followed
 
+    def _index(self, pipe: Any, requests: list[queue_pb2.QueuedRequest], num_cached_tokens: int) -> None:
+        """Queue the prefix index's update on `pipe`: ZADD scored by this worker's clock (only the
+        order of its own claims matters), trim to the most recent, renew the TTL."""
+        hashes = {h: 0 for qr in requests for h in prefix_hashes(qr.request, qr.cache_scope)}
+        if not hashes:
+            return
+        now_ms = int(time.time() * 1000)
+        key = self.config.keys.prefixes(self.config.consumer_name)
+        size = max(MIN_INDEX_SIZE, num_cached_tokens * CHARS_PER_TOKEN // CHUNK_CHARS)
+        pipe.zadd(key, dict.fromkeys(hashes, now_ms))
+        pipe.zremrangebyrank(key, 0, -size - 1)
+        pipe.pexpire(key, PREFIX_INDEX_TTL_S * 1000)
+
     def _read(self, count: int) -> list[Claimed]:
         """Up to `count` new entries without blocking, the highest priority class first."""
         entries: list[Claimed] = []
-        for stream in self.config.keys.request_streams:
+        for stream in self._streams:
             if len(entries) >= count:
                 break
             entries += self._xreadgroup({stream: ">"}, count - len(entries), block_ms=None)
@@ -128,7 +155,7 @@ class Claimer:
 
     def _wait(self, block_ms: int) -> list[Claimed]:
         """Block until an entry arrives in any class's stream (or block_ms passed)."""
-        return self._xreadgroup({stream: ">" for stream in self.config.keys.request_streams}, 1, block_ms)
+        return self._xreadgroup({stream: ">" for stream in self._streams}, 1, block_ms)
 
     def _xreadgroup(self, streams: dict[str, str], count: int, block_ms: int | None) -> list[Claimed]:
         if not self._has_group:
@@ -143,7 +170,7 @@ class Claimer:
             self._has_group = False  # Redis restarted without our group: recreate it next round
             return []
         by_stream: list[tuple[Any, list[tuple[bytes, dict[bytes, bytes]]]]] = cast(Any, reply) or []
-        order = {name: i for i, name in enumerate(keys.request_streams)}
+        order = {name: i for i, name in enumerate(self._streams)}
         by_stream = sorted(by_stream, key=lambda s: order.get(_text(s[0]), len(order)))
         return [Claimed(_text(stream), entry_id, parse_entry(entry_id, fields))
                 for stream, entries in by_stream for entry_id, fields in entries]
@@ -162,7 +189,7 @@ class Claimer:
 
     def _create_groups(self) -> None:
         keys = self.config.keys
-        for stream in keys.request_streams:
+        for stream in self._streams:
             try:
                 # Id 0, not $: requests added before the group existed must be served too.
                 self.client.xgroup_create(stream, keys.group, id="0", mkstream=True)

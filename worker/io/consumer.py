@@ -124,7 +124,8 @@ class Consumer:
         self._heartbeat.start()
         self._publisher.start()
         self._aborts.start()
-        log.info("worker %s consuming %s", self.config.worker_id, ", ".join(self.keys.request_streams))
+        log.info("worker %s consuming %s", self.config.worker_id,
+                 ", ".join(self.keys.claim_streams(self.config.consumer_name)))
         try:
             while not self._stopping.is_set():
                 self._run_once(can_claim=True)
@@ -234,7 +235,8 @@ class Consumer:
         try:
             held = set(self._running) | self._parked.keys()
             entries = self._claimer.take(count, is_idle=is_idle, max_block_ms=max_block_ms, held=held)
-            owned, followed = self._claimer.own(entries)
+            stats = self.engine.stats()
+            owned, followed = self._claimer.own(entries, stats.num_blocks * stats.block_size)
             self._backoff.reset()
         except redis.RedisError as e:
             delay = self._backoff.failed()

@@ -49,10 +49,16 @@ def reclaim_dead_workers(client: redis.Redis, config: WorkerConfig, count: int) 
     pipe = client.pipeline(transaction=False)
     for stream in keys.request_streams:
         pipe.xinfo_consumers(stream, keys.group)
+    pipe.time()
+    *replies, (seconds, micros) = pipe.execute(raise_on_error=False)
     names: set[str] = set()
-    for reply in pipe.execute(raise_on_error=False):
+    for reply in replies:
         if not isinstance(reply, Exception):  # no stream or group yet: nothing was ever claimed there
             names |= {_text(c["name"]) for c in reply}
+    # and the registry's expired members: a worker that only ever claimed from its own routed
+    # streams is a consumer of no shared stream
+    now_ms = int(seconds) * 1000 + int(micros) // 1000
+    names |= {_text(n) for n in cast(list[bytes], client.zrangebyscore(keys.registry, "-inf", now_ms))}
     names.discard(me)
     if not names:
         return []
@@ -81,7 +87,7 @@ def reconcile(client: redis.Redis, config: WorkerConfig, held: Collection[str], 
     min_idle_ms = int(config.reconcile_interval_s * 1000)  # idle = since the entry's last delivery
     forgotten: list[Claimed] = []
     limit = max(count, 1) + len(held)
-    for stream in keys.request_streams:
+    for stream in keys.claim_streams(me):
         try:
             pending = client.xpending_range(stream, keys.group, min="-", max="+", count=limit,
                                             consumername=me, idle=min_idle_ms)

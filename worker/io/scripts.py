@@ -3,7 +3,7 @@
 Ownership (protos/keys.py, "Fencing"): a worker process is one consumer of the group, named
 ``{worker_id}.{incarnation}``. It is alive while its score in the registry (a sorted set,
 expiry in Redis-clock ms) is in the future. A sweeper that finds a consumer dead fences it
-(RECLAIM: adds it to the fenced set and removes it from the registry) and XCLAIMs its entries
+(RECLAIM: adds it to the fenced set and scores it 0 in the registry) and XCLAIMs its entries
 in the same script. A claim takes a request's record (OWN: sets ``owner``, moves the
 request's log into the claimant's log hash, and names the request in the previous owner's
 revoked set when that owner had not released it). Every round of a worker is one STEP script
@@ -18,7 +18,15 @@ commands per token with the per-request pipeline; see benchmarks/fleet.py).
 
 from __future__ import annotations
 
-from protos.keys import FENCE_MARK, RECORD_LEASE_S, STREAM_DATA_FIELD, WORKER_KEY_MARK, LogField, Record
+from protos.keys import (
+    CLAIM_ORDER,
+    FENCE_MARK,
+    RECORD_LEASE_S,
+    STREAM_DATA_FIELD,
+    WORKER_KEY_MARK,
+    LogField,
+    Record,
+)
 
 # Lua helpers shared by the scripts: HSET/HDEL of long argument lists in slices (Lua's unpack()
 # is limited to a few thousand values), and Redis's clock.
@@ -202,12 +210,27 @@ return reply
 # the others are fenced (their heartbeat hash deleted) and up to `count` of their entries
 # claimed. Returns {stream, entry id, data or '', deliveries} per entry and, last, the fenced
 # names that had nothing left pending (the caller removes them from the group).
+# RECLAIM: ARGV = group, me, fence ttl, count, prefix, the shared streams (CLAIM_ORDER), "--",
+# the consumer names. A dead consumer's own routed streams (protos/keys.py, "Routing") are
+# swept with the shared ones: their pending entries XCLAIMed (under whichever dead consumer they
+# are: an earlier sweeper may have died too), then the entries nobody claimed yet read with
+# XREADGROUP, as the dead worker would have, while count lasts (what is left waits for the next
+# sweep, or is moved to the shared stream by the gateway following it after its wait). A
+# consumer with nothing pending whose routed streams are empty has them deleted, leaves the
+# registry and counts as idle; until then it stays in the registry with score 0 (dead).
 RECLAIM = _LIB + f"""
+local function data_of(fields)
+  for k = 1, #fields, 2 do
+    if fields[k] == '{STREAM_DATA_FIELD.decode()}' then return fields[k + 1] end
+  end
+  return ''
+end
 local registry, fenced = KEYS[1], KEYS[2]
 local group, me, fence_ttl, count, prefix = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
-local streams, consumers, i = {{}}, {{}}, 6
-while ARGV[i] ~= '--' do streams[#streams + 1] = ARGV[i]; i = i + 1 end
+local shared, consumers, i = {{}}, {{}}, 6
+while ARGV[i] ~= '--' do shared[#shared + 1] = ARGV[i]; i = i + 1 end
 for j = i + 1, #ARGV do consumers[#consumers + 1] = ARGV[j] end
+local classes = {{{", ".join(repr(c.name.lower()) for c in CLAIM_ORDER)}}}
 local now = now_ms()
 local reply, idle = {{}}, {{}}
 for _, name in ipairs(consumers) do
@@ -217,42 +240,73 @@ for _, name in ipairs(consumers) do
     redis.call('PEXPIRE', fenced, fence_ttl)
     redis.call('SADD', prefix .. ':revoked:' .. name, '{FENCE_MARK}')
     redis.call('PEXPIRE', prefix .. ':revoked:' .. name, fence_ttl)
-    redis.call('ZREM', registry, name)
+    -- Dead (score 0) until nothing of it is left: the registry names it to the next sweeps even
+    -- where it never had an entry delivered from a shared stream (XINFO CONSUMERS lists only those).
+    redis.call('ZADD', registry, 0, name)
     redis.call('DEL', prefix .. '{WORKER_KEY_MARK}' .. name)
+    local routed, streams = {{}}, {{}}
+    for c, cls in ipairs(classes) do
+      routed[c] = prefix .. ':routed:' .. cls .. ':' .. name
+      streams[#streams + 1] = routed[c]
+      streams[#streams + 1] = shared[c]
+    end
     local left = 0
-    for _, stream in ipairs(streams) do
-      local ok, pending = pcall(redis.call, 'XPENDING', stream, group, '-', '+', math.max(count, 1), name)
+    for s, stream in ipairs(streams) do
+      -- A routed stream's entries may be pending under an earlier sweeper (that died too).
+      local ok, pending
+      if s % 2 == 1 then
+        ok, pending = pcall(redis.call, 'XPENDING', stream, group, '-', '+', 1000)
+      else
+        ok, pending = pcall(redis.call, 'XPENDING', stream, group, '-', '+', math.max(count, 1), name)
+      end
       if ok then
-        left = left + #pending
         for _, p in ipairs(pending) do
-          if count > 0 then
-            local e = redis.call('XCLAIM', stream, group, me, 0, p[1])[1]
-            if e and e[2] then
-              local data = ''
-              for k = 1, #e[2], 2 do
-                if e[2][k] == '{STREAM_DATA_FIELD.decode()}' then data = e[2][k + 1] end
+          local holder = redis.call('ZSCORE', registry, p[2])
+          if p[2] == name or (p[2] ~= me and not (holder and tonumber(holder) > now)) then
+            left = left + 1
+            if count > 0 then
+              local e = redis.call('XCLAIM', stream, group, me, 0, p[1])[1]
+              if e and e[2] then
+                reply[#reply + 1] = {{stream, p[1], data_of(e[2]), p[4]}}
+                count = count - 1
+              else
+                redis.call('XACK', stream, group, p[1])
               end
-              reply[#reply + 1] = {{stream, p[1], data, p[4]}}
-              count = count - 1
-            else
-              redis.call('XACK', stream, group, p[1])
+              left = left - 1
             end
-            left = left - 1
           end
         end
       end
     end
-    if left == 0 then idle[#idle + 1] = name end
+    local queued = 0
+    for _, stream in ipairs(routed) do
+      if count > 0 then  -- what nobody claimed yet: this sweeper takes it, as the dead one would have
+        local ok, found = pcall(redis.call, 'XREADGROUP', 'GROUP', group, me, 'COUNT', count,
+                                'STREAMS', stream, '>')
+        if ok and found then
+          for _, e in ipairs(found[1][2]) do
+            reply[#reply + 1] = {{stream, e[1], data_of(e[2]), 0}}
+            count = count - 1
+          end
+        end
+      end
+      queued = queued + redis.call('XLEN', stream)
+    end
+    if left + queued == 0 then
+      for _, stream in ipairs(routed) do redis.call('DEL', stream) end
+    end
+    left = left + queued
+    if left == 0 then
+      redis.call('ZREM', registry, name)
+      idle[#idle + 1] = name
+    end
   end
 end
 reply[#reply + 1] = idle
 return reply
 """
 
-# The heartbeat. KEYS: registry, own revoked set, heartbeat hash, own log hash. ARGV: consumer name,
-# TTL ms, log TTL ms, then the hash's field/value pairs. Returns 0 when this consumer is fenced
-# (it must stop: another worker owns what it ran), else Redis's clock in unix ms (deadlines
-# are judged on it).
+
 HEARTBEAT = _LIB + f"""
 local registry, revoked, beat, log = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local me, ttl, log_ttl = ARGV[1], tonumber(ARGV[2]), ARGV[3]

@@ -212,7 +212,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "model", "num_running", "num_waiting", "max_num_seqs", "num_finished", "heartbeat_unix", "max_model_len", "block_size", "num_blocks", "num_free_blocks", "kv_cache_usage", "num_prefix_cache_hit_tokens", "num_prefix_cache_query_tokens", "num_preemptions", "num_parked", "weights", "num_spec_draft_tokens", "num_spec_accepted_tokens")
+    __slots__ = ("worker_id", "model", "num_running", "num_waiting", "max_num_seqs", "num_finished", "heartbeat_unix", "max_model_len", "block_size", "num_blocks", "num_free_blocks", "kv_cache_usage", "num_prefix_cache_hit_tokens", "num_prefix_cache_query_tokens", "num_preemptions", "num_parked", "weights", "num_spec_draft_tokens", "num_spec_accepted_tokens", "prefix_cache_hit_rate")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -232,6 +232,7 @@ class WorkerInfo(_message.Message):
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     NUM_SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model: str
     num_running: int
@@ -251,7 +252,8 @@ class WorkerInfo(_message.Message):
     weights: str
     num_spec_draft_tokens: int
     num_spec_accepted_tokens: int
-    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., num_finished: _Optional[int] = ..., heartbeat_unix: _Optional[float] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_prefix_cache_hit_tokens: _Optional[int] = ..., num_prefix_cache_query_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_parked: _Optional[int] = ..., weights: _Optional[str] = ..., num_spec_draft_tokens: _Optional[int] = ..., num_spec_accepted_tokens: _Optional[int] = ...) -> None: ...
+    prefix_cache_hit_rate: float
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., num_finished: _Optional[int] = ..., heartbeat_unix: _Optional[float] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_prefix_cache_hit_tokens: _Optional[int] = ..., num_prefix_cache_query_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_parked: _Optional[int] = ..., weights: _Optional[str] = ..., num_spec_draft_tokens: _Optional[int] = ..., num_spec_accepted_tokens: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
     __slots__ = ("version", "gateway_id", "queue_depth", "max_queue_depth", "num_in_flight", "workers", "models", "tenant")

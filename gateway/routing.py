@@ -1,0 +1,99 @@
+"""Prefix-cache-aware routing (protos/keys.py, "Routing"; protos/routing.py): which worker a
+new request should go to, if any.
+
+The router scores the live workers that have room by the prefix hashes of the request that
+their prefix index holds, and by their load, as Dynamo's KV router does (blocks it would
+prefill, plus a share of the batch it would join), and picks the cheapest. It routes only
+when the best worker holds at least MIN_OVERLAP_CHUNKS of the request's leading chunks; the
+rest goes to the shared stream, where whichever worker has room first takes it, as without
+routing. A worker is full (never routed to) while its engine has waiting requests or no free
+sequence slot, counting what this gateway routed to it since the last look: routing is a
+preference, never a wait on a busy worker.
+
+Costs: the live workers' heartbeats are read at most every WORKERS_CACHE_S (one round trip,
+shared by every call in that window), and one ROUTE script call per new request reads every
+candidate's index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+from gateway.queue import RequestQueue
+from protos.routing import prefix_hashes
+from protos.tokenrelay.v1 import generate_pb2, queue_pb2
+
+WORKERS_CACHE_S = 0.25
+# Two chunks are ~60 tokens: less saves a prefill shorter than the wait it could cost.
+MIN_OVERLAP_CHUNKS = 2
+# A worker's cost is the chunks it would prefill plus LOAD_WEIGHT x (its batch's fill) x the
+# request's chunks: a worker holding the whole prefix but 80% busy (0.4 n) still beats an idle
+# one holding nothing (n); one 100% busy with half of it (n) ties with the idle one.
+LOAD_WEIGHT = 0.5
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a new request goes: `consumer` "" = the shared stream."""
+
+    consumer: str = ""
+    num_chunks: int = 0  # the request's prefix hashes
+    num_matched: int = 0  # of them, held by the chosen worker's index
+
+    @property
+    def predicted_fraction(self) -> float:
+        return self.num_matched / self.num_chunks if self.num_chunks else 0.0
+
+
+SHARED = Route()
+
+
+class PrefixRouter:
+    def __init__(self, queue: RequestQueue) -> None:
+        self._queue = queue
+        self._workers: list[tuple[str, generate_pb2.WorkerInfo]] = []  # (consumer, its heartbeat)
+        self._read_at = -float("inf")
+        self._routed_since_read: Counter[str] = Counter()
+        self._lock = asyncio.Lock()
+
+    async def choose(self, queued: queue_pb2.QueuedRequest) -> Route:
+        """The route of a new request (raises RedisError)."""
+        hashes = prefix_hashes(queued.request, queued.cache_scope)
+        if len(hashes) < MIN_OVERLAP_CHUNKS:
+            return Route(num_chunks=len(hashes))
+        candidates = [(c, w) for c, w in await self._live_workers() if self._room(c, w) > 0]
+        if not candidates:
+            return Route(num_chunks=len(hashes))
+        matched = await self._queue.prefix_overlap([c for c, _ in candidates], hashes)
+        n = len(hashes)
+        _, best, num_matched = min(
+            ((n - m) + LOAD_WEIGHT * n * self._load(c, w), i, m)
+            for i, ((c, w), m) in enumerate(zip(candidates, matched, strict=True)))
+        if num_matched < MIN_OVERLAP_CHUNKS:
+            return Route(num_chunks=n)
+        consumer = candidates[best][0]
+        self._routed_since_read[consumer] += 1
+        return Route(consumer, n, num_matched)
+
+    def _room(self, consumer: str, worker: generate_pb2.WorkerInfo) -> int:
+        if worker.num_waiting:
+            return 0
+        return worker.max_num_seqs - worker.num_running - self._routed_since_read[consumer]
+
+    def _load(self, consumer: str, worker: generate_pb2.WorkerInfo) -> float:
+        busy = worker.num_running + self._routed_since_read[consumer]
+        return min(1.0, busy / worker.max_num_seqs) if worker.max_num_seqs else 1.0
+
+    async def _live_workers(self) -> list[tuple[str, generate_pb2.WorkerInfo]]:
+        if time.monotonic() - self._read_at > WORKERS_CACHE_S:
+            async with self._lock:  # one read serves every call waiting on it
+                if time.monotonic() - self._read_at > WORKERS_CACHE_S:
+                    self._workers = await self._queue.consumers()
+                    self._read_at = time.monotonic()
+                    self._routed_since_read.clear()
+                    self._queue.routed_streams = tuple(
+                        s for c, _ in self._workers for s in self._queue.keys.routed_streams(c))
+        return self._workers

@@ -1,0 +1,254 @@
+"""Prefix-cache-aware routing (protos/routing.py, gateway/routing.py, protos/keys.py "Routing"):
+the hashes, the router's choice, and whole paths on a real Redis and a real gRPC gateway with
+worker threads (a counting engine: which worker serves a turn is what matters here)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import redis
+
+from gateway.auth import ANONYMOUS
+from gateway.config import GatewayConfig
+from gateway.queue import RequestQueue, connect
+from gateway.routing import MIN_OVERLAP_CHUNKS, PrefixRouter
+from protos.convert import build_request
+from protos.keys import Keys, PriorityClass, Record
+from protos.routing import CHUNK_CHARS, prefix_hashes
+from protos.tokenrelay.v1 import generate_pb2, generate_pb2_grpc, queue_pb2
+from tests.factories import CountingEngine
+from tests.service import GatewayThread, WorkerThread, stub_for, wait_until, workers_ready
+from worker.config import WorkerConfig
+from worker.io.claim import Claimer
+
+SYSTEM = "You are the support assistant of shop number {n}. " * 12  # ~600 characters: 4+ chunks
+SCOPE = ANONYMOUS.cache_scope()  # what the gateway gives requests with authentication off
+
+
+def chat(*contents: str) -> generate_pb2.GenerateRequest:
+    """A chat whose messages alternate system, user, assistant, user, ..."""
+    roles = ["system"] + ["user", "assistant"] * len(contents)
+    request = build_request("x", max_tokens=3)
+    request.ClearField("prompt")
+    request.chat.messages.extend(generate_pb2.ChatMessage(role=r, content=c) for r, c in zip(roles, contents,
+                                                                                             strict=False))
+    return request
+
+
+def session(n: int, turns: int) -> list[generate_pb2.GenerateRequest]:
+    """Turn t: the system prompt, t user messages and the t - 1 answers before them."""
+    contents = [SYSTEM.format(n=n)]
+    requests = []
+    for t in range(turns):
+        contents.append(f"question {t} of session {n}")
+        requests.append(chat(*contents))
+        contents.append("x" * 3)  # CountingEngine answers "xxx"
+    return requests
+
+
+@pytest.fixture
+def client(redis_url: str) -> Iterator[redis.Redis]:
+    c = redis.Redis.from_url(redis_url)
+    yield c
+    c.close()
+
+
+# -- the hashes -----------------------------------------------------------------------------------
+
+def test_a_chats_next_turn_starts_with_the_hashes_of_the_turn_before() -> None:
+    first, second = session(1, 2)
+    h1, h2 = prefix_hashes(first, SCOPE), prefix_hashes(second, SCOPE)
+    assert len(h1) >= 4 and len(h2) >= len(h1)
+    assert h2[:len(h1)] == h1  # chained: equal up to the end of the shorter text's last whole chunk
+    other = prefix_hashes(session(2, 1)[0], SCOPE)
+    assert not set(other) & set(h1)  # another system prompt differs from its first chunk on
+
+
+def test_hashes_are_keyed_by_the_cache_scope_and_short_prompts_have_none() -> None:
+    request = session(1, 1)[0]
+    assert not set(prefix_hashes(request, SCOPE + b"-b")) & set(prefix_hashes(request, SCOPE))
+    assert prefix_hashes(build_request("y" * (CHUNK_CHARS - 1)), SCOPE) == []
+    assert len(prefix_hashes(build_request("y" * (3 * CHUNK_CHARS + 5)), SCOPE)) == 3
+
+
+# -- the router's choice --------------------------------------------------------------------------
+
+def register(client: redis.Redis, keys: Keys, consumer: str, *, ttl_ms: int = 60_000, **load: int) -> None:
+    """A live worker as the registry and its heartbeat show it (no process behind it)."""
+    seconds, micros = client.time()
+    client.zadd(keys.registry, {consumer: int(seconds) * 1000 + int(micros) // 1000 + ttl_ms})
+    fields = {"worker_id": consumer, "max_num_seqs": 4, "num_running": 0, "num_waiting": 0} | load
+    client.hset(keys.worker(consumer), mapping={k: str(v) for k, v in fields.items()})
+
+
+def index(client: redis.Redis, keys: Keys, consumer: str, request: generate_pb2.GenerateRequest,
+          num_chunks: int | None = None) -> None:
+    """`consumer`'s prefix index holds the first num_chunks (all) of the request's hashes."""
+    hashes = prefix_hashes(request, SCOPE)[:num_chunks]
+    client.zadd(keys.prefixes(consumer), dict.fromkeys(hashes, 1))
+
+
+def choose(redis_url: str, prefix: str, request: generate_pb2.GenerateRequest) -> str:
+    async def go() -> str:
+        config = GatewayConfig(redis_url=redis_url, key_prefix=prefix)
+        aio = connect(config)
+        try:
+            router = PrefixRouter(RequestQueue(aio, config))
+            route = await router.choose(queue_pb2.QueuedRequest(request=request, cache_scope=SCOPE))
+            return route.consumer
+        finally:
+            await aio.aclose()
+    return asyncio.run(go())
+
+
+def test_the_router_prefers_the_overlap_weighs_load_and_skips_full_and_dead_workers(
+        client: redis.Redis, redis_url: str, prefix: str) -> None:
+    keys = Keys(prefix)
+    request = session(1, 1)[0]
+    register(client, keys, "a")
+    register(client, keys, "b")
+    assert choose(redis_url, prefix, request) == ""  # nobody holds it: the shared stream
+    index(client, keys, "b", request)
+    index(client, keys, "a", request, num_chunks=MIN_OVERLAP_CHUNKS - 1)
+    assert choose(redis_url, prefix, request) == "b"
+    index(client, keys, "a", request)  # both hold all of it: the less loaded one
+    register(client, keys, "b", num_running=3)
+    assert choose(redis_url, prefix, request) == "a"
+    register(client, keys, "a", num_waiting=1)  # full: waiting requests
+    assert choose(redis_url, prefix, request) == "b"
+    register(client, keys, "b", num_running=4)  # full: no free slot
+    assert choose(redis_url, prefix, request) == ""
+    register(client, keys, "a")
+    register(client, keys, "b")
+    client.zadd(keys.registry, {"a": 0})  # its heartbeat expired
+    assert choose(redis_url, prefix, request) == "b"
+
+
+def test_a_workers_own_stream_comes_before_the_shared_one_of_its_class_never_before_a_higher_class(
+        client: redis.Redis, redis_url: str, prefix: str) -> None:
+    keys = Keys(prefix)
+    config = WorkerConfig(redis_url=redis_url, key_prefix=prefix, worker_id="w")
+    me = config.consumer_name
+    high, normal, low = PriorityClass.HIGH, PriorityClass.NORMAL, PriorityClass.LOW
+    assert keys.claim_streams(me) == (keys.routed(me, high), keys.requests_of(high), keys.routed(me, normal),
+                                      keys.requests, keys.routed(me, low), keys.requests_of(low))
+    for stream, name in ((keys.requests, "shared-normal"), (keys.routed(me, normal), "own-normal"),
+                         (keys.requests_of(high), "shared-high")):
+        client.xadd(stream, {b"data": queue_pb2.QueuedRequest(request_id=name).SerializeToString()})
+    claimer = Claimer(client, config)
+    order = [c.request.request_id for _ in range(3) for c in claimer.take(1, is_idle=False) if c.request]
+    assert order == ["shared-high", "own-normal", "shared-normal"]
+
+
+# -- whole paths ----------------------------------------------------------------------------------
+
+def generate(stub: generate_pb2_grpc.TokenRelayStub,
+             request: generate_pb2.GenerateRequest) -> list[generate_pb2.GenerateResponse]:
+    return list(stub.Generate(request, timeout=30))
+
+
+def served_by(responses: list[generate_pb2.GenerateResponse]) -> str:
+    assert [r.chunk.index for r in responses if r.HasField("chunk")] == [0, 1, 2]
+    return responses[-1].final.worker_id
+
+
+def test_a_sessions_next_turns_go_to_the_worker_that_served_its_first(
+        make_gateway: Callable[..., GatewayThread], start_worker: Callable[..., WorkerThread],
+        client: redis.Redis, prefix: str) -> None:
+    keys = Keys(prefix)
+    channel, stub = stub_for(make_gateway().target)
+    workers = {w.config.worker_id: w for w in (start_worker(CountingEngine(), claim_block_ms=20)
+                                               for _ in range(2))}
+    sessions = [session(n, 3) for n in range(6)]
+    for n, turns in enumerate(sessions):
+        for t, turn in enumerate(turns):
+            turn.request_id = f"s{n}-t{t}"
+    with channel:
+        wait_until(workers_ready(stub, 2), timeout=10)
+        firsts = [served_by(generate(stub, turns[0])) for turns in sessions]
+        for turns, first in zip(sessions, firsts, strict=True):
+            for turn in turns[1:]:
+                assert served_by(generate(stub, turn)) == first
+    assert set(firsts) <= set(workers)
+    for turns, first in zip(sessions, firsts, strict=True):  # routed: each turn in its worker's stream
+        own = keys.routed(workers[first].config.consumer_name, PriorityClass.NORMAL).encode()
+        assert [client.hget(keys.record(turn.request_id), Record.STREAM) for turn in turns[1:]] == [own, own]
+
+
+def test_routing_none_leaves_every_request_to_the_shared_stream(
+        make_gateway: Callable[..., GatewayThread], start_worker: Callable[..., WorkerThread],
+        client: redis.Redis, prefix: str) -> None:
+    keys = Keys(prefix)
+    worker = start_worker(CountingEngine(), claim_block_ms=20)
+    request = session(1, 1)[0]
+    index(client, keys, worker.config.consumer_name, request)
+    for routing, expected in (("none", keys.requests),
+                              ("prefix", keys.routed(worker.config.consumer_name, PriorityClass.NORMAL))):
+        channel, stub = stub_for(make_gateway(routing=routing).target)
+        with channel:
+            wait_until(workers_ready(stub, 1), timeout=10)
+            request.request_id = f"turn-{routing}"
+            served_by(generate(stub, request))
+        assert client.hget(keys.record(request.request_id), Record.STREAM) == expected.encode()
+
+
+def test_a_routed_request_its_worker_does_not_claim_moves_to_the_shared_stream_within_the_wait(
+        make_gateway: Callable[..., GatewayThread], start_worker: Callable[..., WorkerThread],
+        client: redis.Redis, prefix: str) -> None:
+    """"stuck" looks live and holds the prefix, but never claims (a hung process): after the
+    wait the request moves to the shared stream and the real worker serves it."""
+    keys = Keys(prefix)
+    request = session(1, 1)[0]
+    register(client, keys, "stuck")
+    index(client, keys, "stuck", request)
+    wait_s = 0.3
+    channel, stub = stub_for(make_gateway(route_max_wait_ms=wait_s * 1000).target)
+    worker = start_worker(CountingEngine(), claim_block_ms=20)
+    with channel:
+        wait_until(workers_ready(stub, 2), timeout=10)
+        request.request_id = "moved"
+        started = time.monotonic()
+        assert served_by(generate(stub, request)) == worker.config.worker_id
+        took = time.monotonic() - started
+    assert wait_s <= took < wait_s + 5  # it was routed to "stuck" first, and moved after the wait
+    assert client.hget(keys.record("moved"), Record.STREAM) == keys.requests.encode()
+    assert client.xlen(keys.routed("stuck", PriorityClass.NORMAL)) == 0
+
+
+def test_a_dead_workers_routed_requests_are_served_by_another_with_nothing_lost(
+        make_gateway: Callable[..., GatewayThread], start_worker: Callable[..., WorkerThread],
+        client: redis.Redis, prefix: str) -> None:
+    """"ghost" is routed three requests, claims one and dies. The wait is a minute, so only the
+    sweeper that fences it can help: it re-claims the claimed one and moves the two queued ones
+    to the shared stream; all three callers get every chunk, and ghost's streams are deleted."""
+    keys = Keys(prefix)
+    turns = [session(n, 1)[0] for n in range(3)]
+    register(client, keys, "ghost", ttl_ms=1500)
+    for turn in turns:
+        index(client, keys, "ghost", turn)
+    ghost_stream = keys.routed("ghost", PriorityClass.NORMAL)
+    for stream in (ghost_stream, *keys.request_streams):
+        client.xgroup_create(stream, keys.group, id="0", mkstream=True)
+    channel, stub = stub_for(make_gateway(route_max_wait_ms=60_000, liveness_check_s=0.5).target)
+    results: dict[str, list[generate_pb2.GenerateResponse]] = {}
+    with channel:
+        def call(turn: generate_pb2.GenerateRequest) -> None:
+            results[turn.request_id] = generate(stub, turn)
+
+        callers = []
+        for i, turn in enumerate(turns):
+            turn.request_id = f"routed-{i}"
+            callers.append(threading.Thread(target=call, args=(turn,), daemon=True))
+            callers[-1].start()
+        wait_until(lambda: client.xlen(ghost_stream) == 3, timeout=10)
+        assert client.xreadgroup(keys.group, "ghost", {ghost_stream: ">", keys.requests: ">"}, count=1)
+        worker = start_worker(CountingEngine(), claim_block_ms=20, sweep_interval_s=0.1)
+        for caller in callers:
+            caller.join(30)
+    assert sorted(results) == ["routed-0", "routed-1", "routed-2"]
+    assert {served_by(r) for r in results.values()} == {worker.config.worker_id}
+    wait_until(lambda: not client.exists(ghost_stream), timeout=5)
