@@ -95,8 +95,8 @@ class GatewayMetrics:
         self.inflight = gauge("requests_inflight", "Calls open on this gateway.")
         self.queue_depth = gauge("queue_depth", "Requests in the queue not claimed by a worker yet.")
         self.queue_pending = gauge("queue_pending", "Requests claimed by workers and not finished.")
-        self.routed = counter("routed_requests", "New requests by where they were enqueued: a worker's own "
-                              "stream (prefix routing) or the shared one.", "route")
+        self.routed = counter("routed_requests", "New requests by route: prefix (to the worker holding "
+                              "their prefix), load (to the least loaded worker), shared (all full).", "route")
         self.route_moves = counter("route_moves", "Routed requests moved to the shared stream: their worker "
                                    "had not claimed them within --route-max-wait-ms.")
         # The two side by side show whether the workers' prefix indexes are stale: a routed request
@@ -143,7 +143,7 @@ class GatewayMetrics:
 
     def observe_route(self, route: Route, usage: generate_pb2.Usage, tenant: str) -> None:
         """A created request's final: how its route's prediction compares with what was cached."""
-        if route.consumer and usage.prompt_tokens:
+        if route.kind == "prefix" and usage.prompt_tokens:
             self.route_predicted.labels(self.model).observe(route.predicted_fraction)
             self.route_cached.labels(self.model).observe(usage.cached_prompt_tokens / usage.prompt_tokens)
 

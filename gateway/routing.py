@@ -1,18 +1,22 @@
 """Prefix-cache-aware routing (protos/keys.py, "Routing"; protos/routing.py): which worker a
-new request should go to, if any.
+new request should go to.
 
 The router scores the live workers that have room by the prefix hashes of the request that
 their prefix index holds, and by their load, as Dynamo's KV router does (blocks it would
-prefill, plus a share of the batch it would join), and picks the cheapest. It routes only
-when the best worker holds at least MIN_OVERLAP_CHUNKS of the request's leading chunks; the
-rest goes to the shared stream, where whichever worker has room first takes it, as without
-routing. A worker is full (never routed to) while its engine has waiting requests or no free
-sequence slot, counting what this gateway routed to it since the last look: routing is a
-preference, never a wait on a busy worker.
+prefill, plus a share of the batch it would join), and picks the cheapest when it holds at
+least MIN_OVERLAP_CHUNKS of the request's leading chunks. A request with no useful overlap
+anywhere goes to the least loaded worker with room. Not to the shared stream, where the first
+worker to look takes it: in a burst one worker then claims most new sessions (measured with
+`make bench-routing`: 4/4/4/20 requests over 4 workers), and routing keeps every later turn of
+those sessions there. Only when every worker is full does a request go to the shared stream.
+A worker is full (never routed to) while its engine has waiting requests or no free sequence
+slot, counting the calls this gateway routed to it since the last look that are still open:
+routing is a preference, never a wait on a busy worker, and a routed request its worker does
+not claim in time moves to the shared stream (gateway/relay.py).
 
 Costs: the live workers' heartbeats are read at most every WORKERS_CACHE_S (one round trip,
-shared by every call in that window), and one ROUTE script call per new request reads every
-candidate's index.
+shared by every call in that window), and one ROUTE script call per new request with two or
+more chunks reads every candidate's index.
 """
 
 from __future__ import annotations
@@ -44,6 +48,12 @@ class Route:
     num_matched: int = 0  # of them, held by the chosen worker's index
 
     @property
+    def kind(self) -> str:
+        """"prefix" (to the worker holding its prefix), "load" (no useful overlap anywhere: to the
+        least loaded worker) or "shared" (every worker full)."""
+        return "shared" if not self.consumer else "prefix" if self.num_matched else "load"
+
+    @property
     def predicted_fraction(self) -> float:
         return self.num_matched / self.num_chunks if self.num_chunks else 0.0
 
@@ -62,21 +72,28 @@ class PrefixRouter:
     async def choose(self, queued: queue_pb2.QueuedRequest) -> Route:
         """The route of a new request (raises RedisError)."""
         hashes = prefix_hashes(queued.request, queued.cache_scope)
-        if len(hashes) < MIN_OVERLAP_CHUNKS:
-            return Route(num_chunks=len(hashes))
+        n = len(hashes)
         candidates = [(c, w) for c, w in await self._live_workers() if self._room(c, w) > 0]
         if not candidates:
-            return Route(num_chunks=len(hashes))
-        matched = await self._queue.prefix_overlap([c for c, _ in candidates], hashes)
-        n = len(hashes)
+            return Route(num_chunks=n)  # every worker is full: the shared stream, first come first served
+        matched = [0] * len(candidates)
+        if n >= MIN_OVERLAP_CHUNKS:
+            matched = await self._queue.prefix_overlap([c for c, _ in candidates], hashes)
         _, best, num_matched = min(
-            ((n - m) + LOAD_WEIGHT * n * self._load(c, w), i, m)
+            ((n - m) + LOAD_WEIGHT * max(n, 1) * self._load(c, w), i, m)
             for i, ((c, w), m) in enumerate(zip(candidates, matched, strict=True)))
-        if num_matched < MIN_OVERLAP_CHUNKS:
-            return Route(num_chunks=n)
+        if num_matched < MIN_OVERLAP_CHUNKS:  # no useful overlap anywhere: the least loaded worker
+            _, best = min((self._load(c, w), i) for i, (c, w) in enumerate(candidates))
+            num_matched = 0
         consumer = candidates[best][0]
         self._routed_since_read[consumer] += 1
         return Route(consumer, n, num_matched)
+
+    def release(self, route: Route) -> None:
+        """A call this gateway routed ended: its request no longer weighs on its worker here (the
+        next read of the heartbeats counts what still runs)."""
+        if self._routed_since_read[route.consumer] > 0:
+            self._routed_since_read[route.consumer] -= 1
 
     def _room(self, consumer: str, worker: generate_pb2.WorkerInfo) -> int:
         if worker.num_waiting:

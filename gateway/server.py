@@ -194,6 +194,7 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
         `used` what the tenant is charged for (gateway/quotas.py)."""
         resume_from = request.resume_from_index
         follow: Follow | None = None
+        route = SHARED
         is_done = False
         key = tenant_request_key(tenant.name, request_id)  # what Redis knows it by: protos/keys.py
         calls = await self.router.follow(key)  # before anything is read or enqueued: protos/keys.py
@@ -223,6 +224,8 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
             raise
         finally:
             self.router.unfollow(key, calls)
+            if route.consumer and self.prefix_router is not None:
+                self.prefix_router.release(route)
             if follow is not None and not is_done:
                 # Cancelled, disconnected, deadline passed or failed here: the worker parks it.
                 self.abort_later(key, "the caller went away", follow.entry_id)
@@ -274,8 +277,7 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
             follow.move = move
             follow.move_at = time.monotonic() + self.config.route_max_wait_ms / 1000
         if is_new and self.metrics is not None:
-            self.metrics.routed.labels(self.metrics.model, queued.tenant,
-                                       "worker" if route.consumer else "shared").inc()
+            self.metrics.routed.labels(self.metrics.model, queued.tenant, route.kind).inc()
         return follow, is_new, route
 
     async def _next_attempt(self, queued: queue_pb2.QueuedRequest, digest: str, found: Attached, *,

@@ -109,9 +109,10 @@ def test_the_router_prefers_the_overlap_weighs_load_and_skips_full_and_dead_work
         client: redis.Redis, redis_url: str, prefix: str) -> None:
     keys = Keys(prefix)
     request = session(1, 1)[0]
-    register(client, keys, "a")
+    register(client, keys, "a", num_running=2)
     register(client, keys, "b")
-    assert choose(redis_url, prefix, request) == ""  # nobody holds it: the shared stream
+    assert choose(redis_url, prefix, request) == "b"  # nobody holds it: the least loaded worker
+    register(client, keys, "a")
     index(client, keys, "b", request)
     index(client, keys, "a", request, num_chunks=MIN_OVERLAP_CHUNKS - 1)
     assert choose(redis_url, prefix, request) == "b"
@@ -121,7 +122,7 @@ def test_the_router_prefers_the_overlap_weighs_load_and_skips_full_and_dead_work
     register(client, keys, "a", num_waiting=1)  # full: waiting requests
     assert choose(redis_url, prefix, request) == "b"
     register(client, keys, "b", num_running=4)  # full: no free slot
-    assert choose(redis_url, prefix, request) == ""
+    assert choose(redis_url, prefix, request) == ""  # every worker full: the shared stream
     register(client, keys, "a")
     register(client, keys, "b")
     client.zadd(keys.registry, {"a": 0})  # its heartbeat expired
