@@ -10,6 +10,7 @@ in every run and every configuration: the same greedy answers give the same prom
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 from dataclasses import dataclass
@@ -93,11 +94,17 @@ async def ask(stub: Any, messages: list[tuple[str, str]], max_tokens: int, turn:
     return turn
 
 
-async def play_session(stub: Any, session: int, num_turns: int, max_tokens: int) -> list[Turn]:
-    """The session's turns one after the other, each with the whole history; stops at an error."""
+async def play_session(stub: Any, session: int, num_turns: int, max_tokens: int,
+                       think_s: float = 0.0) -> list[Turn]:
+    """The session's turns one after the other, each with the whole history, a user's reading
+    time (think_s x 0.5..1.5, seeded by the session) between an answer and the next question;
+    stops at an error."""
     messages = [("system", document(session))]
     turns: list[Turn] = []
+    pauses = random.Random(session)
     for k in range(num_turns):
+        if k:
+            await asyncio.sleep(think_s * pauses.uniform(0.5, 1.5))
         messages.append(("user", question(session, k)))
         turn = Turn(session, k)
         try:

@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefix: send a new request to the worker whose prefix cache most likely holds "
                         "its prompt's beginning (when one with room does); none: every worker takes "
                         "from the shared queue [env TOKENRELAY_ROUTING]")
-    p.add_argument("--route-max-wait-ms", type=float, default=_env("TOKENRELAY_ROUTE_MAX_WAIT_MS", 500),
+    p.add_argument("--route-max-wait-ms", type=float, default=_env("TOKENRELAY_ROUTE_MAX_WAIT_MS", 2000),
                    help="a routed request its worker has not claimed within this moves to the shared "
                         "queue [env TOKENRELAY_ROUTE_MAX_WAIT_MS]")
     p.add_argument("--event-loop", choices=EVENT_LOOPS, default=_env("TOKENRELAY_EVENT_LOOP", "auto"),

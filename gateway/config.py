@@ -84,8 +84,13 @@ class GatewayConfig:
     # goes to the shared stream, where the first worker with room takes it.
     routing: str = "prefix"
     # A routed request its worker has not claimed this long after it was enqueued moves to the
-    # shared stream (routing is a preference, never a wait on a busy worker).
-    route_max_wait_ms: float = 500.0
+    # shared stream (routing is a preference, never a wait on a busy worker). A worker claims
+    # between two engine steps, and on a CPU a step with a long prefill takes seconds
+    # (`make bench-routing`, 4 one-thread workers on a 2-core EPYC: a 360-token first turn's
+    # TTFT p50 ~3.5 s); at 500 ms most chat turns left their cached history while its worker
+    # was in the middle of a step (2026-12-05: 0.65 of turns 2-4's prompt tokens cached,
+    # against 0.83 at 2,000 ms with waiting requests counted as load, gateway/routing.py).
+    route_max_wait_ms: float = 2000.0
     # gRPC server reflection (grpcurl without .proto files). Off by default: it answers
     # without a token; `tokenrelay up` and the demo turn it on.
     enable_reflection: bool = False

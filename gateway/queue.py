@@ -130,6 +130,9 @@ return reply
 """
 
 
+# What waits in the workers' own streams is counted in the queue depth at most this late: an
+# entry stays there at most --route-max-wait-ms anyway (then it moves to a shared stream).
+ROUTED_DEPTH_CACHE_S = 1.0
 MAX_LOG_READ = 2048  # events per READ_LOG call (Lua's unpack() takes a few thousand values)
 
 # The request's logged events from seq ARGV[2] on (at most ARGV[3]), from the log hash its
@@ -211,8 +214,11 @@ class RequestQueue:
         self._read_log = client.register_script(READ_LOG_SCRIPT)
         self._live_workers = client.register_script(LIVE_WORKERS_SCRIPT)
         self._entry_state = client.register_script(ENTRY_STATE_SCRIPT)
-        # The live workers' routed streams, as the router last saw them: queue depth counts them.
+        # The live workers' routed streams, as the router last saw them: queue depth counts them,
+        # read at most every ROUTED_DEPTH_CACHE_S (3 per worker: at 16 workers, ~100 commands).
         self.routed_streams: tuple[str, ...] = ()
+        self._routed_depth = 0
+        self._routed_read_at = -float("inf")
         self._move = client.register_script(MOVE_SCRIPT)
         self._route = client.register_script(ROUTE_SCRIPT)
 
@@ -272,10 +278,16 @@ class RequestQueue:
         if time.monotonic() - self._depth_read_at > max_age:
             async with self._depth_lock:  # one read serves every call waiting on it
                 if time.monotonic() - self._depth_read_at > max_age:
-                    self._depth, _ = await self.read_depth()
+                    if time.monotonic() - self._routed_read_at > ROUTED_DEPTH_CACHE_S:
+                        self._routed_depth = await self._queued_in(self.routed_streams)
+                        self._routed_read_at = time.monotonic()
+                    self._depth = await self._queued_in(self.keys.request_streams) + self._routed_depth
                     self._depth_read_at = time.monotonic()
                     self._num_enqueued_since_read = 0
         return self._depth + self._num_enqueued_since_read
+
+    async def _queued_in(self, streams: tuple[str, ...]) -> int:
+        return sum(s.queued for s in await self._read_streams(streams))
 
     def is_routed(self, stream: str) -> bool:
         """A worker's own stream (protos/keys.py, "Routing"), not a shared one."""
@@ -289,7 +301,7 @@ class RequestQueue:
         """(queued, in flight) summed over the priority classes: entries not yet claimed, and
         claimed but unfinished."""
         queued = in_flight = 0
-        for stream in await self._read_streams():
+        for stream in await self._read_streams(self.keys.request_streams + self.routed_streams):
             queued, in_flight = queued + stream.queued, in_flight + stream.pending
         return queued, in_flight
 
@@ -297,7 +309,7 @@ class RequestQueue:
         """(queued, in flight, age in seconds of the oldest request not claimed yet, the model of
         a live worker) for the metrics; a stream's oldest waiting entry is the first after the
         group's last-delivered id."""
-        streams = await self._read_streams()
+        streams = await self._read_streams(self.keys.request_streams + self.routed_streams)
         pipe = self.client.pipeline(transaction=False)
         for s in streams:
             pipe.xrange(s.name, min=b"(" + s.last_delivered if s.last_delivered else b"-", max="+", count=1)
@@ -309,11 +321,9 @@ class RequestQueue:
         return (sum(s.queued for s in streams), sum(s.pending for s in streams), age,
                 workers[0].model if workers else None)
 
-    async def _read_streams(self) -> list[_StreamDepth]:
-        """Per request stream (the shared ones and the live workers' routed ones): finished
-        entries are XDELed, so XLEN = queued + in flight, and in flight is the group's pending
-        count (Redis 6.2 has no XINFO `lag`)."""
-        streams = self.keys.request_streams + self.routed_streams
+    async def _read_streams(self, streams: tuple[str, ...]) -> list[_StreamDepth]:
+        """Per request stream: finished entries are XDELed, so XLEN = queued + in flight, and in
+        flight is the group's pending count (Redis 6.2 has no XINFO `lag`)."""
         pipe = self.client.pipeline(transaction=False)
         for stream in streams:
             pipe.xlen(stream)

@@ -9,10 +9,15 @@ anywhere goes to the least loaded worker with room. Not to the shared stream, wh
 worker to look takes it: in a burst one worker then claims most new sessions (measured with
 `make bench-routing`: 4/4/4/20 requests over 4 workers), and routing keeps every later turn of
 those sessions there. Only when every worker is full does a request go to the shared stream.
-A worker is full (never routed to) while its engine has waiting requests or no free sequence
-slot, counting the calls this gateway routed to it since the last look that are still open:
-routing is a preference, never a wait on a busy worker, and a routed request its worker does
-not claim in time moves to the shared stream (gateway/relay.py).
+A worker is full (never routed to) when what it runs, what waits in its engine (for KV blocks
+or prefill budget) and the calls this gateway routed to it since the last look that are still
+open fill its sequence slots; the same sum over its slots is its load. Waiting requests count
+as load, not as full: a worker in the middle of a long prefill step has some, and sending a
+chat's next turn elsewhere then costs its whole history's prefill (`make bench-routing` on
+2 cores, together with a 2 s --route-max-wait-ms: 0.65 -> 0.83 of turns 2-4's prompt tokens
+cached, 2026-12-05). Routing is a preference,
+never a wait on a busy worker: a routed request its worker does not claim within
+--route-max-wait-ms moves to the shared stream (gateway/relay.py).
 
 Costs: the live workers' heartbeats are read at most every WORKERS_CACHE_S (one round trip,
 shared by every call in that window), and one ROUTE script call per new request with two or
@@ -30,13 +35,19 @@ from gateway.queue import RequestQueue
 from protos.routing import prefix_hashes
 from protos.tokenrelay.v1 import generate_pb2, queue_pb2
 
-WORKERS_CACHE_S = 0.25
+WORKERS_CACHE_S = 0.5  # a worker's heartbeat is renewed every ~0.5 s anyway
 # Two chunks are ~60 tokens: less saves a prefill shorter than the wait it could cost.
 MIN_OVERLAP_CHUNKS = 2
 # A worker's cost is the chunks it would prefill plus LOAD_WEIGHT x (its batch's fill) x the
 # request's chunks: a worker holding the whole prefix but 80% busy (0.4 n) still beats an idle
 # one holding nothing (n); one 100% busy with half of it (n) ties with the idle one.
 LOAD_WEIGHT = 0.5
+# Between two turns a chat weighs nothing on its worker's load (it waits for its user), so new
+# chats placed by load alone pile onto the workers whose chats are all reading: a request with
+# no useful overlap goes to the worker with the fewest requests running, waiting or routed to it
+# lately (a count that halves every RECENT_HALF_LIFE_S). `make bench-routing` (2026-12-05):
+# requests per worker 26/21/17/32 by load alone.
+RECENT_HALF_LIFE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -67,6 +78,8 @@ class PrefixRouter:
         self._workers: list[tuple[str, generate_pb2.WorkerInfo]] = []  # (consumer, its heartbeat)
         self._read_at = -float("inf")
         self._routed_since_read: Counter[str] = Counter()
+        self._recent: dict[str, float] = {}  # consumer -> routes to it, decayed (_count_recent)
+        self._recent_at = time.monotonic()
         self._lock = asyncio.Lock()
 
     async def choose(self, queued: queue_pb2.QueuedRequest) -> Route:
@@ -83,11 +96,21 @@ class PrefixRouter:
             ((n - m) + LOAD_WEIGHT * max(n, 1) * self._load(c, w), i, m)
             for i, ((c, w), m) in enumerate(zip(candidates, matched, strict=True)))
         if num_matched < MIN_OVERLAP_CHUNKS:  # no useful overlap anywhere: the least loaded worker
-            _, best = min((self._load(c, w), i) for i, (c, w) in enumerate(candidates))
+            _, best = min((self._busy(c, w) + self._recent.get(c, 0.0), i)
+                          for i, (c, w) in enumerate(candidates))
             num_matched = 0
         consumer = candidates[best][0]
         self._routed_since_read[consumer] += 1
+        self._count_recent(consumer)
         return Route(consumer, n, num_matched)
+
+    def _count_recent(self, consumer: str) -> None:
+        """Decay every worker's count of recent routes by RECENT_HALF_LIFE_S, then add one."""
+        now = time.monotonic()
+        decay = 0.5 ** ((now - self._recent_at) / RECENT_HALF_LIFE_S)
+        self._recent = {c: n * decay for c, n in self._recent.items() if n * decay > 0.01}
+        self._recent[consumer] = self._recent.get(consumer, 0.0) + 1
+        self._recent_at = now
 
     def release(self, route: Route) -> None:
         """A call this gateway routed ended: its request no longer weighs on its worker here (the
@@ -95,14 +118,15 @@ class PrefixRouter:
         if self._routed_since_read[route.consumer] > 0:
             self._routed_since_read[route.consumer] -= 1
 
+    def _busy(self, consumer: str, worker: generate_pb2.WorkerInfo) -> int:
+        """Requests the worker runs or has admitted, and calls this gateway routed to it since."""
+        return worker.num_running + worker.num_waiting + self._routed_since_read[consumer]
+
     def _room(self, consumer: str, worker: generate_pb2.WorkerInfo) -> int:
-        if worker.num_waiting:
-            return 0
-        return worker.max_num_seqs - worker.num_running - self._routed_since_read[consumer]
+        return worker.max_num_seqs - self._busy(consumer, worker)
 
     def _load(self, consumer: str, worker: generate_pb2.WorkerInfo) -> float:
-        busy = worker.num_running + self._routed_since_read[consumer]
-        return min(1.0, busy / worker.max_num_seqs) if worker.max_num_seqs else 1.0
+        return min(1.0, self._busy(consumer, worker) / worker.max_num_seqs) if worker.max_num_seqs else 1.0
 
     async def _live_workers(self) -> list[tuple[str, generate_pb2.WorkerInfo]]:
         if time.monotonic() - self._read_at > WORKERS_CACHE_S:

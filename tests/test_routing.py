@@ -119,9 +119,13 @@ def test_the_router_prefers_the_overlap_weighs_load_and_skips_full_and_dead_work
     index(client, keys, "a", request)  # both hold all of it: the less loaded one
     register(client, keys, "b", num_running=3)
     assert choose(redis_url, prefix, request) == "a"
-    register(client, keys, "a", num_waiting=1)  # full: waiting requests
+    register(client, keys, "a", num_running=1, num_waiting=3)  # full: running and waiting fill its slots
     assert choose(redis_url, prefix, request) == "b"
-    register(client, keys, "b", num_running=4)  # full: no free slot
+    register(client, keys, "a", num_waiting=1)  # waiting requests are load, not full
+    register(client, keys, "b", num_running=3)
+    assert choose(redis_url, prefix, request) == "a"
+    register(client, keys, "a", num_waiting=4)
+    register(client, keys, "b", num_running=4)
     assert choose(redis_url, prefix, request) == ""  # every worker full: the shared stream
     register(client, keys, "a")
     register(client, keys, "b")

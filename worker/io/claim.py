@@ -73,7 +73,8 @@ class Claimer:
         self._next_reconcile_at = time.monotonic() + config.reconcile_interval_s
         self._suspects: set[str] = set()  # Claimed.key pending here but not held, at the last look
         self._own = client.register_script(OWN)
-        self._streams = config.keys.claim_streams(config.consumer_name)  # the order of claims
+        # The order of claims: per class (highest first) this worker's own stream, then the shared one.
+        self._streams = config.keys.claim_streams(config.consumer_name)
 
     def take(self, count: int, *, is_idle: bool, max_block_ms: int | None = None,
              held: Collection[str] = ()) -> list[Claimed]:
@@ -145,12 +146,15 @@ class Claimer:
         pipe.pexpire(key, PREFIX_INDEX_TTL_S * 1000)
 
     def _read(self, count: int) -> list[Claimed]:
-        """Up to `count` new entries without blocking, the highest priority class first."""
+        """New entries without blocking, the highest priority class first: one XREADGROUP per
+        class over this worker's own stream and the shared one (so routing adds no command to a
+        poll). COUNT is per stream, so a class may give up to 2 x `count` (what a gateway routed
+        here, because this worker had room, and the shared stream's next)."""
         entries: list[Claimed] = []
-        for stream in self._streams:
+        for own, shared in zip(self._streams[::2], self._streams[1::2], strict=True):
             if len(entries) >= count:
                 break
-            entries += self._xreadgroup({stream: ">"}, count - len(entries), block_ms=None)
+            entries += self._xreadgroup({own: ">", shared: ">"}, count - len(entries), block_ms=None)
         return entries
 
     def _wait(self, block_ms: int) -> list[Claimed]:
