@@ -141,7 +141,7 @@ class GatewayMetrics:
         finally:
             inflight.dec()
 
-    def observe_route(self, route: Route, usage: generate_pb2.Usage, tenant: str) -> None:
+    def observe_route(self, route: Route, usage: generate_pb2.Usage) -> None:
         """A created request's final: how its route's prediction compares with what was cached."""
         if route.kind == "prefix" and usage.prompt_tokens:
             self.route_predicted.labels(self.model).observe(route.predicted_fraction)

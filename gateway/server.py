@@ -215,7 +215,7 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
                     if is_new:  # the call that created the generation pays for its prompt
                         used.num_tokens += response.final.usage.prompt_tokens
                         if self.metrics is not None:
-                            self.metrics.observe_route(route, response.final.usage, tenant.name)
+                            self.metrics.observe_route(route, response.final.usage)
                 else:
                     used.num_tokens += len(response.chunk.token_ids)
                 yield response

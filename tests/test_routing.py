@@ -5,6 +5,9 @@ worker threads (a counting engine: which worker serves a turn is what matters he
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,8 +24,9 @@ from protos.keys import Keys, PriorityClass, Record
 from protos.routing import CHUNK_CHARS, prefix_hashes
 from protos.tokenrelay.v1 import generate_pb2, generate_pb2_grpc, queue_pb2
 from tests.factories import CountingEngine
-from tests.service import GatewayThread, WorkerThread, stub_for, wait_until, workers_ready
+from tests.service import GatewayThread, WorkerProcess, WorkerThread, stub_for, wait_until, workers_ready
 from worker.config import WorkerConfig
+from worker.engine.sim import SimConfig, SimEngine, sim_token_ids
 from worker.io.claim import Claimer
 
 SYSTEM = "You are the support assistant of shop number {n}. " * 12  # ~600 characters: 4+ chunks
@@ -257,3 +261,55 @@ def test_a_dead_workers_routed_requests_are_served_by_another_with_nothing_lost(
     assert sorted(results) == ["routed-0", "routed-1", "routed-2"]
     assert {served_by(r) for r in results.values()} == {worker.config.worker_id}
     wait_until(lambda: not client.exists(ghost_stream), timeout=5)
+
+
+def test_a_killed_workers_routed_requests_still_queued_on_its_stream_are_served_by_another(
+        make_gateway: Callable[..., GatewayThread], start_worker: Callable[..., WorkerThread],
+        client: redis.Redis, redis_url: str, prefix: str) -> None:
+    """A real worker process serves a session's first turn, so the next turns are routed to it;
+    it stops (SIGSTOP: its heartbeat still looks alive) while they queue on its stream, and is
+    then SIGKILLed. Another worker's sweep takes them: every caller gets every token, exactly
+    the simulated engine's, and the dead worker's streams are deleted."""
+    keys = Keys(prefix)
+    sim = ["--engine", "sim", "--sim-step-ms", "5", "--heartbeat-ttl", "1", "--max-num-seqs", "8"]
+    doomed = WorkerProcess(redis_url, prefix, "doomed", *sim)
+    channel, stub = stub_for(make_gateway(route_max_wait_ms=60_000, liveness_check_s=0.5).target)
+    turns = session(1, 4)
+    for t, turn in enumerate(turns):
+        turn.request_id, turn.sampling.seed, turn.stopping.max_tokens = f"turn-{t}", t, 5
+    results: dict[str, list[generate_pb2.GenerateResponse]] = {}
+    try:
+        with channel:
+            wait_until(workers_ready(stub, 1), timeout=60)
+            results["turn-0"] = generate(stub, turns[0])
+            os.kill(doomed.proc.pid, signal.SIGSTOP)
+
+            def call(turn: generate_pb2.GenerateRequest) -> None:
+                results[turn.request_id] = generate(stub, turn)
+
+            callers = [threading.Thread(target=call, args=(turn,), daemon=True) for turn in turns[1:]]
+            for caller in callers:
+                caller.start()
+            doomed_stream = keys.routed(f"doomed.{consumer_suffix(client, keys)}", PriorityClass.NORMAL)
+            wait_until(lambda: client.xlen(doomed_stream) == 3, timeout=10)  # routed to it, not claimed
+            os.kill(doomed.proc.pid, signal.SIGKILL)
+            start_worker(SimEngine(SimConfig(step_ms=1, ms_per_token=0), max_num_seqs=8), claim_block_ms=20,
+                         sweep_interval_s=0.1, heartbeat_ttl_s=1.0)
+            for caller in callers:
+                caller.join(30)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(doomed.proc.pid, signal.SIGKILL)
+        doomed.proc.wait()
+    assert sorted(results) == [f"turn-{t}" for t in range(4)]
+    for t in range(4):
+        responses = results[f"turn-{t}"]
+        assert [tok for r in responses[:-1] for tok in r.chunk.token_ids] == sim_token_ids(t, 0, 5)
+        assert responses[-1].HasField("final")
+    wait_until(lambda: not client.exists(doomed_stream), timeout=10)
+
+
+def consumer_suffix(client: redis.Redis, keys: Keys) -> str:
+    """The incarnation of the one worker process "doomed" in the registry."""
+    (name,) = [n.decode() for n in client.zrange(keys.registry, 0, -1) if n.startswith(b"doomed.")]
+    return name.split(".", 1)[1]
