@@ -291,7 +291,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--concurrency", type=int, default=8, help="sessions playing at once")
     # Back to back (0), the worker that just answered a session is often the first to look at
     # the queue when its next turn arrives, so --routing none keeps ~70% of the hits by luck
-    # (2026-12-05, 2-core EPYC); a user reading the answer first is what spreads turns over
+    # (2026-12-05, 2-core Xeon); a user reading the answer first is what spreads turns over
     # the workers in a real deployment.
     ap.add_argument("--think-ms", type=float, default=1000.0,
                     help="a user's pause between an answer and the next question (x 0.5..1.5)")

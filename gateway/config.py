@@ -86,10 +86,11 @@ class GatewayConfig:
     # A routed request its worker has not claimed this long after it was enqueued moves to the
     # shared stream (routing is a preference, never a wait on a busy worker). A worker claims
     # between two engine steps, and on a CPU a step with a long prefill takes seconds
-    # (`make bench-routing`, 4 one-thread workers on a 2-core EPYC: a 360-token first turn's
-    # TTFT p50 ~3.5 s); at 500 ms most chat turns left their cached history while its worker
-    # was in the middle of a step (2026-12-05: 0.65 of turns 2-4's prompt tokens cached,
-    # against 0.83 at 2,000 ms with waiting requests counted as load, gateway/routing.py).
+    # (`make bench-routing`, 4 one-thread workers on a 2-core Xeon: a 360-token first turn's
+    # TTFT p50 ~3.5 s), and a shorter wait moves a chat's turn away from its cached history
+    # while its worker is in the middle of a step. 2026-12-05: turns 2-4 found 0.65 of their
+    # prompt tokens cached at 500 ms (with a worker's waiting requests then counted as full),
+    # 0.83 at 2,000 ms with them counted as load (gateway/routing.py; both changed at once).
     route_max_wait_ms: float = 2000.0
     # gRPC server reflection (grpcurl without .proto files). Off by default: it answers
     # without a token; `tokenrelay up` and the demo turn it on.
