@@ -30,8 +30,10 @@ import asyncio
 import time
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 from gateway.queue import RequestQueue
+from gateway.relay import Follow
 from protos.routing import prefix_hashes
 from protos.tokenrelay.v1 import generate_pb2, queue_pb2
 
@@ -86,9 +88,12 @@ class PrefixRouter:
         """The route of a new request (raises RedisError)."""
         hashes = prefix_hashes(queued.request, queued.cache_scope)
         n = len(hashes)
-        candidates = [(c, w) for c, w in await self._live_workers() if self._room(c, w) > 0]
-        if not candidates:
-            return Route(num_chunks=n)  # every worker is full: the shared stream, first come first served
+        workers = await self._live_workers()
+        candidates = [(c, w) for c, w in workers if self._room(c, w) > 0]
+        if len(workers) < 2 or not candidates:
+            # one worker: nothing to choose (and no index to read); every one full: the shared
+            # stream, first come first served
+            return Route(num_chunks=n)
         matched = [0] * len(candidates)
         if n >= MIN_OVERLAP_CHUNKS:
             matched = await self._queue.prefix_overlap([c for c, _ in candidates], hashes)
@@ -138,3 +143,20 @@ class PrefixRouter:
                     self._queue.routed_streams = tuple(
                         s for c, _ in self._workers for s in self._queue.keys.routed_streams(c))
         return self._workers
+
+
+def move_unclaimed(follow: Follow, queue: RequestQueue, priority: int, wait_s: float,
+                   moves: Any = None) -> None:
+    """An attempt in a worker's own stream that its worker has not claimed within wait_s goes to
+    the shared stream (the relay calls `follow.move` then; MOVE is atomic against a claim).
+    moves: the counter of moves (a prometheus Counter child), or None."""
+    if not queue.is_routed(follow.stream):
+        return
+
+    async def move(routed: str, entry_id: bytes) -> tuple[bytes, str] | None:
+        moved = await queue.move(routed, entry_id, priority)
+        if moved is not None and moves is not None:
+            moves.inc()
+        return moved
+
+    follow.move, follow.move_at = move, time.monotonic() + wait_s

@@ -44,7 +44,7 @@ from gateway.queue import Attached, RequestQueue, connect
 from gateway.quotas import Quotas
 from gateway.relay import Follow, relay
 from gateway.replies import DEFAULT_TICK_S, ReplyRouter
-from gateway.routing import SHARED, PrefixRouter, Route
+from gateway.routing import SHARED, PrefixRouter, Route, move_unclaimed
 from gateway.server_info import ServerInfoView
 from gateway.tls import ServerCertificates, bind
 from gateway.tracing import CallTrace
@@ -265,19 +265,13 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
                 raise FailedPrecondition(f"request_id {request_id!r} was taken by another request body")
             return (again.entry_id, again.stream) if again.state in ("created", "live") else None
 
-        async def move(routed: str, entry_id: bytes) -> tuple[bytes, str] | None:
-            moved = await self.queue.move(routed, entry_id, queued.request.priority)
-            if moved is not None and self.metrics is not None:
-                self.metrics.route_moves.labels(self.metrics.model, queued.tenant).inc()
-            return moved
-
         follow = Follow(queued.request_id, found.entry_id, resume_from, found.stream or
                         self.queue.stream_of(queued.request), next_attempt=next_attempt, caller_id=request_id)
-        if self.queue.is_routed(follow.stream):  # not claimed within the wait: to the shared stream
-            follow.move = move
-            follow.move_at = time.monotonic() + self.config.route_max_wait_ms / 1000
-        if is_new and self.metrics is not None:
-            self.metrics.routed.labels(self.metrics.model, queued.tenant, route.kind).inc()
+        metrics, wait_s = self.metrics, self.config.route_max_wait_ms / 1000
+        moves = metrics.route_moves.labels(metrics.model, queued.tenant) if metrics else None
+        move_unclaimed(follow, self.queue, queued.request.priority, wait_s, moves)
+        if is_new and metrics is not None:
+            metrics.routed.labels(metrics.model, queued.tenant, route.kind).inc()
         return follow, is_new, route
 
     async def _next_attempt(self, queued: queue_pb2.QueuedRequest, digest: str, found: Attached, *,

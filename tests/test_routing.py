@@ -133,8 +133,11 @@ def test_the_router_prefers_the_overlap_weighs_load_and_skips_full_and_dead_work
     assert choose(redis_url, prefix, request) == ""  # every worker full: the shared stream
     register(client, keys, "a")
     register(client, keys, "b")
+    register(client, keys, "c")
     client.zadd(keys.registry, {"a": 0})  # its heartbeat expired
     assert choose(redis_url, prefix, request) == "b"
+    client.zadd(keys.registry, {"c": 0})
+    assert choose(redis_url, prefix, request) == ""  # one live worker: nothing to choose
 
 
 def test_a_workers_own_stream_comes_before_the_shared_one_of_its_class_never_before_a_higher_class(
@@ -193,13 +196,14 @@ def test_routing_none_leaves_every_request_to_the_shared_stream(
         client: redis.Redis, prefix: str) -> None:
     keys = Keys(prefix)
     worker = start_worker(CountingEngine(), claim_block_ms=20)
+    register(client, keys, "bystander")  # routing chooses among two or more workers
     request = session(1, 1)[0]
     index(client, keys, worker.config.consumer_name, request)
     for routing, expected in (("none", keys.requests),
                               ("prefix", keys.routed(worker.config.consumer_name, PriorityClass.NORMAL))):
         channel, stub = stub_for(make_gateway(routing=routing).target)
         with channel:
-            wait_until(workers_ready(stub, 1), timeout=10)
+            wait_until(workers_ready(stub, 2), timeout=10)
             request.request_id = f"turn-{routing}"
             served_by(generate(stub, request))
         assert client.hget(keys.record(request.request_id), Record.STREAM) == expected.encode()
@@ -237,6 +241,7 @@ def test_a_dead_workers_routed_requests_are_served_by_another_with_nothing_lost(
     keys = Keys(prefix)
     turns = [session(n, 1)[0] for n in range(3)]
     register(client, keys, "ghost", ttl_ms=1500)
+    register(client, keys, "bystander")  # routing chooses among two or more workers
     for turn in turns:
         index(client, keys, "ghost", turn)
     ghost_stream = keys.routed("ghost", PriorityClass.NORMAL)
@@ -273,6 +278,7 @@ def test_a_killed_workers_routed_requests_still_queued_on_its_stream_are_served_
     keys = Keys(prefix)
     sim = ["--engine", "sim", "--sim-step-ms", "5", "--heartbeat-ttl", "1", "--max-num-seqs", "8"]
     doomed = WorkerProcess(redis_url, prefix, "doomed", *sim)
+    register(client, keys, "bystander", num_running=4)  # full: every turn goes to "doomed"
     channel, stub = stub_for(make_gateway(route_max_wait_ms=60_000, liveness_check_s=0.5).target)
     turns = session(1, 4)
     for t, turn in enumerate(turns):
@@ -280,7 +286,7 @@ def test_a_killed_workers_routed_requests_still_queued_on_its_stream_are_served_
     results: dict[str, list[generate_pb2.GenerateResponse]] = {}
     try:
         with channel:
-            wait_until(workers_ready(stub, 1), timeout=60)
+            wait_until(workers_ready(stub, 2), timeout=60)
             results["turn-0"] = generate(stub, turns[0])
             os.kill(doomed.proc.pid, signal.SIGSTOP)
 
