@@ -306,12 +306,12 @@ class RequestQueue:
         return queued, in_flight
 
     async def queue_gauges(self) -> tuple[int, int, float, str | None]:
-        """(queued, in flight, age in seconds of the oldest request not claimed yet, the model of
-        a live worker) for the metrics; a stream's oldest waiting entry is the first after the
-        group's last-delivered id."""
+        """(queued, in flight, age in seconds of the oldest request not claimed yet in a shared
+        stream, the model of a live worker) for the metrics; a stream's oldest waiting entry is
+        the first after the group's last-delivered id."""
         streams = await self._read_streams(self.keys.request_streams + self.routed_streams)
         pipe = self.client.pipeline(transaction=False)
-        for s in streams:
+        for s in streams[:len(self.keys.request_streams)]:  # a routed entry waits --route-max-wait-ms at most
             pipe.xrange(s.name, min=b"(" + s.last_delivered if s.last_delivered else b"-", max="+", count=1)
         oldest: list[Any] = [reply[0] for reply in await pipe.execute() if reply]
         # An entry id is "<unix ms>-<seq>".

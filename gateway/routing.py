@@ -140,8 +140,10 @@ class PrefixRouter:
                     self._workers = await self._queue.consumers()
                     self._read_at = time.monotonic()
                     self._routed_since_read.clear()
+                    # one live worker: nobody routes (choose), so there is nothing to count
                     self._queue.routed_streams = tuple(
-                        s for c, _ in self._workers for s in self._queue.keys.routed_streams(c))
+                        s for c, _ in self._workers for s in self._queue.keys.routed_streams(c)
+                    ) if len(self._workers) > 1 else ()
         return self._workers
 
 

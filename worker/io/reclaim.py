@@ -13,6 +13,7 @@ calls waiting.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, cast
@@ -49,16 +50,17 @@ def reclaim_dead_workers(client: redis.Redis, config: WorkerConfig, count: int) 
     pipe = client.pipeline(transaction=False)
     for stream in keys.request_streams:
         pipe.xinfo_consumers(stream, keys.group)
-    pipe.time()
-    *replies, (seconds, micros) = pipe.execute(raise_on_error=False)
+    # and the registry's expired members: a worker that only ever claimed from its own routed
+    # streams is a consumer of no shared stream. By this clock, a second late: RECLAIM judges
+    # each candidate again on Redis's clock, so a skewed clock finds the dead later, never a live
+    # worker dead.
+    pipe.zrangebyscore(keys.registry, "-inf", int(time.time() * 1000) - 1000)
     names: set[str] = set()
+    *replies, expired = pipe.execute(raise_on_error=False)
     for reply in replies:
         if not isinstance(reply, Exception):  # no stream or group yet: nothing was ever claimed there
             names |= {_text(c["name"]) for c in reply}
-    # and the registry's expired members: a worker that only ever claimed from its own routed
-    # streams is a consumer of no shared stream
-    now_ms = int(seconds) * 1000 + int(micros) // 1000
-    names |= {_text(n) for n in cast(list[bytes], client.zrangebyscore(keys.registry, "-inf", now_ms))}
+    names |= {_text(n) for n in cast(list[bytes], expired)}
     names.discard(me)
     if not names:
         return []
