@@ -171,6 +171,8 @@ class GatewayMetrics:
                 self.queue_depth.labels(self.model).set(depth)
                 self.queue_pending.labels(self.model).set(pending)
                 self.queue_oldest_age.labels(self.model).set(oldest_age)
+                for routed in (self.route_predicted, self.route_cached):  # zero series before any route
+                    routed.labels(self.model)
             await asyncio.sleep(QUEUE_READ_INTERVAL_S)
 
 
