@@ -9,7 +9,7 @@ default) with `maxmemory-policy noeviction`, so a full Redis refuses writes inst
 evicting a heartbeat, a registry entry or a request record (README "Redis memory").
 Real deployments point `--redis-url` at their own Redis.
 
-Where the AOF lives, and for how long:
+Where the AOF (and `redis-server.log`, what the server printed) lives, and for how long:
 - `data_dir` given: there, and it is never deleted; a new EmbeddedRedis on the
   same `data_dir` loads what the last one wrote.
 - otherwise: a temp dir made by the first `start()` and deleted by `stop()`, so
@@ -59,6 +59,27 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports: all n are held at once, so no two calls return the same one."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class PortInUse(RuntimeError):
+    """redis-server could not bind its port: another process took it after `free_port()` chose it."""
+
+
+LOG_NAME = "redis-server.log"
+BIND_FAILURE = "Address already in use"
+START_ATTEMPTS = 3
+
+
 class EmbeddedRedis:
     """One redis-server child process on 127.0.0.1:port (a free port by default).
 
@@ -70,6 +91,9 @@ class EmbeddedRedis:
     def __init__(self, port: int | None = None, binary: str | None = None,
                  data_dir: str | Path | None = None, extra_args: Sequence[str] = (),
                  maxmemory: str = DEFAULT_MAXMEMORY) -> None:
+        # A port chosen here may be taken by someone else before redis-server binds it (any
+        # outbound connection's ephemeral port can land on it); then start() picks another.
+        self._auto_port = port is None
         self.port = port or free_port()
         self.binary = binary or find_redis_server()
         self.maxmemory = maxmemory
@@ -104,21 +128,44 @@ class EmbeddedRedis:
                 "--loglevel", "warning", *self.extra_args]
 
     def start(self) -> str:
-        """Start (on the same port and dir as before, if any) and wait until it accepts connections."""
+        """Start (on the same port and dir as before, if any) and wait until it accepts connections.
+
+        redis-server logs to stdout; that goes to `redis-server.log` in the data dir, whose
+        new lines a failed start quotes. A port that this object chose and that turned out
+        to be taken is replaced by another, up to START_ATTEMPTS times; a port the caller
+        named raises PortInUse.
+        """
         if self.is_running:
             return self.url
-        self._proc = subprocess.Popen(self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        self._wait_ready()
-        return self.url
+        for attempt in range(START_ATTEMPTS):
+            try:
+                self._launch()
+                return self.url
+            except PortInUse:
+                if not self._auto_port or attempt == START_ATTEMPTS - 1:
+                    raise
+                self.port = free_port()
+        raise AssertionError("unreachable")
 
-    def _wait_ready(self) -> None:
+    def _launch(self) -> None:
+        log_path = self.data_dir / LOG_NAME
+        with log_path.open("ab") as log:
+            log_start = log.tell()
+            self._proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT)
+        self._wait_ready(log_path, log_start)
+
+    def _wait_ready(self, log_path: Path, log_start: int) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self._proc is None:
                 raise RuntimeError("redis-server was stopped while starting")
             if self._proc.poll() is not None:
-                err = self._proc.stderr.read().decode(errors="replace") if self._proc.stderr else ""
-                raise RuntimeError(f"redis-server exited with {self._proc.returncode}: {err.strip()}")
+                code, self._proc = self._proc.returncode, None
+                with log_path.open("rb") as log:
+                    log.seek(log_start)
+                    said = log.read().decode(errors="replace").strip()
+                error = PortInUse if BIND_FAILURE in said else RuntimeError
+                raise error(f"redis-server on port {self.port} exited with {code}: {said[-2000:]}")
             if _answers_ping(self.port):
                 return
             time.sleep(0.02)  # the server needs a few ms to bind; nothing to wait on but the port
@@ -158,8 +205,6 @@ class EmbeddedRedis:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        if proc.stderr is not None:
-            proc.stderr.close()
 
     def __enter__(self) -> EmbeddedRedis:
         self.start()

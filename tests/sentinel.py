@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import redis
 from redis.client import PubSub
 
-from gateway.redis_server import EmbeddedRedis, free_port
+from gateway.redis_server import START_ATTEMPTS, EmbeddedRedis, PortInUse, free_ports
 from tests.service import wait_until
 
 SERVICE_NAME = "tokenrelay"
@@ -57,18 +57,22 @@ class SentinelCluster:
     """Start with `with SentinelCluster() as cluster:`; `cluster.url` is the redis+sentinel:// URL."""
 
     def __init__(self, num_sentinels: int = 3) -> None:
-        self.primary_port = free_port()
-        replica_port = free_port()
+        self.num_sentinels = num_sentinels
+        self._switches: PubSub | None = None  # subscribed to +switch-master by kill_primary()
+        self._build()
+
+    def _build(self) -> None:
+        """Processes on fresh distinct ports: every one knows the others' ports before it starts."""
+        self.primary_port, replica_port, *sentinel_ports = free_ports(2 + self.num_sentinels)
         self.servers = {
             self.primary_port: EmbeddedRedis(self.primary_port),
             replica_port: EmbeddedRedis(replica_port, extra_args=("--replicaof", "127.0.0.1",
                                                                   str(self.primary_port))),
         }
-        ids = [(free_port(), secrets.token_hex(20)) for _ in range(num_sentinels)]  # (port, myid)
+        ids = [(port, secrets.token_hex(20)) for port in sentinel_ports]  # (port, myid)
         self.sentinels = [EmbeddedSentinel(port, myid, self.primary_port, replica_port,
                                            [peer for peer in ids if peer[1] != myid])
                           for port, myid in ids]
-        self._switches: PubSub | None = None  # subscribed to +switch-master by kill_primary()
 
     @property
     def url(self) -> str:
@@ -80,8 +84,16 @@ class SentinelCluster:
         return [port for port in self.servers if port != self.primary_port]
 
     def start(self) -> SentinelCluster:
-        for server in (*self.servers.values(), *self.sentinels):
-            server.start()
+        for attempt in range(START_ATTEMPTS):
+            try:
+                for server in (*self.servers.values(), *self.sentinels):
+                    server.start()
+                break
+            except PortInUse:  # someone took a port between free_ports() and its bind: all anew
+                if attempt == START_ATTEMPTS - 1:
+                    raise
+                self.stop()
+                self._build()
         wait_until(self._is_ready, timeout=10, interval=0.05)
         return self
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from gateway.redis_server import EmbeddedRedis
+from gateway.redis_server import LOG_NAME, EmbeddedRedis, PortInUse
 
 STREAM, GROUP, CONSUMER, HASH = "s", "g", "worker-1", "h"
 
@@ -105,3 +106,34 @@ def test_a_data_dir_outlives_the_server(tmp_path: Path) -> None:
     assert (tmp_path / "appendonly.aof").stat().st_size > 0
     with EmbeddedRedis(data_dir=tmp_path) as second:
         assert_sample(second, entry_id)
+
+
+def _listen_on(port: int) -> socket.socket:
+    """Someone else's listener on `port`, as when another process takes it after free_port()."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", port))
+    sock.listen()
+    return sock
+
+
+def test_a_chosen_port_taken_before_the_bind_is_replaced_by_another() -> None:
+    server = EmbeddedRedis()
+    taken = server.port
+    with _listen_on(taken):
+        try:
+            server.start()
+            assert server.port != taken
+            with client_for(server) as r:
+                assert r.ping()
+        finally:
+            server.stop()
+
+
+def test_a_named_port_in_use_fails_with_what_redis_said(tmp_path: Path) -> None:
+    with _listen_on(0) as other:
+        port = other.getsockname()[1]
+        server = EmbeddedRedis(port, data_dir=tmp_path)
+        with pytest.raises(PortInUse, match=f"(?s)port {port} exited with 1: .*Address already in use"):
+            server.start()
+        assert not server.is_running
+        assert "Address already in use" in (tmp_path / LOG_NAME).read_text()
