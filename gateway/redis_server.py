@@ -166,11 +166,15 @@ class EmbeddedRedis:
                     said = log.read().decode(errors="replace").strip()
                 error = PortInUse if BIND_FAILURE in said else RuntimeError
                 raise error(f"redis-server on port {self.port} exited with {code}: {said[-2000:]}")
-            if _answers_ping(self.port):
+            if self._is_ready():
                 return
             time.sleep(0.02)  # the server needs a few ms to bind; nothing to wait on but the port
         self.stop()
         raise TimeoutError(f"redis-server did not answer on port {self.port} within {START_TIMEOUT_S}s")
+
+    def _is_ready(self) -> bool:
+        """Whether the started server answers (a subclass listening otherwise probes its way)."""
+        return _answers_ping(self.port)
 
     def restart(self) -> str:
         """Shut down cleanly (the AOF is flushed) and start again on the same port and data."""

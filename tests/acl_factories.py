@@ -21,7 +21,7 @@ from gateway.redis_server import EmbeddedRedis, free_port
 from protos.keys import FENCE_MARK, STREAM_DATA_FIELD, Keys, PriorityClass, Record
 from protos.tokenrelay.v1 import generate_pb2, queue_pb2
 from tests.factories import CountingEngine
-from tests.service import GatewayThread, WorkerThread, wait_until
+from tests.service import GatewayThread, WorkerThread
 from worker.config import WorkerConfig
 from worker.engine.sim import SimConfig, SimEngine, sim_text, sim_token_ids
 
@@ -251,15 +251,12 @@ class TLSRedis(EmbeddedRedis):
             "--tls-cert-file", str(cert), "--tls-key-file", str(key), "--tls-ca-cert-file", str(ca),
             "--tls-auth-clients", "no"))
 
-    def _wait_ready(self) -> None:
-        def answers() -> bool:
-            assert self._proc is not None and self._proc.poll() is None, "redis-server exited"
-            try:
-                with tls_client(self.tls_port, self.ca) as client:
-                    return bool(client.ping())
-            except redis.exceptions.ConnectionError:
-                return False
-        wait_until(answers, timeout=10, interval=0.05)
+    def _is_ready(self) -> bool:
+        try:
+            with tls_client(self.tls_port, self.ca) as client:
+                return bool(client.ping())
+        except redis.exceptions.ConnectionError:
+            return False
 
 
 def tls_client(port: int, ca: Path) -> redis.Redis:
