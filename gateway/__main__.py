@@ -47,6 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gateway-id", default=os.environ.get("TOKENRELAY_GATEWAY_ID"),
                    help="unique name of this gateway (in logs and GetServerInfo); default host-pid-random "
                         "[env TOKENRELAY_GATEWAY_ID]")
+    p.add_argument("--default-model", default=_env("TOKENRELAY_DEFAULT_MODEL", ""),
+                   help="the model a request without `model` runs; default: the only one served "
+                        "[env TOKENRELAY_DEFAULT_MODEL]")
+    p.add_argument("--models", default=_env("TOKENRELAY_MODELS", ""),
+                   help="comma-separated models to queue for even while no live worker serves them "
+                        "(scale from zero); any other model is served only while a worker of it is "
+                        "alive [env TOKENRELAY_MODELS]")
     p.add_argument("--max-queue-depth", type=int, default=_env("TOKENRELAY_MAX_QUEUE_DEPTH", 256),
                    help="waiting requests beyond which calls get RESOURCE_EXHAUSTED; low-priority "
                         "calls at half of it, high-priority ones at 1.5x [env TOKENRELAY_MAX_QUEUE_DEPTH]")
@@ -165,6 +172,7 @@ def config_from_args(argv: list[str] | None = None) -> tuple[GatewayConfig, str]
         config = GatewayConfig(
             listen=args.listen, redis_url=args.redis_url, key_prefix=args.key_prefix,
             gateway_id=args.gateway_id or default_instance_id(), max_queue_depth=args.max_queue_depth,
+            default_model=args.default_model, models=tuple(m for m in args.models.split(",") if m),
             retry_pushback_ms=args.retry_pushback_ms, result_ttl_s=args.result_ttl,
             max_redis_outage_s=args.max_redis_outage, metrics_port=args.metrics_port,
             metrics_compat=args.metrics_compat, shutdown_grace_s=args.shutdown_grace,

@@ -9,39 +9,35 @@ stays cheap however loaded the gateway is.
 
 from __future__ import annotations
 
-import time
-
 from redis.exceptions import RedisError
 
 from gateway.auth import Tenant
 from gateway.errors import InvalidArgument, QueueFull, Unavailable, redis_unavailable
 from gateway.metrics import GatewayMetrics
+from gateway.models import Models
 from gateway.queue import RequestQueue
 from gateway.quotas import Quotas, Slot
 from gateway.replies import ReplyRouter
-
-WORKER_LIMITS_TTL_S = 1.0  # how long the largest sequence the live workers can hold is remembered
 
 
 class Admission:
     """Checks each call in order; the first that fails ends it (GatewayError)."""
 
-    def __init__(self, queue: RequestQueue, router: ReplyRouter, metrics: GatewayMetrics | None = None,
-                 quotas: Quotas | None = None) -> None:
-        self.queue, self.router, self.metrics, self.quotas = queue, router, metrics, quotas
-        self._max_sequence_tokens: int | None = None  # None: no live worker known
-        self._limits_read_at = float("-inf")
+    def __init__(self, queue: RequestQueue, router: ReplyRouter, models: Models,
+                 metrics: GatewayMetrics | None = None, quotas: Quotas | None = None) -> None:
+        self.queue, self.router, self.models = queue, router, models
+        self.metrics, self.quotas = metrics, quotas
 
-    async def admit(self, tenant: Tenant, priority: int, max_tokens: int, *, is_resume: bool,
+    async def admit(self, tenant: Tenant, model: str, priority: int, max_tokens: int, *, is_resume: bool,
                     shed_above: int | None = None, pushback_ms: int = 1000) -> tuple[int, Slot | None]:
-        """(queue depth, the tenant's quota slot to release when the call ends, if any).
-        shed_above: refuse at once (QueueFull) when the depth reached it (a call that cannot be
-        a resend of a known request)."""
+        """(the model's queue depth, the tenant's quota slot to release when the call ends, if
+        any). shed_above: refuse at once (QueueFull) when the depth reached it (a call that cannot
+        be a resend of a known request)."""
         tenant.check_priority(priority)
-        depth = await self.queue_depth()
+        depth = await self.queue_depth(model)
         if shed_above is not None and depth >= shed_above:
             raise QueueFull(depth, shed_above, pushback_ms)
-        await self.check_fits(max_tokens)
+        await self.check_fits(model, max_tokens)
         slot = None
         if self.quotas is not None:
             slot = await self.quotas.admit(tenant, max_tokens, is_resume=is_resume)
@@ -52,33 +48,28 @@ class Admission:
         if self.quotas is not None:
             await self.quotas.release(slot, used_tokens)
 
-    async def queue_depth(self) -> int:
-        """Requests waiting in the queue; UNAVAILABLE if the gateway cannot reach Redis."""
+    async def queue_depth(self, model: str) -> int:
+        """Requests of `model` waiting in the queue; UNAVAILABLE if the gateway cannot reach Redis."""
         if not self.router.is_ready:
             raise Unavailable("the gateway is not connected to the queue (Redis); retry later")
         try:
-            return await self.queue.queue_depth()
+            return await self.queue.queue_depth(model)
         except RedisError as e:
             raise redis_unavailable(e) from e
 
-    async def check_fits(self, max_tokens: int) -> None:
-        """Refuse what no live worker could ever hold: max_tokens plus a one-token prompt beyond
-        every worker's largest sequence (max_model_len, or its whole KV cache). Prompt lengths
-        are only known once tokenized, so the worker checks prompt + max_tokens itself."""
-        now = time.monotonic()
-        if now - self._limits_read_at > WORKER_LIMITS_TTL_S:
-            self._limits_read_at = now
-            try:
-                workers = await self.queue.workers()
-            except RedisError:
-                return  # queue_depth has just reached Redis; a blip here only skips the check
-            limits = [min(w.max_model_len, w.num_blocks * w.block_size) for w in workers
-                      if w.max_model_len and w.num_blocks and w.block_size]
-            if workers and self.metrics is not None:
-                self.metrics.model = workers[0].model
-            self._max_sequence_tokens = max(limits) if limits else None
-        limit = self._max_sequence_tokens
+    async def check_fits(self, model: str, max_tokens: int) -> None:
+        """Refuse what no live worker of the model could ever hold: max_tokens plus a one-token
+        prompt beyond every such worker's largest sequence (max_model_len, or its whole KV cache).
+        Prompt lengths are only known once tokenized, so the worker checks prompt + max_tokens
+        itself. The heartbeats are the model catalogue's (read at most every 0.5 s)."""
+        try:
+            workers = await self.models.of_model(model)
+        except RedisError:
+            return  # queue_depth has just reached Redis; a blip here only skips the check
+        limits = [min(w.max_model_len, w.num_blocks * w.block_size) for _, w in workers
+                  if w.max_model_len and w.num_blocks and w.block_size]
+        limit = max(limits) if limits else None
         if limit is not None and max_tokens + 1 > limit:
             raise InvalidArgument(f"stopping.max_tokens ({max_tokens}) leaves no room for a prompt in the "
-                                  f"context of any live worker: the largest holds {limit} tokens "
-                                  "(its max_model_len or its whole KV cache)")
+                                  f"context of any live worker of model {model!r}: the largest holds {limit} "
+                                  "tokens (its max_model_len or its whole KV cache)")

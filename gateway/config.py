@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from gateway.auth import load_tenants
 from gateway.limits import MIB, RequestLimits
 from gateway.tls import check_server_files
-from protos.keys import DEFAULT_PREFIX, Keys, PriorityClass, check_name, default_instance_id
+from protos.keys import DEFAULT_PREFIX, Keys, PriorityClass, check_model_name, check_name, default_instance_id
 from protos.logs import check_log_format
 from protos.metrics import check_metrics_options
 from protos.redis_conn import DEFAULT_REDIS_URL, check_redis_url
@@ -32,6 +32,13 @@ class GatewayConfig:
     # once half of it waits, NORMAL calls at max_queue_depth, HIGH calls at 1.5x, so at
     # overload the low-priority calls are shed first and high-priority ones still get in.
     max_queue_depth: int = 256
+    # The model a request without GenerateRequest.model runs; "" = the only one served (a
+    # request without a model fails with INVALID_ARGUMENT while several are).
+    default_model: str = ""
+    # Models queued for even while no live worker serves them (scale from zero, a rolling
+    # restart of a model's only worker); others are served only while a live worker heart-beats
+    # them. NOT_FOUND for the rest (protos/keys.py, "Models").
+    models: tuple[str, ...] = ()
     # Sent as the `grpc-retry-pushback-ms` trailer with RESOURCE_EXHAUSTED.
     retry_pushback_ms: int = 1000
     # The queue depth is re-read from Redis at most this often; in between the
@@ -129,6 +136,8 @@ class GatewayConfig:
             raise ValueError(f"listen must be host:port, got {self.listen!r}")
         check_redis_url(self.redis_url)
         check_name("gateway_id", self.gateway_id)
+        for model in (*self.models, *([self.default_model] if self.default_model else [])):
+            check_model_name("model", model)
         for name in ("max_queue_depth", "retry_pushback_ms", "max_queued_events",
                      "max_receive_message_bytes", "max_concurrent_rpcs"):
             if getattr(self, name) < 1:

@@ -17,6 +17,7 @@ WORKER_ERROR_STATUS = {
     _ErrorCode.ERROR_CODE_DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
     _ErrorCode.ERROR_CODE_INTERNAL: grpc.StatusCode.INTERNAL,
     _ErrorCode.ERROR_CODE_UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    _ErrorCode.ERROR_CODE_NOT_FOUND: grpc.StatusCode.NOT_FOUND,
 }
 
 

@@ -16,6 +16,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -67,8 +68,8 @@ def rejection_reason(error: GatewayError) -> str:
 class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         m = ["model"]
-        # The live workers' model: read with the queue gauges, and by every call that checks the
-        # workers' limits (at most once a second).
+        # The default model (the one a request without `model` runs), read with the queue gauges:
+        # the label of what happens before a call's model is known (a refused call).
         self.model = UNKNOWN_MODEL
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
@@ -112,43 +113,45 @@ class GatewayMetrics:
 
     async def observe(self, responses: AsyncIterator[generate_pb2.GenerateResponse],
                       time_remaining: Callable[[], float | None], tenant: str = "",
-                      ) -> AsyncIterator[generate_pb2.GenerateResponse]:
-        """Pass a call's responses through, timing them; count how it ended (a cancel by the
+                      call: CallModel | None = None) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        """Pass a call's responses through, timing them under the call's model (`call`, known once
+        the call resolved it; before, the default model); count how it ended (a cancel by the
         caller is no rejection; a cancel because the call's deadline passed is)."""
+        call = call or CallModel()
         start, last = time.monotonic(), None
-        inflight = self.inflight.labels(self.model)  # the same series up and down
+        inflight = self.inflight.labels(call.name or self.model)  # the same series up and down
         inflight.inc()
         try:
             async for response in responses:
-                now = time.monotonic()
+                now, model = time.monotonic(), call.name or self.model
                 if response.HasField("chunk"):
                     if last is None:
-                        self.ttft.labels(self.model).observe(now - start)
+                        self.ttft.labels(model).observe(now - start)
                     else:
-                        self.itl.labels(self.model).observe(now - last)
+                        self.itl.labels(model).observe(now - last)
                     last = now
                 else:
-                    self._observe_final(self.model, tenant, response.final, now - start)
+                    self._observe_final(model, tenant, response.final, now - start)
                 yield response
         except GatewayError as e:
-            self.count_rejected(tenant, e)
+            self.count_rejected(tenant, e, call.name)
             raise
         except asyncio.CancelledError:
             remaining = time_remaining()
             if remaining is not None and remaining <= 0:
-                self.rejected.labels(self.model, tenant, "deadline").inc()
+                self.rejected.labels(call.name or self.model, tenant, "deadline").inc()
             raise
         finally:
             inflight.dec()
 
-    def observe_route(self, route: Route, usage: generate_pb2.Usage) -> None:
+    def observe_route(self, model: str, route: Route, usage: generate_pb2.Usage) -> None:
         """A created request's final: how its route's prediction compares with what was cached."""
         if route.kind == "prefix" and usage.prompt_tokens:
-            self.route_predicted.labels(self.model).observe(route.predicted_fraction)
-            self.route_cached.labels(self.model).observe(usage.cached_prompt_tokens / usage.prompt_tokens)
+            self.route_predicted.labels(model).observe(route.predicted_fraction)
+            self.route_cached.labels(model).observe(usage.cached_prompt_tokens / usage.prompt_tokens)
 
-    def count_rejected(self, tenant: str, error: GatewayError) -> None:
-        self.rejected.labels(self.model, tenant, rejection_reason(error)).inc()
+    def count_rejected(self, tenant: str, error: GatewayError, model: str = "") -> None:
+        self.rejected.labels(model or self.model, tenant, rejection_reason(error)).inc()
 
     def _observe_final(self, model: str, tenant: str, final: generate_pb2.Final, e2e_s: float) -> None:
         self.e2e.labels(model).observe(e2e_s)
@@ -158,22 +161,41 @@ class GatewayMetrics:
         reason = _FINISH_REASONS.get(final.finish_reason, "unspecified")
         self.success.labels(model, tenant, reason).inc()
 
-    async def read_queue(self, read: Callable[[], Awaitable[tuple[int, int, float, str | None]]]) -> None:
-        """Forever: every QUEUE_READ_INTERVAL_S, set the queue gauges from
-        read() -> (depth, pending, oldest waiting age, the workers' model)."""
+    async def read_queue(self, read: Callable[[], Awaitable[list[QueueGauges]]]) -> None:
+        """Forever: every QUEUE_READ_INTERVAL_S, set each served model's queue gauges from read()."""
         while True:
             try:
-                depth, pending, oldest_age, model = await read()
+                models = await read()
             except RedisError as e:
                 log.debug("queue gauges not refreshed: %s", e)
             else:
-                self.model = model or self.model
-                self.queue_depth.labels(self.model).set(depth)
-                self.queue_pending.labels(self.model).set(pending)
-                self.queue_oldest_age.labels(self.model).set(oldest_age)
-                for routed in (self.route_predicted, self.route_cached):  # zero series before any route
-                    routed.labels(self.model)
+                for g in models:
+                    if g.is_default:
+                        self.model = g.model
+                    self.queue_depth.labels(g.model).set(g.queued)
+                    self.queue_pending.labels(g.model).set(g.in_flight)
+                    self.queue_oldest_age.labels(g.model).set(g.oldest_age_s)
+                    for routed in (self.route_predicted, self.route_cached):  # zero series before any route
+                        routed.labels(g.model)
             await asyncio.sleep(QUEUE_READ_INTERVAL_S)
+
+
+@dataclass
+class CallModel:
+    """The model a call runs, once the gateway resolved it ("" before: the default's label)."""
+
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class QueueGauges:
+    """One served model's queue, as the gauges show it."""
+
+    model: str
+    queued: int
+    in_flight: int
+    oldest_age_s: float
+    is_default: bool
 
 
 class GrpcMetricsInterceptor(grpc.aio.ServerInterceptor):

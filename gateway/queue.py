@@ -13,7 +13,7 @@ import asyncio
 import enum
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -193,6 +193,18 @@ class _StreamDepth:
     last_delivered: bytes  # b"": no group yet
 
 
+@dataclass
+class _Depth:
+    """One model's queue depth as last read, and this gateway's enqueues since."""
+
+    queued: int = 0
+    read_at: float = -float("inf")
+    num_enqueued_since_read: int = 0
+    routed: int = 0  # of it, in the routed streams of the model's workers
+    routed_read_at: float = -float("inf")
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
 @dataclass(frozen=True)
 class Attached:
     """What ATTACH_SCRIPT found or did (see its comment)."""
@@ -206,19 +218,15 @@ class Attached:
 class RequestQueue:
     def __init__(self, client: aioredis.Redis, config: GatewayConfig) -> None:
         self.client, self.config, self.keys = client, config, config.keys
-        self._depth = 0
-        self._depth_read_at = -float("inf")
-        self._num_enqueued_since_read = 0
-        self._depth_lock = asyncio.Lock()
+        self._depths: dict[str, _Depth] = {}  # per model (protos/keys.py, "Models")
         self._attach = client.register_script(ATTACH_SCRIPT)
         self._read_log = client.register_script(READ_LOG_SCRIPT)
         self._live_workers = client.register_script(LIVE_WORKERS_SCRIPT)
         self._entry_state = client.register_script(ENTRY_STATE_SCRIPT)
-        # The live workers' routed streams, as the router last saw them: queue depth counts them,
-        # read at most every ROUTED_DEPTH_CACHE_S (3 per worker: at 16 workers, ~100 commands).
-        self.routed_streams: tuple[str, ...] = ()
-        self._routed_depth = 0
-        self._routed_read_at = -float("inf")
+        # The live workers' routed streams by model, as the router last saw them: queue depth
+        # counts them, read at most every ROUTED_DEPTH_CACHE_S (3 per worker: at 16 workers,
+        # ~100 commands).
+        self.routed_streams: dict[str, tuple[str, ...]] = {}
         self._move = client.register_script(MOVE_SCRIPT)
         self._route = client.register_script(ROUTE_SCRIPT)
 
@@ -228,22 +236,23 @@ class RequestQueue:
         attempt goes to the routed stream of consumer `routed_to`, or ("") the shared one."""
         priority_class = PriorityClass.of(request.request.priority)
         stream = (self.keys.routed(routed_to, priority_class) if routed_to
-                  else self.keys.requests_of(priority_class))
+                  else self.keys.for_model(request.request.model).requests_of(priority_class))
         seed, lease_ms = str(request.request.sampling.seed), int(RECORD_LEASE_S * 1000)
         args: list[bytes | str | int] = [digest, request.SerializeToString(), seed, lease_ms,
                                          "1" if may_create else "0", expect, "1" if routed_to else "0"]
         reply = await self._attach(keys=[self.keys.record(request.request_id), stream], args=args)
         state = reply[0].decode()
         if state == "created":
-            self._num_enqueued_since_read += 1
+            self._depth_of(request.request.model).num_enqueued_since_read += 1
         entry_id = reply[1] if len(reply) > 1 else b""
         return Attached(state, entry_id, int(reply[2]) if len(reply) > 2 and reply[2] else None,
                         reply[3].decode() if len(reply) > 3 else "")
 
-    async def move(self, routed: str, entry_id: bytes, priority: int) -> tuple[bytes, str] | None:
-        """MOVE a routed entry no worker claimed to the shared stream of its class: the new entry
-        and that stream, or None (a worker has it already, or it is gone)."""
-        shared = self.keys.requests_of(PriorityClass.of(priority))
+    async def move(self, routed: str, entry_id: bytes, request: generate_pb2.GenerateRequest
+                   ) -> tuple[bytes, str] | None:
+        """MOVE a routed entry no worker claimed to its model's shared stream of its class: the new
+        entry and that stream, or None (a worker has it already, or it is gone)."""
+        shared = self.stream_of(request)
         moved = await self._move(keys=[routed, shared], args=[self.keys.group, entry_id])
         return (moved, shared) if moved else None
 
@@ -268,23 +277,28 @@ class RequestQueue:
                 return events
             first_seq += MAX_LOG_READ
 
-    async def queue_depth(self) -> int:
-        """Requests waiting to be claimed, re-read at most every depth_cache_ms.
+    def _depth_of(self, model: str) -> _Depth:
+        if model not in self._depths:
+            self._depths[model] = _Depth()
+        return self._depths[model]
+
+    async def queue_depth(self, model: str) -> int:
+        """Requests of `model` waiting to be claimed, re-read at most every depth_cache_ms.
 
         Between reads the gateway adds its own enqueues, so a burst cannot slip
         past the limit while the cached value is stale.
         """
-        max_age = self.config.depth_cache_ms / 1000
-        if time.monotonic() - self._depth_read_at > max_age:
-            async with self._depth_lock:  # one read serves every call waiting on it
-                if time.monotonic() - self._depth_read_at > max_age:
-                    if time.monotonic() - self._routed_read_at > ROUTED_DEPTH_CACHE_S:
-                        self._routed_depth = await self._queued_in(self.routed_streams)
-                        self._routed_read_at = time.monotonic()
-                    self._depth = await self._queued_in(self.keys.request_streams) + self._routed_depth
-                    self._depth_read_at = time.monotonic()
-                    self._num_enqueued_since_read = 0
-        return self._depth + self._num_enqueued_since_read
+        d, max_age = self._depth_of(model), self.config.depth_cache_ms / 1000
+        if time.monotonic() - d.read_at > max_age:
+            async with d.lock:  # one read serves every call waiting on it
+                if time.monotonic() - d.read_at > max_age:
+                    if time.monotonic() - d.routed_read_at > ROUTED_DEPTH_CACHE_S:
+                        d.routed = await self._queued_in(self.routed_streams.get(model, ()))
+                        d.routed_read_at = time.monotonic()
+                    d.queued = await self._queued_in(self.keys.for_model(model).request_streams) + d.routed
+                    d.read_at = time.monotonic()
+                    d.num_enqueued_since_read = 0
+        return d.queued + d.num_enqueued_since_read
 
     async def _queued_in(self, streams: tuple[str, ...]) -> int:
         return sum(s.queued for s in await self._read_streams(streams))
@@ -294,32 +308,35 @@ class RequestQueue:
         return stream.startswith(self.keys.routed_mark)
 
     def stream_of(self, request: generate_pb2.GenerateRequest) -> str:
-        """The request stream of the request's priority class (protos/keys.py)."""
-        return self.keys.requests_of(PriorityClass.of(request.priority))
+        """The request stream of the request's model and priority class (protos/keys.py)."""
+        return self.keys.for_model(request.model).requests_of(PriorityClass.of(request.priority))
 
-    async def read_depth(self) -> tuple[int, int]:
-        """(queued, in flight) summed over the priority classes: entries not yet claimed, and
-        claimed but unfinished."""
+    async def read_depth(self, models: list[str]) -> tuple[int, int]:
+        """(queued, in flight) summed over the models and priority classes: entries not yet
+        claimed, and claimed but unfinished."""
         queued = in_flight = 0
-        for stream in await self._read_streams(self.keys.request_streams + self.routed_streams):
-            queued, in_flight = queued + stream.queued, in_flight + stream.pending
+        for model in models:
+            gauges = await self.queue_gauges(model, with_age=False)
+            queued, in_flight = queued + gauges[0], in_flight + gauges[1]
         return queued, in_flight
 
-    async def queue_gauges(self) -> tuple[int, int, float, str | None]:
+    async def queue_gauges(self, model: str, *, with_age: bool = True) -> tuple[int, int, float]:
         """(queued, in flight, age in seconds of the oldest request not claimed yet in a shared
-        stream, the model of a live worker) for the metrics; a stream's oldest waiting entry is
-        the first after the group's last-delivered id."""
-        streams = await self._read_streams(self.keys.request_streams + self.routed_streams)
-        pipe = self.client.pipeline(transaction=False)
-        for s in streams[:len(self.keys.request_streams)]:  # a routed entry waits --route-max-wait-ms at most
-            pipe.xrange(s.name, min=b"(" + s.last_delivered if s.last_delivered else b"-", max="+", count=1)
-        oldest: list[Any] = [reply[0] for reply in await pipe.execute() if reply]
-        # An entry id is "<unix ms>-<seq>".
-        first_ms = min((int(entry[0].split(b"-")[0]) for entry in oldest), default=None)
-        age = max(0.0, time.time() - first_ms / 1000) if first_ms is not None else 0.0
-        workers = await self.workers()
-        return (sum(s.queued for s in streams), sum(s.pending for s in streams), age,
-                workers[0].model if workers else None)
+        stream) of one model, for the metrics; a stream's oldest waiting entry is the first after
+        the group's last-delivered id."""
+        shared = self.keys.for_model(model).request_streams
+        streams = await self._read_streams(shared + self.routed_streams.get(model, ()))
+        age = 0.0
+        if with_age:
+            pipe = self.client.pipeline(transaction=False)
+            for s in streams[:len(shared)]:  # a routed entry waits --route-max-wait-ms at most
+                after = b"(" + s.last_delivered if s.last_delivered else b"-"
+                pipe.xrange(s.name, min=after, max="+", count=1)
+            oldest: list[Any] = [reply[0] for reply in await pipe.execute() if reply]
+            # An entry id is "<unix ms>-<seq>".
+            first_ms = min((int(entry[0].split(b"-")[0]) for entry in oldest), default=None)
+            age = max(0.0, time.time() - first_ms / 1000) if first_ms is not None else 0.0
+        return sum(s.queued for s in streams), sum(s.pending for s in streams), age
 
     async def _read_streams(self, streams: tuple[str, ...]) -> list[_StreamDepth]:
         """Per request stream: finished entries are XDELed, so XLEN = queued + in flight, and in
@@ -347,9 +364,8 @@ class RequestQueue:
         message = queue_pb2.Abort(request_id=request_id, reason=reason, entry_id=entry_id)
         await self.client.publish(self.keys.aborts, message.SerializeToString())
 
-    async def entry_state(self, entry_id: bytes, stream: str = "") -> EntryState:
-        """Where the attempt is, in `stream` (default: the NORMAL class's)."""
-        stream = stream or self.keys.requests
+    async def entry_state(self, entry_id: bytes, stream: str) -> EntryState:
+        """Where the attempt is, in `stream`."""
         state = await self._entry_state(keys=[stream, self.keys.registry], args=[self.keys.group, entry_id])
         return EntryState(state.decode())
 
@@ -368,6 +384,7 @@ def _worker_info(flat: list[bytes]) -> generate_pb2.WorkerInfo:
     reads as 0 or ""."""
     f = {k.decode(): v.decode() for k, v in zip(flat[::2], flat[1::2], strict=True)}
     info: dict[str, Any] = {name: f.get(name, "") for name in Heartbeat.TEXT}
+    info |= {name: [v for v in f.get(name, "").split(",") if v] for name in Heartbeat.LIST}
     info |= {name: float(f.get(name) or 0) for name in Heartbeat.FLOAT}
     info |= {name: int(f.get(name) or 0) for name in Heartbeat.INT}
     queried = info[Heartbeat.NUM_PREFIX_CACHE_QUERY_TOKENS]

@@ -20,25 +20,29 @@ cached, 2026-12-05). Routing is a preference,
 never a wait on a busy worker: a routed request its worker does not claim within
 --route-max-wait-ms moves to the shared stream (gateway/relay.py).
 
-Costs: the live workers' heartbeats are read at most every WORKERS_CACHE_S (one round trip,
-shared by every call in that window), and one ROUTE script call per new request with two or
-more chunks reads every candidate's index.
+Only workers of the request's model are candidates (protos/keys.py, "Models"). A request for
+a LoRA adapter that only some of them have loaded goes to one of those, even when all are
+busy, and stays there (`Route.is_pinned`: never moved to the shared stream, where a worker
+without it could claim it).
+
+Costs: the live workers' heartbeats are read at most every WORKERS_CACHE_S (gateway/models.py:
+one round trip, shared by every call in that window), and one ROUTE script call per new
+request with two or more chunks reads every candidate's index.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.models import Models, Worker
 from gateway.queue import RequestQueue
 from gateway.relay import Follow
 from protos.routing import prefix_hashes
 from protos.tokenrelay.v1 import generate_pb2, queue_pb2
 
-WORKERS_CACHE_S = 0.5  # a worker's heartbeat is renewed every ~0.5 s anyway
 # Two chunks are ~60 tokens: less saves a prefill shorter than the wait it could cost.
 MIN_OVERLAP_CHUNKS = 2
 # A worker's cost is the chunks it would prefill plus LOAD_WEIGHT x (its batch's fill) x the
@@ -67,6 +71,7 @@ class Route:
     consumer: str = ""
     num_chunks: int = 0  # the request's prefix hashes
     num_matched: int = 0  # of them, held by the chosen worker's index
+    is_pinned: bool = False  # only this worker can serve it (its adapter): never moved
 
     @property
     def kind(self) -> str:
@@ -83,20 +88,22 @@ SHARED = Route()
 
 
 class PrefixRouter:
-    def __init__(self, queue: RequestQueue) -> None:
-        self._queue = queue
-        self._workers: list[tuple[str, generate_pb2.WorkerInfo]] = []  # (consumer, its heartbeat)
-        self._read_at = -float("inf")
+    def __init__(self, queue: RequestQueue, models: Models) -> None:
+        self._queue, self._models = queue, models
         self._routed_since_read: Counter[str] = Counter()
         self._recent: dict[str, float] = {}  # consumer -> routes to it, decayed (_count_recent)
         self._recent_at = time.monotonic()
-        self._lock = asyncio.Lock()
+        models.on_read.append(self._on_read)
 
     async def choose(self, queued: queue_pb2.QueuedRequest) -> Route:
         """The route of a new request (raises RedisError)."""
         hashes = prefix_hashes(queued.request, queued.cache_scope)
         n = len(hashes)
-        workers = await self._live_workers()
+        workers = await self._models.of_model(queued.request.model)
+        adapter = queued.request.adapter
+        holders = [(c, w) for c, w in workers if adapter in w.adapters] if adapter else workers
+        if holders and len(holders) < len(workers):  # only they can serve it
+            return self._pinned(holders, n)
         candidates = [(c, w) for c, w in workers if self._room(c, w) > 0]
         if len(workers) < 2 or not candidates:
             # one worker: nothing to choose (and no index to read); every one full: the shared
@@ -119,6 +126,14 @@ class PrefixRouter:
         self._routed_since_read[consumer] += 1
         self._count_recent(consumer)
         return Route(consumer, n, num_matched)
+
+    def _pinned(self, holders: list[Worker], n: int) -> Route:
+        """The least busy of the workers that have the request's adapter: its only possible ones."""
+        _, best = min((self._busy(c, w) + self._recent.get(c, 0.0), i) for i, (c, w) in enumerate(holders))
+        consumer = holders[best][0]
+        self._routed_since_read[consumer] += 1
+        self._count_recent(consumer)
+        return Route(consumer, n, 0, is_pinned=True)
 
     def _count_recent(self, consumer: str) -> None:
         """Decay every worker's count of recent routes by RECENT_HALF_LIFE_S, then add one."""
@@ -144,22 +159,21 @@ class PrefixRouter:
     def _load(self, consumer: str, worker: generate_pb2.WorkerInfo) -> float:
         return min(1.0, self._busy(consumer, worker) / worker.max_num_seqs) if worker.max_num_seqs else 1.0
 
-    async def _live_workers(self) -> list[tuple[str, generate_pb2.WorkerInfo]]:
-        if time.monotonic() - self._read_at > WORKERS_CACHE_S:
-            async with self._lock:  # one read serves every call waiting on it
-                if time.monotonic() - self._read_at > WORKERS_CACHE_S:
-                    self._workers = await self._queue.consumers()
-                    self._read_at = time.monotonic()
-                    self._routed_since_read.clear()
-                    # one live worker: nobody routes (choose), so there is nothing to count
-                    self._queue.routed_streams = tuple(
-                        s for c, _ in self._workers for s in self._queue.keys.routed_streams(c)
-                    ) if len(self._workers) > 1 else ()
-        return self._workers
+    def _on_read(self, workers: list[Worker]) -> None:
+        """Fresh heartbeats count what runs: forget the routes counted since the last read. The
+        queue depth counts the model's routed streams where a model has two or more workers (with
+        one, nobody is routed to: `choose`)."""
+        self._routed_since_read.clear()
+        by_model: dict[str, list[str]] = {}
+        for consumer, w in workers:
+            by_model.setdefault(w.model, []).append(consumer)
+        self._queue.routed_streams = {
+            model: tuple(s for c in consumers for s in self._queue.keys.routed_streams(c))
+            for model, consumers in by_model.items() if len(consumers) > 1}
 
 
-def move_unclaimed(follow: Follow, queue: RequestQueue, priority: int, wait_s: float,
-                   moves: Any = None) -> None:
+def move_unclaimed(follow: Follow, queue: RequestQueue, request: generate_pb2.GenerateRequest,
+                   wait_s: float, moves: Any = None) -> None:
     """An attempt in a worker's own stream that its worker has not claimed within wait_s goes to
     the shared stream (the relay calls `follow.move` then; MOVE is atomic against a claim).
     moves: the counter of moves (a prometheus Counter child), or None."""
@@ -167,7 +181,7 @@ def move_unclaimed(follow: Follow, queue: RequestQueue, priority: int, wait_s: f
         return
 
     async def move(routed: str, entry_id: bytes) -> tuple[bytes, str] | None:
-        moved = await queue.move(routed, entry_id, priority)
+        moved = await queue.move(routed, entry_id, request)
         if moved is not None and moves is not None:
             moves.inc()
         return moved

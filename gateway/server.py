@@ -39,7 +39,8 @@ from gateway.errors import (
     redis_unavailable,
 )
 from gateway.limits import server_options
-from gateway.metrics import GatewayMetrics, GrpcMetricsInterceptor
+from gateway.metrics import CallModel, GatewayMetrics, GrpcMetricsInterceptor, QueueGauges
+from gateway.models import Models
 from gateway.queue import Attached, RequestQueue, connect
 from gateway.quotas import Quotas
 from gateway.relay import Follow, relay
@@ -127,10 +128,11 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
         self.tracing = tracing or Tracing()
         self.auth, self.quotas = auth, quotas
         self.limits = config.request_limits
-        self.admission = Admission(queue, router, metrics, quotas)
+        self.models = Models(queue, config)
+        self.admission = Admission(queue, router, self.models, metrics, quotas)
         self._background: set[asyncio.Task[None]] = set()
-        self.server_info = ServerInfoView(config, queue)
-        self.prefix_router = PrefixRouter(queue) if config.routing == "prefix" else None
+        self.server_info = ServerInfoView(config, queue, self.models)
+        self.prefix_router = PrefixRouter(queue, self.models) if config.routing == "prefix" else None
 
     async def Generate(self, request: generate_pb2.GenerateRequest | MalformedRequest,  # noqa: N802
                        context: grpc.aio.ServicerContext) -> AsyncIterator[generate_pb2.GenerateResponse]:
@@ -141,9 +143,10 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
             if self.metrics is not None:
                 self.metrics.count_rejected("", e)
             await context.abort(e.code, str(e), trailing_metadata=e.trailers)
-        responses = self._generate(request, context, call, tenant)
+        model = CallModel()
+        responses = self._generate(request, context, call, tenant, model)
         if self.metrics is not None:
-            responses = self.metrics.observe(responses, context.time_remaining, tenant.name)
+            responses = self.metrics.observe(responses, context.time_remaining, tenant.name, model)
         responses = call.observe(responses)
         try:
             async for response in responses:
@@ -158,8 +161,8 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
         return self.auth.authenticate(context.invocation_metadata(), context.auth_context())
 
     async def _generate(self, request: generate_pb2.GenerateRequest | MalformedRequest,
-                        context: grpc.aio.ServicerContext, call: CallTrace,
-                        tenant: Tenant) -> AsyncIterator[generate_pb2.GenerateResponse]:
+                        context: grpc.aio.ServicerContext, call: CallTrace, tenant: Tenant,
+                        model: CallModel) -> AsyncIterator[generate_pb2.GenerateResponse]:
         if isinstance(request, MalformedRequest):
             raise InvalidArgument(request.error)
         request_id = request.request_id or uuid.uuid4().hex
@@ -175,9 +178,13 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
         call.describe(request_id, params)
         if resume_from and not request.request_id:
             raise InvalidArgument("resume_from_index needs the request_id of the stream to resume")
+        try:  # the body names the model it ran, so a resend without one attaches to the same request
+            request.model = model.name = await self.models.resolve(request)
+        except RedisError as e:
+            raise redis_unavailable(e) from e
         max_depth = self.config.max_queue_depth_of(PriorityClass.of(request.priority))
         depth, slot = await self.admission.admit(
-            tenant, request.priority, params.max_tokens, is_resume=bool(resume_from),
+            tenant, request.model, request.priority, params.max_tokens, is_resume=bool(resume_from),
             shed_above=None if request.request_id else max_depth, pushback_ms=self.config.retry_pushback_ms)
         used = UsedTokens()
         try:
@@ -215,7 +222,7 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
                     if is_new:  # the call that created the generation pays for its prompt
                         used.num_tokens += response.final.usage.prompt_tokens
                         if self.metrics is not None:
-                            self.metrics.observe_route(route, response.final.usage)
+                            self.metrics.observe_route(request.model, route, response.final.usage)
                 else:
                     used.num_tokens += len(response.chunk.token_ids)
                 yield response
@@ -268,10 +275,12 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
         follow = Follow(queued.request_id, found.entry_id, resume_from, found.stream or
                         self.queue.stream_of(queued.request), next_attempt=next_attempt, caller_id=request_id)
         metrics, wait_s = self.metrics, self.config.route_max_wait_ms / 1000
-        moves = metrics.route_moves.labels(metrics.model, queued.tenant) if metrics else None
-        move_unclaimed(follow, self.queue, queued.request.priority, wait_s, moves)
+        model = queued.request.model
+        moves = metrics.route_moves.labels(model, queued.tenant) if metrics else None
+        if not route.is_pinned:  # only its worker has the adapter: it waits there
+            move_unclaimed(follow, self.queue, queued.request, wait_s, moves)
         if is_new and metrics is not None:
-            metrics.routed.labels(metrics.model, queued.tenant, route.kind).inc()
+            metrics.routed.labels(model, queued.tenant, route.kind).inc()
         return follow, is_new, route
 
     async def _next_attempt(self, queued: queue_pb2.QueuedRequest, digest: str, found: Attached, *,
@@ -398,7 +407,7 @@ class Gateway:
         await self.server.start()
         self.metrics_server.start()
         if (metrics := self.servicer.metrics) is not None:
-            self._queue_gauges = asyncio.create_task(metrics.read_queue(self.queue.queue_gauges))
+            self._queue_gauges = asyncio.create_task(metrics.read_queue(self._read_queue_gauges))
         if self.quotas is not None:
             self._quota_refresh = asyncio.create_task(self.quotas.refresh_forever())
         log.info("gateway %s listening on port %d", self.config.gateway_id, self.port)
@@ -416,6 +425,14 @@ class Gateway:
         await asyncio.to_thread(self.tracing.shutdown)  # exports the last spans: may wait on the collector
         await self.router.close()
         await self.client.aclose()
+
+    async def _read_queue_gauges(self) -> list[QueueGauges]:
+        """Each served model's queue (gateway/metrics.py)."""
+        gauges = []
+        for model in await self.servicer.models.served():
+            queued, in_flight, age = await self.queue.queue_gauges(model.name)
+            gauges.append(QueueGauges(model.name, queued, in_flight, age, model.is_default))
+        return gauges
 
     def reload_auth(self) -> bool:
         """Re-read the tenants file (SIGHUP); open calls keep their tenant. False: the file is

@@ -5,9 +5,13 @@ or test runs can share one Redis. ``{p}`` below is that prefix.
 
 | name                     | type    | TTL          | written by                | read by                  |
 |--------------------------|---------|--------------|---------------------------|--------------------------|
-| {p}:requests             | stream  | none         | gateway XADD (``data``)   | workers XREADGROUP       |
-| {p}:requests:high        | stream  | none         | gateway XADD (``data``)   | workers XREADGROUP       |
-| {p}:requests:low         | stream  | none         | gateway XADD (``data``)   | workers XREADGROUP       |
+| {p}:model:{m}:requests   | stream  | none         | gateway XADD (``data``)   | model m's workers        |
+| {p}:model:{m}:requests:high | stream | none       | gateway XADD (``data``)   | model m's workers        |
+| {p}:model:{m}:requests:low  | stream | none       | gateway XADD (``data``)   | model m's workers        |
+| {p}:consumer-models      | hash    | none         | workers' HEARTBEAT        | RECLAIM (whose model)    |
+| {p}:adapters:{m}         | hash    | none         | operators (`tokenrelay    | model m's workers        |
+|                          |         |              | adapter load/unload`)     |                          |
+| {p}:control:{m}          | channel | -            | the same command          | model m's workers        |
 | {p}:routed:{class}:{c}   | stream  | none         | gateway XADD (routing),   | worker {c} XREADGROUP    |
 |                          |         |              | MOVE                      | gateway/sweeper MOVE     |
 | {p}:prefixes:{consumer}  | zset    | PREFIX_INDEX | that worker, per claim    | gateways (routing)       |
@@ -37,13 +41,28 @@ A worker *process* is one consumer of the group, named ``{worker_id}.{incarnatio
 (worker/config.py): a restart under the same --worker-id is a new consumer, and the old
 one is re-claimed and fenced like any dead worker.
 
+Models (one set of streams per served model)
+  A worker serves one model under its --served-model-name (`check_model_name`; default the
+  model file's name) and claims only that model's streams; `Keys.for_model(m)` names them.
+  ``{p}:model:{m}:requests`` is model m's NORMAL stream. GenerateRequest.model picks the
+  model (the gateway's --default-model when empty), and so the streams; a model that no
+  live worker serves and the gateway's --models does not name is refused with NOT_FOUND
+  (gateway/models.py), so nothing waits in a stream no worker reads. The model is part of
+  the body digest like the priority: every attempt at a request goes to the same model's
+  streams. Each worker's HEARTBEAT writes its model into ``{p}:consumer-models``
+  (consumer -> model), so a sweeper re-claims only the dead workers of its own model
+  (their routed streams hold that model's requests); RECLAIM HDELs the field with the
+  registry entry. GenerateRequest.adapter names a LoRA adapter of the model: every worker
+  heart-beats the adapters it has loaded (`Heartbeat.ADAPTERS`). Adapters loaded at run
+  time are the hash ``{p}:adapters:{m}`` (name -> path on the workers' disk), which each of
+  model m's workers loads at start and re-reads on any message on ``{p}:control:{m}``.
+
 Requests (one stream per priority class, each with the same consumer group)
   GenerateRequest.priority picks the request's class (`PriorityClass.of`): < 0 LOW,
-  0 or unset NORMAL, > 0 HIGH. Each class has its own stream: NORMAL keeps the name
-  ``{p}:requests`` (deployments, dashboards and the KEDA trigger that know only it keep
-  working), HIGH is ``{p}:requests:high``, LOW ``{p}:requests:low``. Everything below
-  (pending entries, re-claims, XACK after the final) holds per stream: the group
-  ``{p}:workers`` exists on each. The priority is part of the body digest, so every
+  0 or unset NORMAL, > 0 HIGH. Each class has its own stream per model: NORMAL is
+  ``{p}:model:{m}:requests``, HIGH ``...:requests:high``, LOW ``...:requests:low``.
+  Everything below (pending entries, re-claims, XACK after the final) holds per stream:
+  the group ``{p}:workers`` exists on each. The priority is part of the body digest, so every
   attempt at a request goes to the same stream, and an entry id names an attempt
   together with its request's class. Queue depth is the sum over the classes.
   A gateway XADDs one entry per attempt at a request: ``data`` =
@@ -254,6 +273,18 @@ def check_name(what: str, name: str) -> None:
         raise ValueError(f"{what} must be non-empty without spaces, got {name!r}")
 
 
+MAX_MODEL_NAME_LEN = 128
+_MODEL_NAME_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._/-")
+
+
+def check_model_name(what: str, name: str) -> None:
+    """ValueError unless `name` can name a served model or adapter: 1-128 of [A-Za-z0-9._/-]
+    (Hugging Face ids like org/model fit; no ':' or '*', so key names and ACL patterns stay
+    unambiguous)."""
+    if not 0 < len(name) <= MAX_MODEL_NAME_LEN or not set(name) <= _MODEL_NAME_CHARS:
+        raise ValueError(f"{what} must be 1-{MAX_MODEL_NAME_LEN} characters of [A-Za-z0-9._/-], got {name!r}")
+
+
 def tenant_request_key(tenant: str, request_id: str) -> str:
     """The request's key (see "Request ids are per tenant"): what records, logs, events and
     channels are named by. tenant "" (authentication off): the caller's id itself."""
@@ -292,6 +323,7 @@ class Heartbeat:
 
     WORKER_ID = "worker_id"
     MODEL = "model"
+    ADAPTERS = "adapters"  # the loaded LoRA adapters' names, comma-separated (WorkerInfo.adapters)
     WEIGHTS = "weights"
     HEARTBEAT_UNIX = "heartbeat_unix"  # time.time() of the write
     NUM_FINISHED = "num_finished"
@@ -316,6 +348,7 @@ class Heartbeat:
     # one heartbeat interval old, so a busy worker writes its hash ~2x a second, not per step.
     EVENTS = (NUM_RUNNING, NUM_WAITING, NUM_FINISHED, NUM_PREEMPTIONS, NUM_PARKED)
     TEXT = (WORKER_ID, MODEL, WEIGHTS)
+    LIST = (ADAPTERS,)  # comma-separated
     FLOAT = (HEARTBEAT_UNIX, KV_CACHE_USAGE)
     INT = (NUM_FINISHED, NUM_RUNNING, NUM_WAITING, MAX_NUM_SEQS, MAX_MODEL_LEN, BLOCK_SIZE, NUM_BLOCKS,
            NUM_FREE_BLOCKS, NUM_PREFIX_CACHE_HIT_TOKENS, NUM_PREFIX_CACHE_QUERY_TOKENS, NUM_PREEMPTIONS,
@@ -365,17 +398,45 @@ class Bucket:
 
 @dataclass(frozen=True)
 class Keys:
-    """Names of every Redis key/stream/channel for one prefix."""
+    """Names of every Redis key/stream/channel for one prefix; the request streams are those of
+    `model` (a worker's Keys, or `for_model` of a gateway's)."""
 
     prefix: str = DEFAULT_PREFIX
+    model: str = ""  # "" only where no request stream is named (a gateway's base Keys)
 
     def __post_init__(self) -> None:
         check_name("key prefix", self.prefix)
+        if self.model:
+            check_model_name("model", self.model)
+
+    def for_model(self, model: str) -> Keys:
+        """The same prefix, the streams of `model`."""
+        return self if model == self.model else Keys(self.prefix, model)
 
     @property
     def requests(self) -> str:
         """Stream of queued requests of the NORMAL class."""
-        return f"{self.prefix}:requests"
+        if not self.model:
+            raise ValueError("request streams belong to a model: use Keys.for_model")
+        return f"{self.prefix}:model:{self.model}:requests"
+
+    @property
+    def model_mark(self) -> str:
+        """What every model stream's name starts with (ACL patterns, dashboards)."""
+        return f"{self.prefix}:model:"
+
+    @property
+    def consumer_models(self) -> str:
+        """Hash: consumer -> the model it serves (each worker's HEARTBEAT)."""
+        return f"{self.prefix}:consumer-models"
+
+    def adapters(self, model: str) -> str:
+        """Hash: adapter name -> path, the adapters `model`'s workers load at run time."""
+        return f"{self.prefix}:adapters:{model}"
+
+    def control(self, model: str) -> str:
+        """Channel: a message tells `model`'s workers to re-read its adapters hash."""
+        return f"{self.prefix}:control:{model}"
 
     def requests_of(self, priority_class: PriorityClass) -> str:
         """Stream of queued requests of one priority class."""

@@ -28,7 +28,7 @@ from tests.service import (
     wait_until,
     workers_ready,
 )
-from worker.config import WorkerConfig
+from worker.config import DEFAULT_MODEL_NAME, WorkerConfig
 from worker.engine.config import EngineConfig
 
 # Small enough to keep the tests quick, big enough for a chat answer; the
@@ -122,7 +122,9 @@ def make_gateway(redis_url: str, prefix: str) -> Iterator[Callable[..., GatewayT
     started: list[GatewayThread] = []
 
     def make(**overrides: Any) -> GatewayThread:
-        fields = {"listen": "127.0.0.1:0", "redis_url": redis_url, "key_prefix": prefix, **overrides}
+        # queued for before a worker is up: the in-process test workers serve the default name
+        fields = {"listen": "127.0.0.1:0", "redis_url": redis_url, "key_prefix": prefix,
+                  "models": (DEFAULT_MODEL_NAME,), **overrides}
         gateway = GatewayThread(GatewayConfig(**fields)).start()
         started.append(gateway)
         return gateway

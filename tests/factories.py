@@ -120,6 +120,8 @@ class CountingEngine:
     def __init__(self) -> None:
         self._running: dict[str, tuple[int, int]] = {}  # request_id -> (max_tokens, generated)
 
+    adapters: tuple[str, ...] = ()  # no LoRA adapters
+
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams, **kwargs: Any) -> Admitted:
         self._running[request_id] = (params.max_tokens, 0)
         return Admitted(seed=params.seed or 1)

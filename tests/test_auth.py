@@ -27,7 +27,7 @@ from protos.keys import Keys
 from protos.tokenrelay.v1 import generate_pb2, generate_pb2_grpc
 from tests.factories import CountingEngine
 from tests.service import GatewayProcess, GatewayThread, WorkerThread, scrape_samples, stub_for, wait_until
-from worker.config import WorkerConfig
+from worker.config import DEFAULT_MODEL_NAME, WorkerConfig
 
 
 def new_token() -> str:
@@ -207,7 +207,8 @@ def test_sighup_reloads_the_tenants_file_without_dropping_calls(tmp_path: Path, 
         reader = threading.Thread(target=lambda: ended.append(_code_of(open_call)))
         reader.start()
         queued = redis.Redis.from_url(redis_url)
-        wait_until(lambda: queued.xlen(Keys(prefix).requests) == 1, timeout=10)  # admitted: in the queue
+        stream = Keys(prefix, DEFAULT_MODEL_NAME).requests
+        wait_until(lambda: queued.xlen(stream) == 1, timeout=10)  # admitted: in the queue
         queued.close()
         write_tenants(path, {"acme": {"tokens": [new]}})
         gateway.proc.send_signal(signal.SIGHUP)

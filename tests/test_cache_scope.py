@@ -18,6 +18,7 @@ from protos.tokenrelay.v1 import queue_pb2
 from tests.factories import CountingEngine
 from tests.service import WorkerThread
 from tests.test_consumer import Replies
+from worker.config import DEFAULT_MODEL_NAME
 from worker.engine.kv_manager import KVCacheManager
 from worker.engine.outputs import Admitted
 from worker.engine.scheduler import Scheduler
@@ -89,7 +90,8 @@ class ScopeRecordingEngine(CountingEngine):
 
 def test_a_queued_requests_cache_scope_reaches_the_engine(
         redis_url: str, prefix: str, start_worker: Callable[..., WorkerThread]) -> None:
-    client, keys, engine = redis.Redis.from_url(redis_url), Keys(prefix), ScopeRecordingEngine()
+    client, keys = redis.Redis.from_url(redis_url), Keys(prefix, DEFAULT_MODEL_NAME)
+    engine = ScopeRecordingEngine()
     replies = Replies(client)
     replies.follow(keys, "scoped", "unscoped")
     for request_id, scope in [("scoped", b"group:tenant-a\x00salt"), ("unscoped", b"")]:

@@ -18,7 +18,7 @@ from protos.keys import STREAM_DATA_FIELD, Heartbeat, Keys, LogField, Record
 from protos.tokenrelay.v1 import generate_pb2, queue_pb2
 from tests import factories
 from tests.service import WorkerThread, wait_until
-from worker.config import WorkerConfig
+from worker.config import DEFAULT_MODEL_NAME, WorkerConfig
 from worker.engine.outputs import Admitted
 from worker.engine.text_engine import EngineStats
 from worker.io.claim import claim_capacity
@@ -122,7 +122,7 @@ def kinds(events: list[queue_pb2.TokenEvent]) -> list[str]:
 def test_queued_requests_past_their_deadline_fail_and_unfollowed_ones_are_parked_then_abandoned(
         client: redis.Redis, prefix: str, replies: Replies,
         make_worker: Callable[..., WorkerThread]) -> None:
-    keys = Keys(prefix)
+    keys = Keys(prefix, DEFAULT_MODEL_NAME)
     replies.follow(keys, "late", "fine")
     enqueue(client, keys, "late", deadline_unix=time.time() - 1, max_tokens=4)
     enqueue(client, keys, "gone", max_tokens=4)  # its caller left while it was queued
@@ -153,7 +153,7 @@ def private_redis() -> Iterator[EmbeddedRedis]:
 def test_each_round_is_one_script_call_for_every_request(
         private_redis: EmbeddedRedis, prefix: str, make_worker: Callable[..., WorkerThread]) -> None:
     client = redis.Redis.from_url(private_redis.url)
-    keys, num_requests, max_tokens = Keys(prefix), 4, 12
+    keys, num_requests, max_tokens = Keys(prefix, DEFAULT_MODEL_NAME), 4, 12
     replies = Replies(client)
     replies.follow(keys, *(f"r{i}" for i in range(num_requests)))
     for i in range(num_requests):
@@ -182,7 +182,7 @@ def test_each_round_is_one_script_call_for_every_request(
 def test_stop_drains_running_requests_then_aborts_what_is_left(
         client: redis.Redis, prefix: str, replies: Replies,
         make_worker: Callable[..., WorkerThread]) -> None:
-    keys = Keys(prefix)
+    keys = Keys(prefix, DEFAULT_MODEL_NAME)
     replies.follow(keys, "short", "endless")
     enqueue(client, keys, "short", max_tokens=6, ignore_eos=True)
     enqueue(client, keys, "endless", max_tokens=480, ignore_eos=True)  # > 5 s of decoding on a CPU
@@ -208,6 +208,8 @@ class BrokenEngine:
     def __init__(self) -> None:
         self.request_ids: list[str] = []
 
+    adapters: tuple[str, ...] = ()  # no LoRA adapters
+
     def add_request(self, request_id: str, *args: object, **kwargs: object) -> Admitted:
         self.request_ids.append(request_id)
         return Admitted(seed=0)
@@ -227,7 +229,7 @@ class BrokenEngine:
 
 def test_an_engine_failure_answers_every_caller_before_the_worker_dies(
         client: redis.Redis, redis_url: str, prefix: str, replies: Replies) -> None:
-    keys = Keys(prefix)
+    keys = Keys(prefix, DEFAULT_MODEL_NAME)
     replies.follow(keys, "doomed")
     enqueue(client, keys, "doomed", max_tokens=4)
     consumer = Consumer(BrokenEngine(), WorkerConfig(redis_url=redis_url, key_prefix=prefix, worker_id="w"))
@@ -283,7 +285,7 @@ def greedy_ids(engine: Any, prompt: str, max_tokens: int) -> tuple[list[int], st
 def test_a_dead_workers_request_is_reclaimed_and_resumed_without_a_gap(
         client: redis.Redis, prefix: str, replies: Replies, smollm_engine: Any,
         make_worker: Callable[..., WorkerThread]) -> None:
-    keys = Keys(prefix)
+    keys = Keys(prefix, DEFAULT_MODEL_NAME)
     ref_ids, ref_text = greedy_ids(smollm_engine, "Once upon a time", 12)
     replies.follow(keys, "r")
     entry_id = enqueue(client, keys, "r", max_tokens=12, ignore_eos=True)
@@ -308,7 +310,7 @@ def test_a_dead_workers_request_is_reclaimed_and_resumed_without_a_gap(
 def test_requests_of_live_workers_are_left_alone_and_serial_killers_are_failed(
         client: redis.Redis, prefix: str, replies: Replies,
         make_worker: Callable[..., WorkerThread]) -> None:
-    keys = Keys(prefix)
+    keys = Keys(prefix, DEFAULT_MODEL_NAME)
     replies.follow(keys, "busy", "poison")
     busy = enqueue(client, keys, "busy", max_tokens=2)
     assert claim_as(client, keys, "alive") == busy
@@ -332,10 +334,11 @@ def test_requests_of_live_workers_are_left_alone_and_serial_killers_are_failed(
 def test_on_shutdown_unfinished_requests_are_handed_to_another_live_worker(
         client: redis.Redis, redis_url: str, prefix: str, replies: Replies, smollm_engine: Any,
         make_worker: Callable[..., WorkerThread]) -> None:
-    keys = Keys(prefix)
+    keys = Keys(prefix, DEFAULT_MODEL_NAME)
     replies.follow(keys, "long")
     enqueue(client, keys, "long", max_tokens=100, ignore_eos=True)
     client.zadd(keys.registry, {"other": (time.time() + 60) * 1000})  # alive: hand over, do not fail
+    client.hset(keys.consumer_models, "other", keys.model)  # ... as it serves this model
     leaving = make_worker(drain_timeout_s=0.3, **FAST_SWEEP)
     log = keys.log(leaving.config.consumer_name)
     wait_until(lambda: client.hexists(log, "long" + LogField.PROGRESS), timeout=30)  # it is generating
@@ -360,7 +363,7 @@ def test_on_shutdown_unfinished_requests_are_handed_to_another_live_worker(
 def test_a_worker_restarted_under_the_same_id_resumes_what_its_earlier_run_left(
         client: redis.Redis, prefix: str, replies: Replies, smollm_engine: Any,
         make_worker: Callable[..., WorkerThread]) -> None:
-    keys = Keys(prefix)
+    keys = Keys(prefix, DEFAULT_MODEL_NAME)
     ref_ids, _ = greedy_ids(smollm_engine, "Once upon a time", 10)
     replies.follow(keys, "r")
     entry_id = enqueue(client, keys, "r", max_tokens=10, ignore_eos=True)

@@ -14,6 +14,7 @@ from protos.convert import build_request
 from protos.keys import Keys
 from protos.tokenrelay.v1 import generate_pb2, generate_pb2_grpc
 from tests.service import GatewayProcess, GatewayThread, WorkerThread, stub_for, wait_until, workers_ready
+from worker.config import DEFAULT_MODEL_NAME
 
 pytestmark = pytest.mark.slow
 
@@ -210,7 +211,7 @@ def test_in_flight_calls_resume_across_a_redis_restart_with_aof(
     assert_same_stream(first, rest, ref)
     client = redis.Redis.from_url(aof_redis.url)
     try:
-        assert client.xlen(Keys(prefix).requests) == 0
+        assert client.xlen(Keys(prefix, DEFAULT_MODEL_NAME).requests) == 0
     finally:
         client.close()
 
@@ -224,13 +225,14 @@ def test_a_resend_while_the_request_is_still_queued_attaches_to_it(
         call = generate_pb2_grpc.TokenRelayStub(channel).Generate(request, timeout=120)
         client = redis.Redis.from_url(redis_url)
         try:
-            wait_until(lambda: client.xlen(Keys(prefix).requests) == 1, timeout=5)  # no worker yet
+            stream = Keys(prefix, DEFAULT_MODEL_NAME).requests
+            wait_until(lambda: client.xlen(stream) == 1, timeout=5)  # no worker yet
             call.cancel()
             with grpc.insecure_channel(second_gateway.target) as other:
                 resend = generate_pb2_grpc.TokenRelayStub(other).Generate(request, timeout=120)
                 make_worker()
                 answer = list(resend)
-            assert client.xlen(Keys(prefix).requests) == 0
+            assert client.xlen(Keys(prefix, DEFAULT_MODEL_NAME).requests) == 0
         finally:
             client.close()
     assert [c.index for c in chunks(answer)] == list(range(8)) and answer[-1].HasField("final")

@@ -18,7 +18,7 @@ from protos.convert import build_request, event_from_log
 from protos.keys import FENCE_MARK, STREAM_DATA_FIELD, Keys, LogField, Record
 from protos.tokenrelay.v1 import generate_pb2, queue_pb2
 from tests.service import GatewayThread, WorkerProcess, WorkerThread, stub_for, wait_until, workers_ready
-from worker.config import WorkerConfig
+from worker.config import DEFAULT_MODEL_NAME, WorkerConfig
 from worker.engine.sim import SimConfig, SimEngine, sim_token_ids
 from worker.io.claim import Claimer
 from worker.io.reclaim import reconcile
@@ -62,7 +62,7 @@ def enqueue(client: redis.Redis, keys: Keys, request_id: str, **params: object) 
 # -- the scripts ----------------------------------------------------------------------------------
 
 def test_a_fenced_consumer_writes_nothing(client: redis.Redis, prefix: str) -> None:
-    keys = Keys(prefix)
+    keys = Keys(prefix, DEFAULT_MODEL_NAME)
     outbox = Outbox()
     outbox.log(chunk_event("r", 0))
     client.sadd(keys.revoked("zombie"), FENCE_MARK)  # what RECLAIM leaves for a consumer it fenced
@@ -73,7 +73,7 @@ def test_a_fenced_consumer_writes_nothing(client: redis.Redis, prefix: str) -> N
 
 
 def test_a_takeover_moves_the_log_and_revokes_the_old_owners_writes(client: redis.Redis, prefix: str) -> None:
-    keys = Keys(prefix)
+    keys = Keys(prefix, DEFAULT_MODEL_NAME)
     entry_id = enqueue(client, keys, "r")
     assert own(client, keys, "a", "r", entry_id)[0] == b"own"
     first = Outbox()
@@ -104,7 +104,7 @@ def test_a_takeover_moves_the_log_and_revokes_the_old_owners_writes(client: redi
 
 def test_the_publisher_sends_a_round_again_without_a_request_taken_over_since(client: redis.Redis,
                                                                              prefix: str) -> None:
-    keys = Keys(prefix)
+    keys = Keys(prefix, DEFAULT_MODEL_NAME)
     config = WorkerConfig(redis_url="redis://unused", key_prefix=prefix, worker_id="a")
     me = config.consumer_name
     entry_id = enqueue(client, keys, "r")
@@ -141,7 +141,7 @@ def test_the_publisher_sends_a_round_again_without_a_request_taken_over_since(cl
 
 
 def test_own_acknowledges_finished_and_stale_attempts(client: redis.Redis, prefix: str) -> None:
-    keys = Keys(prefix)
+    keys = Keys(prefix, DEFAULT_MODEL_NAME)
     entry_id = enqueue(client, keys, "done")
     client.hset(keys.record("done"), Record.FINAL, 4)
     assert own(client, keys, "a", "done", entry_id)[0] == b"finished"
@@ -151,18 +151,21 @@ def test_own_acknowledges_finished_and_stale_attempts(client: redis.Redis, prefi
 
 
 def test_reclaim_fences_dead_consumers_only(client: redis.Redis, prefix: str) -> None:
-    keys = Keys(prefix)
+    keys = Keys(prefix, DEFAULT_MODEL_NAME)
     client.xgroup_create(keys.requests, keys.group, id="0", mkstream=True)
     for name in ("alive", "dead"):
         enqueue(client, keys, name)
         client.xreadgroup(keys.group, name, {keys.requests: ">"}, count=1)
     client.zadd(keys.registry, {"alive": (time.time() + 60) * 1000, "dead": (time.time() - 1) * 1000})
     script = client.register_script(RECLAIM)
-    *claimed, idle = script(keys=[keys.registry, keys.fenced],
-                            args=[keys.group, "me", 86400000, 10, keys.prefix, *keys.request_streams, "--",
-                                  "alive", "dead"])
+    client.hset(keys.consumer_models, mapping={"dead": keys.model, "other-model": "m2"})
+    client.zadd(keys.registry, {"other-model": (time.time() - 1) * 1000})  # dead too, but not ours
+    *claimed, idle = script(keys=[keys.registry, keys.fenced, keys.consumer_models],
+                            args=[keys.group, "me", 86400000, 10, keys.prefix, keys.model,
+                                  *keys.request_streams, "--", "alive", "dead", "other-model"])
     assert [c[0].decode() for c in claimed] == [keys.requests] and idle == [b"dead"]  # emptied: tidy it
     assert client.smembers(keys.fenced) == {b"dead"} and client.zscore(keys.registry, "dead") is None
+    assert client.hkeys(keys.consumer_models) == [b"other-model"]  # its own model's sweepers fence it
     assert client.smembers(keys.revoked("dead")) == {FENCE_MARK.encode()}
     pending = client.xpending_range(keys.requests, keys.group, min="-", max="+", count=10)
     assert sorted(p["consumer"] for p in pending) == [b"alive", b"me"]
@@ -193,7 +196,7 @@ def sim_worker(start_worker: Callable[..., WorkerThread], **overrides: object) -
 def test_an_xack_lost_with_the_aof_neither_hangs_a_call_nor_runs_it_twice(
         client: redis.Redis, prefix: str, start_worker: Callable[..., WorkerThread],
         make_gateway: Callable[..., GatewayThread]) -> None:
-    keys = Keys(prefix)
+    keys = Keys(prefix, DEFAULT_MODEL_NAME)
     worker = sim_worker(start_worker, reconcile_interval_s=0.2)
     channel, stub = stub_for(make_gateway().target)
     with channel:
@@ -204,6 +207,7 @@ def test_an_xack_lost_with_the_aof_neither_hangs_a_call_nor_runs_it_twice(
         # and "lost" was claimed by this worker just before, without it ever hearing of it.
         for request_id, request in (("done", done), ("lost", build_request("hi", max_tokens=8, seed=12,
                                                                             request_id="lost"))):
+            request.model = keys.model  # as the gateway fills it in before the digest
             queued = queue_pb2.QueuedRequest(request_id=request_id, request=request, result_ttl_s=60)
             entry_id = client.xadd(keys.requests, {STREAM_DATA_FIELD: queued.SerializeToString()})
             client.hset(keys.record(request_id), mapping={Record.DIGEST: request_digest(request),
@@ -226,7 +230,7 @@ def test_a_zombie_worker_is_fenced_and_no_stream_is_spliced(
     Each worker salts its tokens, so a stream spliced from two generations would show."""
     sim = ["--engine", "sim", "--sim-step-ms", "20", "--heartbeat-ttl", "1", "--max-num-seqs", "8"]
     workers = {salt: WorkerProcess(redis_url, prefix, f"w{salt}", *sim, "--sim-salt", salt) for salt in "ab"}
-    channel, stub = stub_for(make_gateway(liveness_check_s=0.5).target)
+    channel, stub = stub_for(make_gateway(liveness_check_s=0.5, models=("sim",)).target)
     num_tokens = 120  # 2.4 s of decoding at 20 ms a step
     try:
         wait_until(workers_ready(stub, 2), timeout=60)
@@ -241,7 +245,7 @@ def test_a_zombie_worker_is_fenced_and_no_stream_is_spliced(
             zombie = workers["a"].proc
             os.kill(zombie.pid, signal.SIGSTOP)
             time.sleep(3.0)  # > heartbeat TTL + a sweep: worker b fenced it and took its streams
-            keys = Keys(prefix)
+            keys = Keys(prefix, "sim")
             names = {n.decode() for n in client.smembers(keys.fenced)}
             zombie_log = keys.log(next(n for n in names if n.startswith("wa.")))
             os.kill(zombie.pid, signal.SIGCONT)

@@ -272,7 +272,7 @@ def test_a_full_redis_is_resource_exhausted_naming_its_memory(prefix: str) -> No
     """noeviction: Redis refuses the enqueue (OOM) and the caller is told so, not "unreachable"."""
     with EmbeddedRedis(maxmemory="1") as server:  # below what any Redis uses by itself
         gateway = GatewayThread(GatewayConfig(listen="127.0.0.1:0", redis_url=server.url,
-                                              key_prefix=prefix)).start()
+                                              key_prefix=prefix, models=("m",))).start()
         try:
             channel, stub = stub_for(gateway.target)
             with channel, pytest.raises(grpc.RpcError) as e:
@@ -288,6 +288,8 @@ class IdleEngine:
 
     def __init__(self, **stats: object) -> None:
         self._stats = SimpleNamespace(**stats)
+
+    adapters: tuple[str, ...] = ()  # no LoRA adapters
 
     def add_request(self, *args: object, **kwargs: object) -> Admitted:
         raise AssertionError("nothing is enqueued in this test")
@@ -317,9 +319,10 @@ def gateway_with_idle_worker(make_gateway: Callable[..., GatewayThread], redis_u
                              stats: dict[str, object]) -> Iterator[Any]:
     """A gateway's stub once a worker heart-beating these stats has joined (stopped afterwards)."""
     worker = WorkerThread(IdleEngine(**stats), WorkerConfig(redis_url=redis_url, key_prefix=prefix,
-                                                             worker_id="w1", claim_block_ms=50)).start()
+                                                             worker_id="w1", claim_block_ms=50,
+                                                             served_model_name="tiny")).start()
     try:
-        channel, stub = stub_for(make_gateway().target)
+        channel, stub = stub_for(make_gateway(models=()).target)  # "tiny" alone is served
         with channel:
             wait_until(workers_ready(stub, 1), timeout=10)
             yield stub
@@ -337,7 +340,7 @@ def test_server_info_shows_every_heartbeat_field_of_a_worker(
     reported = generate_pb2.WorkerInfo.DESCRIPTOR.fields_by_name  # the per-step counts are not
     expected = {k: v for k, v in stats.items() if k != "model_name" and k in reported}
     assert len(expected) == 14 and {k: getattr(info, k) for k in expected} == expected
-    assert (info.worker_id, info.model, info.num_finished) == ("w1", "tiny", 0)
+    assert (info.worker_id, info.model, info.num_finished) == ("w1", "tiny", 0)  # its --served-model-name
     assert abs(info.heartbeat_unix - time.time()) < 10
 
 
@@ -356,26 +359,29 @@ def test_max_tokens_no_live_worker_can_hold_is_refused_by_the_gateway(
 def test_entry_state_follows_a_request_through_redis(redis_url: str, prefix: str) -> None:
     """queued -> claimed by a live worker -> its worker died -> finished (acked and deleted)."""
     config = GatewayConfig(listen="127.0.0.1:0", redis_url=redis_url, key_prefix=prefix)
-    keys = config.keys
+    keys = config.keys.for_model("m")
     sync = redis.Redis.from_url(redis_url)
 
     async def go() -> list[EntryState]:
         client = connect(config)
         queue = RequestQueue(client, config)
         states = []
-        found = await queue.attach(queue_pb2.QueuedRequest(request_id="r"), "d", may_create=True)
-        entry_id = found.entry_id
+        request = queue_pb2.QueuedRequest(request_id="r", request=generate_pb2.GenerateRequest(model="m"))
+        found = await queue.attach(request, "d", may_create=True)
+        entry_id, stream = found.entry_id, keys.requests
+        assert found.stream == stream
         sync.xgroup_create(keys.requests, keys.group, id="0")
-        states.append(await queue.entry_state(entry_id))
+        states.append(await queue.entry_state(entry_id, stream))
         sync.xreadgroup(keys.group, "w1", {keys.requests: ">"}, count=1)
         sync.zadd(keys.registry, {"w1": (time.time() + 60) * 1000})  # alive in the registry
-        states.append(await queue.entry_state(entry_id))
-        assert await queue.read_depth() == (0, 1)
+        states.append(await queue.entry_state(entry_id, stream))
+        assert await queue.read_depth(["m"]) == (0, 1)
+        assert await queue.read_depth(["other"]) == (0, 0)
         sync.zadd(keys.registry, {"w1": (time.time() - 1) * 1000})  # its heartbeat expired
-        states.append(await queue.entry_state(entry_id))
+        states.append(await queue.entry_state(entry_id, stream))
         sync.xack(keys.requests, keys.group, entry_id)
         sync.xdel(keys.requests, entry_id)
-        states.append(await queue.entry_state(entry_id))
+        states.append(await queue.entry_state(entry_id, stream))
         await client.aclose()
         return states
 
@@ -389,8 +395,9 @@ def test_entry_state_follows_a_request_through_redis(redis_url: str, prefix: str
 def test_attach_creates_finds_or_refuses_a_request_record(redis_url: str, prefix: str) -> None:
     """The ATTACH script: one generation per request id, new attempts only after one ended."""
     config = GatewayConfig(listen="127.0.0.1:0", redis_url=redis_url, key_prefix=prefix)
-    keys, sync = config.keys, redis.Redis.from_url(redis_url)
+    keys, sync = config.keys.for_model("m"), redis.Redis.from_url(redis_url)
     queued = queue_pb2.QueuedRequest(request_id="r", request=build_request("Hi", seed=7))
+    queued.request.model = "m"
 
     async def go() -> list[tuple[str, int | None]]:
         client = connect(config)

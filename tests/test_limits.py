@@ -18,6 +18,7 @@ from protos.convert import build_request
 from protos.keys import Keys
 from protos.tokenrelay.v1 import generate_pb2, generate_pb2_grpc
 from tests.service import GatewayThread, stub_for, wait_until
+from worker.config import DEFAULT_MODEL_NAME
 
 MIB = 1024 * 1024
 
@@ -26,7 +27,7 @@ MIB = 1024 * 1024
 def num_enqueued(redis_url: str, prefix: str) -> Iterator[Callable[[], int]]:
     """Entries on this test's request streams (every priority class)."""
     client = redis.Redis.from_url(redis_url)
-    yield lambda: sum(int(client.xlen(stream)) for stream in Keys(prefix).request_streams)
+    yield lambda: sum(int(client.xlen(stream)) for stream in Keys(prefix, DEFAULT_MODEL_NAME).request_streams)
     client.close()
 
 

@@ -20,6 +20,7 @@ from protos.tokenrelay.v1 import generate_pb2, generate_pb2_grpc
 from tests.factories import make_stats
 from tests.service import GatewayThread, WorkerThread, stub_for, wait_until, workers_ready
 from tests.test_scheduler import make_scheduler, run
+from worker.config import DEFAULT_MODEL_NAME
 from worker.engine.outputs import Admitted, RequestOutput
 from worker.engine.sequence import Sequence
 from worker.engine.stopping import StoppingCriteria
@@ -37,6 +38,8 @@ class SlowEngine:
         self.aborted: set[str] = set()
         self.admitted: list[int] = []  # the priority of each admitted request, in order
         self._lock = threading.Lock()
+
+    adapters: tuple[str, ...] = ()  # no LoRA adapters
 
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams, **kwargs: Any) -> Admitted:
         with self._lock:
@@ -149,10 +152,11 @@ def test_at_overload_the_low_class_is_refused_first_and_high_still_gets_in(
     assert (info.queue_depth, info.max_queue_depth) == (6, 4)  # summed over the classes
 
 
-def test_each_class_has_its_own_stream_and_normal_keeps_the_old_name(
+def test_each_class_has_its_own_stream_of_the_model(
         make_gateway: Callable[..., GatewayThread], redis_url: str, prefix: str) -> None:
-    keys, client = Keys(prefix), redis.Redis.from_url(redis_url)
-    assert keys.request_streams == (f"{prefix}:requests:high", f"{prefix}:requests", f"{prefix}:requests:low")
+    keys, client = Keys(prefix, DEFAULT_MODEL_NAME), redis.Redis.from_url(redis_url)
+    normal = f"{prefix}:model:{DEFAULT_MODEL_NAME}:requests"
+    assert keys.request_streams == (f"{normal}:high", normal, f"{normal}:low")
     assert [PriorityClass.of(p) for p in (HIGH, 1, NORMAL, -1, LOW)] == \
         [PriorityClass.HIGH, PriorityClass.HIGH, PriorityClass.NORMAL, PriorityClass.LOW, PriorityClass.LOW]
     channel, stub = stub_for(make_gateway().target)
@@ -170,7 +174,7 @@ def test_each_class_has_its_own_stream_and_normal_keeps_the_old_name(
 def test_a_dead_workers_high_priority_entry_is_re_claimed_and_finished(
         make_gateway: Callable[..., GatewayThread], start_worker: Callable[..., WorkerThread],
         redis_url: str, prefix: str) -> None:
-    keys, client = Keys(prefix), redis.Redis.from_url(redis_url)
+    keys, client = Keys(prefix, DEFAULT_MODEL_NAME), redis.Redis.from_url(redis_url)
     high = keys.requests_of(PriorityClass.HIGH)
     channel, stub = stub_for(make_gateway(liveness_check_s=0.5).target)
     with channel:

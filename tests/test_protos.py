@@ -23,7 +23,7 @@ from protos.convert import (
     usage_from_pb,
     usage_to_pb,
 )
-from protos.keys import Heartbeat, Keys, check_name, default_instance_id
+from protos.keys import Heartbeat, Keys, check_model_name, check_name, default_instance_id
 from protos.params import FinishReason, Logprobs, SamplingParams, TokenLogprob, Usage
 from protos.redis_conn import Backoff, check_redis_url, client_options
 from protos.tokenrelay.v1 import generate_pb2
@@ -121,18 +121,34 @@ def test_chunk_carries_logprobs() -> None:
 
 
 def test_keys_share_one_prefix() -> None:
-    keys = Keys("p")
+    keys = Keys("p", "m")
     names = [keys.requests, keys.group, keys.aborts, keys.events("r"), keys.record("r"), keys.gateway("g"),
-             keys.worker("w")]
+             keys.worker("w"), keys.consumer_models, keys.adapters("m"), keys.control("m")]
     assert all(n.startswith("p:") for n in names)
     assert len(set(names)) == len(names)
     with pytest.raises(ValueError):
         Keys("has space")
 
 
+def test_each_model_has_its_own_request_streams() -> None:
+    a, b = Keys("p", "org/model-a"), Keys("p").for_model("b")
+    assert a.requests == "p:model:org/model-a:requests"
+    assert not set(a.request_streams) & set(b.request_streams)
+    assert all(s.startswith(a.model_mark) for s in a.request_streams + b.request_streams)
+    assert len(set(a.request_streams)) == 3
+    with pytest.raises(ValueError, match="use Keys.for_model"):
+        _ = Keys("p").requests  # a gateway's base Keys names no stream: every request has a model
+
+
+@pytest.mark.parametrize("name", ["", "has space", "a:b", "a*", "x" * 129])
+def test_model_names_that_cannot_name_streams_are_refused(name: str) -> None:
+    with pytest.raises(ValueError, match=r"model must be 1-128 characters of \[A-Za-z0-9._/-\]"):
+        check_model_name("model", name)
+
+
 def test_heartbeat_fields_are_the_worker_info_fields() -> None:
     """The worker writes and the gateway reads exactly the fields GetServerInfo documents."""
-    fields = Heartbeat.TEXT + Heartbeat.INT + Heartbeat.FLOAT
+    fields = Heartbeat.TEXT + Heartbeat.LIST + Heartbeat.INT + Heartbeat.FLOAT
     assert len(set(fields)) == len(fields)
     derived = {"prefix_cache_hit_rate"}  # the gateway computes it from two of them
     assert set(fields) | derived == set(generate_pb2.WorkerInfo.DESCRIPTOR.fields_by_name)

@@ -17,6 +17,7 @@ import redis
 
 from gateway.auth import ANONYMOUS
 from gateway.config import GatewayConfig
+from gateway.models import Models
 from gateway.queue import RequestQueue, connect
 from gateway.routing import MIN_OVERLAP_CHUNKS, PrefixRouter
 from protos.convert import build_request
@@ -25,6 +26,7 @@ from protos.routing import CHUNK_CHARS, prefix_hashes
 from protos.tokenrelay.v1 import generate_pb2, generate_pb2_grpc, queue_pb2
 from tests.factories import CountingEngine
 from tests.service import GatewayThread, WorkerProcess, WorkerThread, stub_for, wait_until, workers_ready
+from worker.config import DEFAULT_MODEL_NAME as MODEL
 from worker.config import WorkerConfig
 from worker.engine.sim import SimConfig, SimEngine, sim_token_ids
 from worker.io.claim import Claimer
@@ -85,7 +87,8 @@ def register(client: redis.Redis, keys: Keys, consumer: str, *, ttl_ms: int = 60
     """A live worker as the registry and its heartbeat show it (no process behind it)."""
     seconds, micros = client.time()
     client.zadd(keys.registry, {consumer: int(seconds) * 1000 + int(micros) // 1000 + ttl_ms})
-    fields = {"worker_id": consumer, "max_num_seqs": 4, "num_running": 0, "num_waiting": 0} | load
+    fields = {"worker_id": consumer, "model": keys.model, "max_num_seqs": 4, "num_running": 0,
+              "num_waiting": 0} | load
     client.hset(keys.worker(consumer), mapping={k: str(v) for k, v in fields.items()})
 
 
@@ -101,7 +104,9 @@ def choose(redis_url: str, prefix: str, request: generate_pb2.GenerateRequest) -
         config = GatewayConfig(redis_url=redis_url, key_prefix=prefix)
         aio = connect(config)
         try:
-            router = PrefixRouter(RequestQueue(aio, config))
+            queue = RequestQueue(aio, config)
+            router = PrefixRouter(queue, Models(queue, config))
+            request.model = MODEL
             route = await router.choose(queue_pb2.QueuedRequest(request=request, cache_scope=SCOPE))
             return route.consumer
         finally:
@@ -111,7 +116,7 @@ def choose(redis_url: str, prefix: str, request: generate_pb2.GenerateRequest) -
 
 def test_the_router_prefers_the_overlap_weighs_load_and_skips_full_and_dead_workers(
         client: redis.Redis, redis_url: str, prefix: str) -> None:
-    keys = Keys(prefix)
+    keys = Keys(prefix, MODEL)
     request = session(1, 1)[0]
     register(client, keys, "a", num_running=2)
     register(client, keys, "b")
@@ -142,7 +147,7 @@ def test_the_router_prefers_the_overlap_weighs_load_and_skips_full_and_dead_work
 
 def test_a_workers_own_stream_comes_before_the_shared_one_of_its_class_never_before_a_higher_class(
         client: redis.Redis, redis_url: str, prefix: str) -> None:
-    keys = Keys(prefix)
+    keys = Keys(prefix, MODEL)
     config = WorkerConfig(redis_url=redis_url, key_prefix=prefix, worker_id="w")
     me = config.consumer_name
     high, normal, low = PriorityClass.HIGH, PriorityClass.NORMAL, PriorityClass.LOW
@@ -171,7 +176,7 @@ def served_by(responses: list[generate_pb2.GenerateResponse]) -> str:
 def test_a_sessions_next_turns_go_to_the_worker_that_served_its_first(
         make_gateway: Callable[..., GatewayThread], start_worker: Callable[..., WorkerThread],
         client: redis.Redis, prefix: str) -> None:
-    keys = Keys(prefix)
+    keys = Keys(prefix, MODEL)
     channel, stub = stub_for(make_gateway().target)
     workers = {w.config.worker_id: w for w in (start_worker(CountingEngine(), claim_block_ms=20)
                                                for _ in range(2))}
@@ -194,7 +199,7 @@ def test_a_sessions_next_turns_go_to_the_worker_that_served_its_first(
 def test_routing_none_leaves_every_request_to_the_shared_stream(
         make_gateway: Callable[..., GatewayThread], start_worker: Callable[..., WorkerThread],
         client: redis.Redis, prefix: str) -> None:
-    keys = Keys(prefix)
+    keys = Keys(prefix, MODEL)
     worker = start_worker(CountingEngine(), claim_block_ms=20)
     register(client, keys, "bystander")  # routing chooses among two or more workers
     request = session(1, 1)[0]
@@ -214,7 +219,7 @@ def test_a_routed_request_its_worker_does_not_claim_moves_to_the_shared_stream_w
         client: redis.Redis, prefix: str) -> None:
     """"stuck" looks live and holds the prefix, but never claims (a hung process): after the
     wait the request moves to the shared stream and the real worker serves it."""
-    keys = Keys(prefix)
+    keys = Keys(prefix, MODEL)
     request = session(1, 1)[0]
     register(client, keys, "stuck")
     index(client, keys, "stuck", request)
@@ -238,7 +243,7 @@ def test_a_dead_workers_routed_requests_are_served_by_another_with_nothing_lost(
     """"ghost" is routed three requests, claims one and dies. The wait is a minute, so only the
     sweeper that fences it can help: it re-claims the claimed one and moves the two queued ones
     to the shared stream; all three callers get every chunk, and ghost's streams are deleted."""
-    keys = Keys(prefix)
+    keys = Keys(prefix, MODEL)
     turns = [session(n, 1)[0] for n in range(3)]
     register(client, keys, "ghost", ttl_ms=1500)
     register(client, keys, "bystander")  # routing chooses among two or more workers
@@ -275,8 +280,9 @@ def test_a_killed_workers_routed_requests_still_queued_on_its_stream_are_served_
     it stops (SIGSTOP: its heartbeat still looks alive) while they queue on its stream, and is
     then SIGKILLed. Another worker's sweep takes them: every caller gets every token, exactly
     the simulated engine's, and the dead worker's streams are deleted."""
-    keys = Keys(prefix)
-    sim = ["--engine", "sim", "--sim-step-ms", "5", "--heartbeat-ttl", "1", "--max-num-seqs", "8"]
+    keys = Keys(prefix, MODEL)
+    sim = ["--engine", "sim", "--sim-step-ms", "5", "--heartbeat-ttl", "1", "--max-num-seqs", "8",
+           "--served-model-name", MODEL]  # the in-process workers' model
     doomed = WorkerProcess(redis_url, prefix, "doomed", *sim)
     register(client, keys, "bystander", num_running=4)  # full: every turn goes to "doomed"
     channel, stub = stub_for(make_gateway(route_max_wait_ms=60_000, liveness_check_s=0.5).target)

@@ -68,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=_env("TOKENRELAY_MODEL"),
                    help="GGUF file or Hugging Face folder; default: the bundled SmolLM2-135M-Instruct "
                         "[env TOKENRELAY_MODEL]")
+    p.add_argument("--served-model-name", default=_env("TOKENRELAY_SERVED_MODEL_NAME", ""),
+                   help="the name requests address this model by (GenerateRequest.model) and whose "
+                        "streams this worker claims; default: the model file's name, "
+                        "SmolLM2-135M-Instruct for the bundled one, sim for --engine sim "
+                        "[env TOKENRELAY_SERVED_MODEL_NAME]")
     p.add_argument("--device", default=_env("TOKENRELAY_DEVICE", "cpu"),
                    help="cpu, cuda, cuda:1, ... [env TOKENRELAY_DEVICE]")
     p.add_argument("--dtype", choices=DTYPES, default=_env("TOKENRELAY_DTYPE", "float32"),
@@ -164,6 +169,7 @@ def config_from_args(argv: list[str] | None = None) -> tuple[WorkerConfig, str]:
         sim = SimConfig(step_ms=args.sim_step_ms, ms_per_token=args.sim_ms_per_token, salt=args.sim_salt)
         config = WorkerConfig(engine=engine, engine_kind=args.engine, sim=sim,
                               redis_url=args.redis_url, key_prefix=args.key_prefix,
+                              served_model_name=args.served_model_name,
                               worker_id=args.worker_id or default_instance_id(),
                               drain_timeout_s=args.drain_timeout, heartbeat_ttl_s=args.heartbeat_ttl,
                               heartbeat_interval_s=min(0.5, args.heartbeat_ttl / 5),

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from protos.keys import DEFAULT_PREFIX, Keys, check_name, default_instance_id
+from protos.keys import DEFAULT_PREFIX, Keys, check_model_name, check_name, default_instance_id
 from protos.logs import check_log_format
 from protos.metrics import check_metrics_options
 from protos.redis_conn import DEFAULT_REDIS_URL, check_redis_url
 from protos.tracing import check_otlp_endpoint
 from worker.engine.config import ENGINE_KINDS, EngineConfig, SimConfig
+
+# The served name of the bundled default model (its GGUF file is SmolLM2-135M-Instruct.Q4_1.gguf).
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 @dataclass(frozen=True)
@@ -22,6 +26,9 @@ class WorkerConfig:
     sim: SimConfig = field(default_factory=SimConfig)
     redis_url: str = DEFAULT_REDIS_URL
     key_prefix: str = DEFAULT_PREFIX
+    # The model's name in GenerateRequest.model and the streams it claims (protos/keys.py,
+    # "Models"); "" = the model file's name (`model_name`).
+    served_model_name: str = ""
     # The name reported in Final.worker_id and GetServerInfo.
     worker_id: str = field(default_factory=default_instance_id)
     # Drawn per process: with worker_id it names this process's consumer (`consumer_name`), so
@@ -78,6 +85,7 @@ class WorkerConfig:
             raise ValueError(f"engine_kind must be one of {', '.join(ENGINE_KINDS)}, "
                              f"got {self.engine_kind!r}")
         Keys(self.key_prefix)  # validates the prefix
+        check_model_name("served_model_name", self.model_name)
         check_redis_url(self.redis_url)
         check_name("worker_id", self.worker_id)
         if self.drain_timeout_s < 0:
@@ -116,5 +124,19 @@ class WorkerConfig:
         return f"{self.worker_id}.{self.incarnation}"
 
     @property
+    def model_name(self) -> str:
+        """--served-model-name, else the model file's name (a GGUF's without .gguf, a Hugging Face
+        folder's), "sim" for the simulator, DEFAULT_MODEL_NAME for the bundled model."""
+        if self.served_model_name:
+            return self.served_model_name
+        if self.engine_kind == "sim":
+            return "sim"
+        if self.engine.model is None:
+            return DEFAULT_MODEL_NAME
+        path = Path(self.engine.model.rstrip("/"))
+        return path.stem if path.suffix == ".gguf" else path.name
+
+    @property
     def keys(self) -> Keys:
-        return Keys(self.key_prefix)
+        """This worker's keys: the request streams of its model."""
+        return Keys(self.key_prefix, self.model_name)

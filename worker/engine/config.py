@@ -57,6 +57,7 @@ class EngineConfig:
     speculative: str = "none"
     num_speculative_tokens: int = 4  # proposals verified per step and sequence
     draft_model: str | None = None  # GGUF file or Hugging Face folder, for speculative="draft"
+    adapters: tuple[tuple[str, str], ...] = ()  # (name, path) of the LoRA adapters loaded at start
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

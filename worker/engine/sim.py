@@ -10,7 +10,8 @@ simulator for the same reason). It keeps the real engine's contract:
   later step emits one token per running request;
 - a step sleeps `step_ms + ms_per_token * (decode rows + prompt tokens
   prefilled)` (the GPU time it stands for); nothing to run: no sleep;
-- token i of a request is `sim_token_ids(seed, i, 1, salt)`, so a resumed
+- token i of a request is `sim_token_ids(seed, i, 1, salt)` (its adapter, if any, in the
+  salt), so a resumed
   request (`Resume`) goes on with exactly the tokens it would have had, and a
   test can check every token of every stream;
 - the same validation messages, finish reasons (LENGTH, STOP on a stop token or
@@ -67,6 +68,7 @@ class _SimRequest:
     num_truncated_tokens: int
     arrival_time: float
     matcher: StopStringMatcher | None
+    salt: str  # the engine's salt, and the request's adapter: an adapter's tokens are its own
     output_ids: list[int] = field(default_factory=list)  # resumed ones first
     admitted_time: float | None = None
     first_token_time: float = 0.0
@@ -79,7 +81,9 @@ class _SimRequest:
 
 class SimEngine:
     def __init__(self, config: SimConfig | None = None, *, max_num_seqs: int = 128,
-                 max_model_len: int = DEFAULT_SIM_MAX_MODEL_LEN) -> None:
+                 max_model_len: int = DEFAULT_SIM_MAX_MODEL_LEN, adapters: tuple[str, ...] = ()) -> None:
+        """`adapters`: the names of the LoRA adapters it pretends to have loaded (more with
+        `load_adapter`); a request's adapter is mixed into its tokens' salt."""
         if max_num_seqs < 1 or max_model_len < 2:
             raise ValueError(f"max_num_seqs must be >= 1 and max_model_len >= 2, got {max_num_seqs} and "
                              f"{max_model_len}")
@@ -92,27 +96,45 @@ class SimEngine:
         self._aborts: set[str] = set()
         self._lock = threading.Lock()  # abort() may come from another thread, like EngineCore's
         self._num_step_prefill_tokens = self._num_step_decode_tokens = 0
+        self._adapters = set(adapters)
 
     @classmethod
     def from_config(cls, sim: SimConfig, engine: EngineConfig) -> SimEngine:
         return cls(sim, max_num_seqs=engine.max_num_seqs,
-                   max_model_len=engine.max_model_len or DEFAULT_SIM_MAX_MODEL_LEN)
+                   max_model_len=engine.max_model_len or DEFAULT_SIM_MAX_MODEL_LEN,
+                   adapters=tuple(name for name, _ in engine.adapters))
+
+    @property
+    def adapters(self) -> tuple[str, ...]:
+        return tuple(sorted(self._adapters))
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Nothing is read: the name is served from now on."""
+        self._adapters.add(name)
+
+    def unload_adapter(self, name: str) -> None:
+        """New requests for it are refused; those running finish with their salt."""
+        self._adapters.discard(name)
 
     # -- requests -----------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams, *,
                     arrival_time: float | None = None, resume: Resume | None = None,
-                    cache_scope: bytes = b"") -> Admitted:
+                    cache_scope: bytes = b"", adapter: str = "") -> Admitted:
         """Queue a request; ValueError (naming the limit) if the real engine would refuse it.
         `cache_scope` is accepted and unused: the simulator caches no prefixes."""
         if request_id in self._waiting or request_id in self._running:
             raise ValueError(f"request_id {request_id!r} is already running")
+        if adapter and adapter not in self._adapters:
+            raise ValueError(f"adapter {adapter!r} is not loaded (loaded: "
+                             f"{', '.join(self.adapters) or 'none'})")
         num_prompt, num_truncated = self._fit_prompt(sim_prompt_tokens(prompt), params)
         seed = resume.seed if resume is not None else params.seed
         if seed is None:
             seed = random.getrandbits(63)
         req = _SimRequest(request_id, params, seed, num_prompt, num_truncated,
                           arrival_time if arrival_time is not None else time.time(),
-                          StopStringMatcher(params.stop) if params.stop else None)
+                          StopStringMatcher(params.stop) if params.stop else None,
+                          f"{self.config.salt}|{adapter}" if adapter else self.config.salt)
         texts, reason = [], None
         for token_id in resume.token_ids if resume is not None else ():  # rebuild the stop-string state
             req.output_ids.append(token_id)
@@ -197,7 +219,7 @@ class SimEngine:
             time.sleep(ms / 1000)  # stands for the GPU time of the step
 
     def _decode(self, req: _SimRequest) -> RequestOutput:
-        token_id = sim_token_ids(req.seed, len(req.output_ids), 1, self.config.salt)[0]
+        token_id = sim_token_ids(req.seed, len(req.output_ids), 1, req.salt)[0]
         req.output_ids.append(token_id)
         req.last_token_time = time.time()
         req.first_token_time = req.first_token_time or req.last_token_time

@@ -76,7 +76,7 @@ class TextEngine:
     # -- requests -----------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams, *,
                     arrival_time: float | None = None, resume: Resume | None = None,
-                    cache_scope: bytes = b"") -> Admitted:
+                    cache_scope: bytes = b"", adapter: str = "") -> Admitted:
         """Queue a request; ValueError (naming the field) if it cannot be served. It shares
         cached prompt blocks only with requests of the same `cache_scope`.
 
@@ -87,6 +87,8 @@ class TextEngine:
         """
         if request_id in self._states:
             raise ValueError(f"request_id {request_id!r} is already running")
+        if adapter:  # TEMP until the LoRA engine lands
+            raise ValueError(f"adapter {adapter!r} is not loaded")
         ids, truncated = self._encode(prompt, params)
         resumed = resume.token_ids if resume is not None else ()
         seq = self.engine.new_sequence(request_id, ids, params, arrival_time,
@@ -111,6 +113,10 @@ class TextEngine:
             self.engine.submit(seq)
             self._states[request_id] = state
         return Admitted(seq.seed, text)
+
+    @property
+    def adapters(self) -> tuple[str, ...]:  # TEMP until the LoRA engine lands
+        return ()
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)

@@ -59,7 +59,9 @@ class TextEngineProtocol(Protocol):
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams, *,
                     arrival_time: float | None = None, resume: Resume | None = None,
-                    cache_scope: bytes = b"") -> Admitted: ...
+                    cache_scope: bytes = b"", adapter: str = "") -> Admitted: ...
+    @property
+    def adapters(self) -> tuple[str, ...]: ...
     def abort(self, request_id: str) -> None: ...
     def step(self) -> list[RequestOutput]: ...
     def has_unfinished(self) -> bool: ...
@@ -76,7 +78,7 @@ class Consumer:
         self._metrics_server = MetricsServer(config.metrics_port, compat_vllm=config.metrics_compat == "vllm")
         self._metrics: WorkerMetrics | None = None
         if self._metrics_server.is_enabled:
-            self._metrics = WorkerMetrics(self._metrics_server.registry, engine.stats().model_name,
+            self._metrics = WorkerMetrics(self._metrics_server.registry, config.model_name,
                                           config.worker_id)
         self.tracing = Tracing(config.otlp_traces_endpoint, WORKER_SERVICE, config.worker_id)
         self._spans = RequestSpans(self.tracing, config.worker_id)
@@ -119,7 +121,8 @@ class Consumer:
 
     def run(self) -> None:
         # the first heartbeat describes the worker
-        self._heartbeat.set_load(heartbeat_fields(self.config.worker_id, self.engine.stats(), 0, 0))
+        self._heartbeat.set_load(heartbeat_fields(self.config, self.engine.stats(), 0, 0,
+                                                  self.engine.adapters))
         self._metrics_server.start()
         self._heartbeat.start()
         self._publisher.start()
@@ -281,11 +284,17 @@ class Consumer:
         progress = tracked.record if tracked.record.worker_id else None
         resume = None if progress is None else Resume(tuple(tracked.token_ids), progress.seed,
                                                       progress.first_token_unix)
+        adapter = qr.request.adapter
+        if adapter and adapter not in self.engine.adapters:  # unloaded since the gateway looked
+            return self._reject(tracked, ErrorCode.ERROR_CODE_NOT_FOUND,
+                                f"adapter {adapter!r} is not loaded on worker {self.config.worker_id} "
+                                f"(model {self.config.model_name}; loaded: "
+                                f"{', '.join(self.engine.adapters) or 'none'})")
         try:
             prompt, params = params_from_pb(qr.request)
             admitted = self.engine.add_request(tracked.key, prompt, params,
                                                arrival_time=qr.enqueued_unix or None, resume=resume,
-                                               cache_scope=qr.cache_scope)
+                                               cache_scope=qr.cache_scope, adapter=adapter)
         except ValueError as e:  # bad field, or prompt + max_tokens longer than the context
             return self._reject(tracked, ErrorCode.ERROR_CODE_INVALID_ARGUMENT, str(e))
         except Exception as e:
@@ -414,8 +423,8 @@ class Consumer:
 
     def _flush(self) -> None:
         stats = self.engine.stats()
-        self._heartbeat.set_load(heartbeat_fields(self.config.worker_id, stats, self.num_finished,
-                                                   len(self._parked)))
+        self._heartbeat.set_load(heartbeat_fields(self.config, stats, self.num_finished, len(self._parked),
+                                                  self.engine.adapters))
         if self._metrics is not None:
             self._metrics.update(stats, len(self._parked))
         now = time.monotonic()

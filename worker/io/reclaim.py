@@ -65,9 +65,10 @@ def reclaim_dead_workers(client: redis.Redis, config: WorkerConfig, count: int) 
     if not names:
         return []
     script = client.register_script(RECLAIM)
-    args: list[Any] = [keys.group, me, int(RECORD_LEASE_S * 1000), max(count, 0), keys.prefix,
+    args: list[Any] = [keys.group, me, int(RECORD_LEASE_S * 1000), max(count, 0), keys.prefix, keys.model,
                        *keys.request_streams, "--", *sorted(names)]
-    *claimed, idle = cast(list[Any], script(keys=[keys.registry, keys.fenced], args=args))
+    *claimed, idle = cast(list[Any], script(keys=[keys.registry, keys.fenced, keys.consumer_models],
+                                            args=args))
     for name in idle:  # fenced and with nothing pending: tidy the group
         for stream in keys.request_streams:
             try:
@@ -110,15 +111,18 @@ def reconcile(client: redis.Redis, config: WorkerConfig, held: Collection[str], 
 
 
 def other_workers_alive(client: redis.Redis, config: WorkerConfig) -> bool:
-    """Another consumer in the registry with a heartbeat in the future (Redis's clock)."""
+    """Another consumer of this worker's model in the registry with a heartbeat in the future
+    (Redis's clock): one that can resume what this worker hands over."""
+    keys, mine = config.keys, config.consumer_name.encode()
     try:
         seconds, micros = client.time()
         now_ms = int(seconds) * 1000 + int(micros) // 1000
-        alive = cast(list[bytes], client.zrangebyscore(config.keys.registry, now_ms, "+inf"))
+        alive = [n for n in cast(list[bytes], client.zrangebyscore(keys.registry, now_ms, "+inf"))
+                 if n != mine]
+        models = cast(list[bytes | None], client.hmget(keys.consumer_models, alive)) if alive else []
     except redis.RedisError:
         return False
-    mine = config.consumer_name.encode()
-    return any(name != mine for name in alive)
+    return any(model == keys.model.encode() for model in models)
 
 
 def _text(value: str | bytes) -> str:

@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -241,12 +241,14 @@ class Publisher:
         self._known.difference_update(outbox.forget)  # removed from the revoked set by this round
 
 
-def heartbeat_fields(worker_id: str, s: Any, num_finished: int, num_parked: int) -> dict[str, str]:
+def heartbeat_fields(config: WorkerConfig, s: Any, num_finished: int, num_parked: int,
+                     adapters: Sequence[str]) -> dict[str, str]:
     """Heartbeat fields from the engine's stats (`EngineStats`; strings: they go into a Redis
-    hash); `Heartbeat` adds the time."""
+    hash); `Heartbeat` adds the time. The model is the served name (--served-model-name)."""
     H = HeartbeatField
     fields = {
-        H.WORKER_ID: worker_id, H.MODEL: s.model_name, H.WEIGHTS: s.weights, H.NUM_FINISHED: num_finished,
+        H.WORKER_ID: config.worker_id, H.MODEL: config.model_name, H.ADAPTERS: ",".join(sorted(adapters)),
+        H.WEIGHTS: s.weights, H.NUM_FINISHED: num_finished,
         H.NUM_RUNNING: s.num_running, H.NUM_WAITING: s.num_waiting, H.MAX_NUM_SEQS: s.max_num_seqs,
         H.MAX_MODEL_LEN: s.max_model_len, H.BLOCK_SIZE: s.block_size, H.NUM_BLOCKS: s.num_blocks,
         H.NUM_FREE_BLOCKS: s.num_free_blocks, H.KV_CACHE_USAGE: s.kv_cache_usage,
@@ -277,7 +279,7 @@ class Heartbeat:
         self._script = client.register_script(HEARTBEAT)
         name = config.consumer_name
         self._script_keys = [self._keys.registry, self._keys.revoked(name), self._keys.worker(name),
-                             self._keys.log(name)]
+                             self._keys.log(name), self._keys.consumer_models]
         self.log_ttl_ms = 0  # how long the log must outlive this worker: its longest result TTL
         self._clock_offset_s = 0.0  # Redis TIME - time.time(), from the last heartbeat
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
@@ -305,7 +307,8 @@ class Heartbeat:
         sent_at = time.time()
         try:
             redis_ms = self._script(keys=self._script_keys, args=[self._config.consumer_name, ttl_ms,
-                                                                  ttl_ms + self.log_ttl_ms, *fields])
+                                                                  ttl_ms + self.log_ttl_ms, self._keys.model,
+                                                                  *fields])
         except redis.RedisError as e:
             log.warning("heartbeat failed: %s", e)
             return False
@@ -326,6 +329,7 @@ class Heartbeat:
         try:
             pipe = self._client.pipeline(transaction=False)
             pipe.zrem(self._keys.registry, name)
+            pipe.hdel(self._keys.consumer_models, name)
             pipe.delete(self._keys.worker(name))
             pipe.execute()
         except redis.RedisError as e:

@@ -225,9 +225,10 @@ local function data_of(fields)
   end
   return ''
 end
-local registry, fenced = KEYS[1], KEYS[2]
+local registry, fenced, models = KEYS[1], KEYS[2], KEYS[3]
 local group, me, fence_ttl, count, prefix = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
-local shared, consumers, i = {{}}, {{}}, 6
+local my_model = ARGV[6]
+local shared, consumers, i = {{}}, {{}}, 7
 while ARGV[i] ~= '--' do shared[#shared + 1] = ARGV[i]; i = i + 1 end
 for j = i + 1, #ARGV do consumers[#consumers + 1] = ARGV[j] end
 local classes = {{{", ".join(repr(c.name.lower()) for c in CLAIM_ORDER)}}}
@@ -235,7 +236,10 @@ local now = now_ms()
 local reply, idle = {{}}, {{}}
 for _, name in ipairs(consumers) do
   local score = redis.call('ZSCORE', registry, name)
-  if name ~= me and (not score or tonumber(score) <= now) then
+  -- Another model's worker is its own model's sweepers' to re-claim: its routed streams hold
+  -- requests of that model. Unknown (a Redis that lost the hash): judged by its shared entries.
+  local model = redis.call('HGET', models, name)
+  if name ~= me and (not score or tonumber(score) <= now) and (not model or model == my_model) then
     redis.call('SADD', fenced, name)
     redis.call('PEXPIRE', fenced, fence_ttl)
     redis.call('SADD', prefix .. ':revoked:' .. name, '{FENCE_MARK}')
@@ -298,6 +302,7 @@ for _, name in ipairs(consumers) do
     left = left + queued
     if left == 0 then
       redis.call('ZREM', registry, name)
+      redis.call('HDEL', models, name)
       idle[#idle + 1] = name
     end
   end
@@ -308,12 +313,13 @@ return reply
 
 
 HEARTBEAT = _LIB + f"""
-local registry, revoked, beat, log = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local me, ttl, log_ttl = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local registry, revoked, beat, log, models = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local me, ttl, log_ttl, model = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
 if redis.call('SISMEMBER', revoked, '{FENCE_MARK}') == 1 then return 0 end
 local now = now_ms()
 redis.call('ZADD', registry, now + ttl, me)
-if #ARGV > 3 then redis.call('HSET', beat, unpack(ARGV, 4, #ARGV)) end
+redis.call('HSET', models, me, model)  -- every beat: a Redis that came back empty learns it again
+if #ARGV > 4 then redis.call('HSET', beat, unpack(ARGV, 5, #ARGV)) end
 redis.call('PEXPIRE', beat, ttl)
 redis.call('PEXPIRE', log, log_ttl)
 return now

@@ -98,7 +98,7 @@ class ResponseFormat(_message.Message):
     def __init__(self, json_schema: _Optional[_Union[ResponseFormat.JsonSchema, _Mapping]] = ..., json_object: _Optional[_Union[ResponseFormat.JsonObject, _Mapping]] = ..., regex: _Optional[str] = ..., grammar: _Optional[str] = ..., choice: _Optional[_Union[ResponseFormat.Choice, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "chat", "request_id", "sampling", "stopping", "logprobs", "top_logprobs", "truncate_prompt", "priority", "resume_from_index", "cache_salt", "response_format")
+    __slots__ = ("prompt", "chat", "request_id", "sampling", "stopping", "logprobs", "top_logprobs", "truncate_prompt", "priority", "resume_from_index", "cache_salt", "response_format", "model", "adapter")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +111,8 @@ class GenerateRequest(_message.Message):
     RESUME_FROM_INDEX_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     chat: ChatMessages
     request_id: str
@@ -123,7 +125,9 @@ class GenerateRequest(_message.Message):
     resume_from_index: int
     cache_salt: str
     response_format: ResponseFormat
-    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., request_id: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[StoppingParameters, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., truncate_prompt: _Optional[bool] = ..., priority: _Optional[int] = ..., resume_from_index: _Optional[int] = ..., cache_salt: _Optional[str] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ...) -> None: ...
+    model: str
+    adapter: str
+    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., request_id: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[StoppingParameters, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., truncate_prompt: _Optional[bool] = ..., priority: _Optional[int] = ..., resume_from_index: _Optional[int] = ..., cache_salt: _Optional[str] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., model: _Optional[str] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "text")
@@ -212,7 +216,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "model", "num_running", "num_waiting", "max_num_seqs", "num_finished", "heartbeat_unix", "max_model_len", "block_size", "num_blocks", "num_free_blocks", "kv_cache_usage", "num_prefix_cache_hit_tokens", "num_prefix_cache_query_tokens", "num_preemptions", "num_parked", "weights", "num_spec_draft_tokens", "num_spec_accepted_tokens", "prefix_cache_hit_rate")
+    __slots__ = ("worker_id", "model", "num_running", "num_waiting", "max_num_seqs", "num_finished", "heartbeat_unix", "max_model_len", "block_size", "num_blocks", "num_free_blocks", "kv_cache_usage", "num_prefix_cache_hit_tokens", "num_prefix_cache_query_tokens", "num_preemptions", "num_parked", "weights", "num_spec_draft_tokens", "num_spec_accepted_tokens", "prefix_cache_hit_rate", "adapters")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -233,6 +237,7 @@ class WorkerInfo(_message.Message):
     NUM_SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model: str
     num_running: int
@@ -253,10 +258,23 @@ class WorkerInfo(_message.Message):
     num_spec_draft_tokens: int
     num_spec_accepted_tokens: int
     prefix_cache_hit_rate: float
-    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., num_finished: _Optional[int] = ..., heartbeat_unix: _Optional[float] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_prefix_cache_hit_tokens: _Optional[int] = ..., num_prefix_cache_query_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_parked: _Optional[int] = ..., weights: _Optional[str] = ..., num_spec_draft_tokens: _Optional[int] = ..., num_spec_accepted_tokens: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ...) -> None: ...
+    adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., num_finished: _Optional[int] = ..., heartbeat_unix: _Optional[float] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_prefix_cache_hit_tokens: _Optional[int] = ..., num_prefix_cache_query_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_parked: _Optional[int] = ..., weights: _Optional[str] = ..., num_spec_draft_tokens: _Optional[int] = ..., num_spec_accepted_tokens: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ServedModel(_message.Message):
+    __slots__ = ("name", "adapters", "num_workers", "is_default")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    IS_DEFAULT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    adapters: _containers.RepeatedScalarFieldContainer[str]
+    num_workers: int
+    is_default: bool
+    def __init__(self, name: _Optional[str] = ..., adapters: _Optional[_Iterable[str]] = ..., num_workers: _Optional[int] = ..., is_default: _Optional[bool] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("version", "gateway_id", "queue_depth", "max_queue_depth", "num_in_flight", "workers", "models", "tenant")
+    __slots__ = ("version", "gateway_id", "queue_depth", "max_queue_depth", "num_in_flight", "workers", "models", "tenant", "served")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     GATEWAY_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
@@ -265,6 +283,7 @@ class ServerInfo(_message.Message):
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    SERVED_FIELD_NUMBER: _ClassVar[int]
     version: str
     gateway_id: str
     queue_depth: int
@@ -273,7 +292,8 @@ class ServerInfo(_message.Message):
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
     models: _containers.RepeatedScalarFieldContainer[str]
     tenant: TenantInfo
-    def __init__(self, version: _Optional[str] = ..., gateway_id: _Optional[str] = ..., queue_depth: _Optional[int] = ..., max_queue_depth: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., models: _Optional[_Iterable[str]] = ..., tenant: _Optional[_Union[TenantInfo, _Mapping]] = ...) -> None: ...
+    served: _containers.RepeatedCompositeFieldContainer[ServedModel]
+    def __init__(self, version: _Optional[str] = ..., gateway_id: _Optional[str] = ..., queue_depth: _Optional[int] = ..., max_queue_depth: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., models: _Optional[_Iterable[str]] = ..., tenant: _Optional[_Union[TenantInfo, _Mapping]] = ..., served: _Optional[_Iterable[_Union[ServedModel, _Mapping]]] = ...) -> None: ...
 
 class TenantInfo(_message.Message):
     __slots__ = ("name", "max_concurrent", "tokens_per_minute", "max_priority", "is_admin")

@@ -16,12 +16,14 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_CODE_DEADLINE_EXCEEDED: _ClassVar[ErrorCode]
     ERROR_CODE_INTERNAL: _ClassVar[ErrorCode]
     ERROR_CODE_UNAVAILABLE: _ClassVar[ErrorCode]
+    ERROR_CODE_NOT_FOUND: _ClassVar[ErrorCode]
 ERROR_CODE_UNSPECIFIED: ErrorCode
 ERROR_CODE_INVALID_ARGUMENT: ErrorCode
 ERROR_CODE_RESOURCE_EXHAUSTED: ErrorCode
 ERROR_CODE_DEADLINE_EXCEEDED: ErrorCode
 ERROR_CODE_INTERNAL: ErrorCode
 ERROR_CODE_UNAVAILABLE: ErrorCode
+ERROR_CODE_NOT_FOUND: ErrorCode
 
 class QueuedRequest(_message.Message):
     __slots__ = ("request_id", "request", "enqueued_unix", "deadline_unix", "gateway_id", "result_ttl_s", "trace_context", "timeout_s", "tenant", "cache_scope")

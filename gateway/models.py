@@ -1,0 +1,108 @@
+"""Which models and LoRA adapters this deployment serves, and which one a request runs
+(protos/keys.py, "Models").
+
+A model is served while some live worker heart-beats it (WorkerInfo.model, its
+--served-model-name), or when the gateway's --models names it: those are queued for even with
+no worker alive, so KEDA can scale their workers from zero. An adapter is served while some live
+worker of its model has it loaded. Anything else is refused with NOT_FOUND naming what is
+served, so no request waits in a stream that no worker reads. The live workers' heartbeats are
+read at most every WORKERS_CACHE_S, one round trip shared by every call in that window, and by
+the prefix router (gateway/routing.py) and the context-length check (gateway/admission.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+from gateway.config import GatewayConfig
+from gateway.errors import InvalidArgument, NotFound
+from gateway.queue import RequestQueue
+from protos.keys import check_model_name
+from protos.tokenrelay.v1 import generate_pb2
+
+WORKERS_CACHE_S = 0.5  # a worker's heartbeat is renewed every ~0.5 s anyway
+Worker = tuple[str, generate_pb2.WorkerInfo]  # (consumer name, its heartbeat)
+
+
+def check_adapter_name(name: str) -> None:
+    """ValueError unless `name` is 1-64 of [A-Za-z0-9._-] (as the workers' --adapter names)."""
+    if len(name) > 64 or "/" in name:
+        raise ValueError(f"adapter must be 1-64 characters of [A-Za-z0-9._-], got {name!r}")
+    check_model_name("adapter", name)
+
+
+class Models:
+    def __init__(self, queue: RequestQueue, config: GatewayConfig) -> None:
+        self._queue, self._config = queue, config
+        self._workers: list[Worker] = []
+        self._read_at = -float("inf")
+        self._lock = asyncio.Lock()
+        self.on_read: list[Callable[[list[Worker]], None]] = []  # each read calls these with its list
+
+    async def live(self, max_age_s: float = WORKERS_CACHE_S) -> list[Worker]:
+        """Every live worker, at most max_age_s old (raises RedisError)."""
+        if time.monotonic() - self._read_at > max_age_s:
+            async with self._lock:  # one read serves every call waiting on it
+                if time.monotonic() - self._read_at > max_age_s:
+                    self._workers = await self._queue.consumers()
+                    self._read_at = time.monotonic()
+                    for callback in self.on_read:
+                        callback(self._workers)
+        return self._workers
+
+    async def of_model(self, model: str) -> list[Worker]:
+        return [(c, w) for c, w in await self.live() if w.model == model]
+
+    async def resolve(self, request: generate_pb2.GenerateRequest) -> str:
+        """The served model the request runs: its `model`, else the default. InvalidArgument for a
+        malformed name or an empty one with several models and no --default-model; NotFound for a
+        model or adapter nobody serves (raises RedisError)."""
+        try:
+            if request.model:
+                check_model_name("model", request.model)
+            if request.adapter:
+                check_adapter_name(request.adapter)
+        except ValueError as e:
+            raise InvalidArgument(str(e)) from None
+        by_model = self._by_model(await self.live())
+        served = sorted(set(by_model) | set(self._config.models))
+        name = request.model or self._config.default_model
+        if not name:
+            if len(served) > 1:
+                raise InvalidArgument(f"model is required: this deployment serves {', '.join(served)} and "
+                                      "its gateway has no --default-model")
+            if not served:
+                raise NotFound("model: no live worker serves a model yet, and the gateway's --models names "
+                               "none to queue for; start a worker, or list the models in --models")
+            name = served[0]
+        if name not in served:
+            raise NotFound(f"model {name!r} is not served here: served are {', '.join(served) or 'none'} (a "
+                           "live worker's --served-model-name, or the gateway's --models)")
+        if request.adapter:
+            adapters = sorted({a for w in by_model.get(name, []) for a in w.adapters})
+            if request.adapter not in adapters:
+                raise NotFound(f"adapter {request.adapter!r} of model {name!r} is not loaded on any live "
+                               f"worker: loaded are {', '.join(adapters) or 'none'}")
+        return name
+
+    async def served(self, max_age_s: float = WORKERS_CACHE_S) -> list[generate_pb2.ServedModel]:
+        """Every served model with its adapters and live workers, by name (raises RedisError)."""
+        by_model = self._by_model(await self.live(max_age_s))
+        default = self._config.default_model
+        names = sorted(set(by_model) | set(self._config.models))
+        if not default and len(names) == 1:
+            default = names[0]
+        return [generate_pb2.ServedModel(
+            name=name, adapters=sorted({a for w in by_model.get(name, []) for a in w.adapters}),
+            num_workers=len(by_model.get(name, [])), is_default=name == default) for name in names]
+
+    @staticmethod
+    def _by_model(workers: list[Worker]) -> dict[str, list[generate_pb2.WorkerInfo]]:
+        by_model: dict[str, list[generate_pb2.WorkerInfo]] = defaultdict(list)
+        for _, w in workers:
+            if w.model:
+                by_model[w.model].append(w)
+        return by_model
