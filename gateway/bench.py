@@ -84,6 +84,8 @@ class BenchConfig:
     ignore_eos: bool = False  # jsonl only: the synthetic datasets always ignore EOS
     temperature: float = 0.0
     seed: int = 0
+    model: str = ""  # GenerateRequest.model ("" = the deployment's default)
+    adapter: str = ""  # GenerateRequest.adapter ("" = the base model)
     slos_ms: dict[str, float] = field(default_factory=dict)
     percentiles: tuple[float, ...] = (99.0,)
     timeout_s: float | None = None
@@ -179,7 +181,8 @@ async def send_one(stub: generate_pb2_grpc.TokenRelayStub, request: BenchRequest
                    config: BenchConfig) -> RequestResult:
     """One stream, timed chunk by chunk; errors become the result's status, never an exception."""
     pb = build_request(request.prompt, request.messages, max_tokens=request.max_tokens,
-                       ignore_eos=request.ignore_eos or None, temperature=config.temperature)
+                       ignore_eos=request.ignore_eos or None, temperature=config.temperature,
+                       model=config.model or None, adapter=config.adapter or None)
     sent = time.perf_counter()
     result = RequestResult(start_s=sent - run_start)
     try:
@@ -316,6 +319,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sweep", type=float, nargs="+", metavar="RATE",
                    help="one run per request rate (e.g. 1 2 4 inf), instead of --request-rate")
     p.add_argument("--seed", type=int, default=0, help="seeds prompts and arrival times (default 0)")
+    p.add_argument("--model", default="", help="the served model to load (default: the deployment's default)")
+    p.add_argument("--adapter", default="", help="a LoRA adapter of --model (default: the base model)")
     d = p.add_argument_group("dataset")
     d.add_argument("--dataset", choices=DATASETS, default="random", help="default random (see below)")
     d.add_argument("--dataset-path", help="the JSONL file for --dataset jsonl")
@@ -343,7 +348,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         burstiness=args.burstiness, max_concurrency=args.max_concurrency, dataset=args.dataset,
         dataset_path=args.dataset_path, input_len=args.input_len, output_len=args.output_len,
         range_ratio=args.range_ratio, system_prompt_len=args.system_prompt_len, ignore_eos=args.ignore_eos,
-        temperature=args.temperature, seed=args.seed, slos_ms=dict(args.goodput or []),
+        temperature=args.temperature, seed=args.seed, model=args.model, adapter=args.adapter,
+        slos_ms=dict(args.goodput or []),
         percentiles=tuple(float(p) for p in args.metric_percentiles.split(",") if p.strip()),
         timeout_s=args.timeout, result_json=args.result_json, plot_dir=args.plot_dir,
         is_progress_enabled=not args.no_progress, is_tls=args.tls, ca=args.ca, cert=args.cert,

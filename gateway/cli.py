@@ -3,6 +3,7 @@
     tokenrelay up                 Redis + gateway + workers until Ctrl-C
     tokenrelay demo               the same, stream one chat answer, shut down
     tokenrelay bench              load-test a running gateway (like `vllm bench serve`)
+    tokenrelay adapter ...        load or unload a model's LoRA adapters at run time
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import os
 import sys
 
 import grpc
+from redis.exceptions import RedisError
 
-from gateway import bench
+from gateway import adapter_admin, bench
 from gateway.client import TokenRelayClient, add_generation_args, generation_params, print_stream
 from gateway.launcher import Stack, StackConfig
 from gateway.redis_server import free_port
@@ -60,10 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "print the answer token by token, shut everything down and exit.")
     _add_stack_args(demo, listen=None)
     demo.add_argument("--prompt", default=DEFAULT_DEMO_PROMPT, help="the question to ask")
-    add_generation_args(demo)  # the demo defaults to --max-tokens 128 --temperature 0
+    add_generation_args(demo, with_model=False)  # the demo defaults to --max-tokens 128 --temperature 0
     load = sub.add_parser("bench", help="load-test a running gateway; print vllm-bench-style metrics",
                           description=bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     bench.add_arguments(load)
+    adapter = sub.add_parser("adapter", help="load, unload or list a model's LoRA adapters at run time",
+                             description=adapter_admin.__doc__,
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
+    adapter_admin.add_arguments(adapter)
     return p
 
 
@@ -115,8 +121,9 @@ def demo(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"up": up, "demo": demo, "bench": bench.bench}[args.command](args)
-    except (RuntimeError, TimeoutError, ValueError, FileNotFoundError) as e:
+        commands = {"up": up, "demo": demo, "bench": bench.bench, "adapter": adapter_admin.run}
+        return commands[args.command](args)
+    except (RuntimeError, TimeoutError, ValueError, FileNotFoundError, RedisError) as e:
         print(f"tokenrelay {args.command}: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # during start-up; the stack is already stopped

@@ -161,9 +161,13 @@ class TokenRelayClient:
         self.close()
 
 
-def add_generation_args(p: argparse.ArgumentParser) -> None:
-    """Sampling/stopping flags shared by `tokenrelay-client` and `tokenrelay demo`."""
+def add_generation_args(p: argparse.ArgumentParser, *, with_model: bool = True) -> None:
+    """Sampling/stopping flags shared by `tokenrelay-client` and `tokenrelay demo` (whose --model is
+    the workers' model file: with_model=False)."""
     g = p.add_argument_group("generation (unset = the server's default)")
+    if with_model:
+        g.add_argument("--model", help="the served model (default: the deployment's default)")
+        g.add_argument("--adapter", help="a LoRA adapter of the model (default: the base model)")
     g.add_argument("--max-tokens", type=int, help="most tokens to generate (server default 256)")
     g.add_argument("--temperature", type=float, help="0 = greedy; higher = more random (default 1.0)")
     g.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1] (default 1 = off)")
@@ -208,13 +212,14 @@ def client_from_args(args: argparse.Namespace) -> TokenRelayClient:
                             token=args.token)
 
 
-GENERATION_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                    "presence_penalty", "frequency_penalty", "seed", "stop", "ignore_eos")
+GENERATION_FLAGS = ("model", "adapter", "max_tokens", "temperature", "top_p", "top_k", "min_p",
+                    "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop",
+                    "ignore_eos")
 
 
 def generation_params(args: argparse.Namespace) -> dict[str, Any]:
     """The flags as build_request's parameters; OSError if a --json-schema/--grammar file is unreadable."""
-    params = {name: getattr(args, name) for name in GENERATION_FLAGS}
+    params = {name: getattr(args, name, None) for name in GENERATION_FLAGS}
     return params | {"response_format": response_format(args)}
 
 

@@ -32,6 +32,7 @@ _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalt
                     "presence_penalty", "frequency_penalty", "seed")
 _STOPPING_FIELDS = ("max_tokens", "ignore_eos")
 _TOP_LEVEL_FIELDS = ("logprobs", "top_logprobs", "truncate_prompt", "priority")
+_ROUTING_FIELDS = ("model", "adapter")  # which weights run it: the gateway's and the worker's, not sampling
 _FIELD_PATHS = {
     **{f: f"sampling.{f}" for f in _SAMPLING_FIELDS},
     **{f: f"stopping.{f}" for f in (*_STOPPING_FIELDS, "stop", "stop_token_ids")},
@@ -173,7 +174,7 @@ def build_request(prompt: str | None = None, messages: Iterable[tuple[str, str]]
             setattr(req.stopping, name, value)
         elif name in ("stop", "stop_token_ids"):
             getattr(req.stopping, name).extend(value)
-        elif name in _TOP_LEVEL_FIELDS:
+        elif name in _TOP_LEVEL_FIELDS or name in _ROUTING_FIELDS:
             setattr(req, name, value)
         elif name == "response_format":
             req.response_format.CopyFrom(response_format_to_pb(value))

@@ -22,13 +22,13 @@ from protos.keys import FENCE_MARK, STREAM_DATA_FIELD, Keys, PriorityClass, Reco
 from protos.tokenrelay.v1 import generate_pb2, queue_pb2
 from tests.factories import CountingEngine
 from tests.service import GatewayThread, WorkerThread
-from worker.config import WorkerConfig
+from worker.config import DEFAULT_MODEL_NAME, WorkerConfig
 from worker.engine.sim import SimConfig, SimEngine, sim_text, sim_token_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 USERS_ACL = ROOT / "deploy" / "redis" / "users.acl"
 PREFIX = "tokenrelay"  # the ACL's patterns are for the default prefix
-KEYS = Keys(PREFIX)
+KEYS = Keys(PREFIX, DEFAULT_MODEL_NAME)  # the test workers' model
 ADMIN = ("admin", "test-admin-password")  # test-only: set up and inspect the server
 _PASSWORD = re.compile(r"^user (\S+) .*?>(\S+)", re.MULTILINE)
 # A refusal: NOPERM for a command sent by the client, "The user executing the script can't
@@ -115,7 +115,8 @@ class Stack:
         self._started: list[Any] = []
 
     def gateway(self, redis_url: str, **overrides: Any) -> GatewayThread:
-        config = GatewayConfig(listen="127.0.0.1:0", redis_url=redis_url, key_prefix=PREFIX, **overrides)
+        fields = {"models": (KEYS.model,), **overrides}  # queued for before the test's worker is up
+        config = GatewayConfig(listen="127.0.0.1:0", redis_url=redis_url, key_prefix=PREFIX, **fields)
         return self._add(GatewayThread(config).start())
 
     def worker(self, redis_url: str, engine: Any = None, **overrides: Any) -> WorkerThread:
@@ -159,6 +160,8 @@ WORKER_DENIED = [
     ("XADD", ROUTED, "*", "data", "x"), ("PEXPIRE", ROUTED, "1"),
     # ... nor DEL anything but heartbeat hashes (records, logs and the registry: HSET, HDEL, ZREM) ...
     ("DEL", KEYS.record(RID)), ("DEL", KEYS.log(W)), ("DEL", KEYS.registry),
+    # ... nor load adapters of its own accord (operators write that hash) ...
+    ("HSET", KEYS.adapters(KEYS.model), "evil", "/tmp/evil"), ("DEL", KEYS.consumer_models),
     # ... nor touch the tenants' quota keys, even to read them ...
     ("HSET", KEYS.tenant_tokens("acme"), "tokens", "1000000"), ("ZADD", KEYS.tenant_calls("acme"), "0", "x"),
     ("ZREM", KEYS.tenant_calls("acme"), "x"), ("HMGET", KEYS.tenant_tokens("acme"), "tokens"),
@@ -182,6 +185,7 @@ GATEWAY_DENIED = [
     ("HSET", KEYS.log(W), f"{RID}:0", "x"), ("HSET", KEYS.worker(W), "model", "x"),
     ("ZADD", KEYS.registry, "1e15", "ghost"), ("SADD", KEYS.revoked(W), FENCE_MARK),
     ("XACK", ROUTED, KEYS.group, "0-1"), ("DEL", ROUTED), ("ZADD", KEYS.prefixes(W), "1", "x"),
+    ("HSET", KEYS.consumer_models, W, "other-model"),
     # ... and no forged tokens: it publishes only aborts, and subscribes only to its own channels.
     ("PUBLISH", KEYS.out(W), "x"), ("PUBLISH", KEYS.events(RID), "x"), ("SUBSCRIBE", KEYS.aborts),
     ("SUBSCRIBE", KEYS.out(W)), ("PSUBSCRIBE", f"{PREFIX}:*"), ("SUBSCRIBE", "other:events:1"),

@@ -23,7 +23,7 @@ from gateway.config import GatewayConfig
 from gateway.server import Gateway
 from protos.keys import Keys
 from protos.tokenrelay.v1 import generate_pb2, generate_pb2_grpc
-from worker.config import WorkerConfig
+from worker.config import DEFAULT_MODEL_NAME, WorkerConfig
 from worker.io.consumer import Consumer, TextEngineProtocol
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -107,8 +107,11 @@ class GatewayProcess:
         from gateway.redis_server import free_port
 
         self.target = f"127.0.0.1:{free_port()}"
+        # queued for before a worker is up, as make_gateway's (the test workers' default name)
+        models = () if "--models" in extra else ("--models", DEFAULT_MODEL_NAME)
         args = [sys.executable, "-m", "gateway", "--listen", self.target, "--redis-url", redis_url,
-                "--key-prefix", key_prefix, "--log-level", "WARNING", "--metrics-port", "0", *extra]
+                "--key-prefix", key_prefix, "--log-level", "WARNING", "--metrics-port", "0", *models,
+                *extra]
         self.proc = subprocess.Popen(args, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
                                      stdout=log, stderr=log)
 

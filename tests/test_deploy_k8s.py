@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 SCHEMAS = K8S / "schemas"
-OVERLAYS = ("cpu", "gpu")
+OVERLAYS = ("cpu", "gpu", "two-models")
 VALIDATE_VERSION = "1.30.0"
 CRD_SCHEMAS = {"ScaledObject": "scaledobject_v1alpha1.json",
                "TriggerAuthentication": "triggerauthentication_v1alpha1.json",
@@ -150,6 +150,12 @@ def env_of(c: dict[str, Any]) -> dict[str, Any]:
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in c.get("env", [])}
 
 
+def worker_deployments(docs: list[dict[str, Any]]) -> list[str]:
+    """The names of the worker Deployments (one per served model), sorted."""
+    return sorted(d["metadata"]["name"] for d in docs if d["kind"] == "Deployment"
+                  and d["spec"]["template"]["metadata"]["labels"].get("app") == "tokenrelay-worker")
+
+
 def workloads(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """name -> pod template of every Deployment and StatefulSet."""
     return {d["metadata"]["name"]: d["spec"]["template"] for d in docs
@@ -241,9 +247,9 @@ def test_crd_kinds_pass_check_jsonschema_against_the_vendored_crd_schemas(tmp_pa
         for overlay, docs in RENDERED.items():
             for doc in docs:
                 if doc["kind"] == kind:
-                    files.append(tmp_path / f"{overlay}-{kind}-{doc['metadata']['name']}.json")
+                    files.append(tmp_path / f"{overlay}__{kind}-{doc['metadata']['name']}.json")
                     files[-1].write_text(json.dumps(doc))
-        assert {f.name.split("-")[0] for f in files} == set(OVERLAYS), kind
+        assert {f.name.split("__")[0] for f in files} == set(OVERLAYS), kind
         out = subprocess.run([str(checker), "--schemafile", str(SCHEMAS / schema), *map(str, files)],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stdout + out.stderr
@@ -302,21 +308,55 @@ def test_compose_file_is_valid() -> None:
 
 # -- the manifests agree with the code ---------------------------------------------------------------
 
+def scaled_models(docs: list[dict[str, Any]]) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
+    """served model -> (its ScaledObject, the worker Deployment it scales)."""
+    found = {}
+    for scaled in (d for d in docs if d["kind"] == "ScaledObject"):
+        deployment = find(docs, "Deployment", scaled["spec"]["scaleTargetRef"]["name"])
+        worker_env = env_of(deployment["spec"]["template"]["spec"]["containers"][0])
+        model = worker_env["TOKENRELAY_SERVED_MODEL_NAME"]
+        assert model not in found, f"two ScaledObjects scale workers of {model}"
+        found[model] = (scaled, deployment)
+    return found
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_keda_scales_the_workers_on_the_request_streams_group_lag(overlay: str) -> None:
-    docs, keys = RENDERED[overlay], Keys()
-    scaled = find(docs, "ScaledObject", "tokenrelay-worker")
-    assert scaled["spec"]["scaleTargetRef"]["name"] == "tokenrelay-worker"
-    assert 1 <= scaled["spec"]["minReplicaCount"] < scaled["spec"]["maxReplicaCount"]
-    triggers = scaled["spec"]["triggers"]
-    assert sorted(t["metadata"]["stream"] for t in triggers) == sorted(keys.request_streams)  # every class
+def test_keda_scales_each_models_workers_on_that_models_streams_group_lag(overlay: str) -> None:
+    docs = RENDERED[overlay]
+    models = scaled_models(docs)
+    assert len(models) == (2 if overlay == "two-models" else 1)
+    for model, (scaled, deployment) in models.items():
+        keys = Keys("tokenrelay", model)
+        assert 1 <= scaled["spec"]["minReplicaCount"] < scaled["spec"]["maxReplicaCount"]
+        triggers = scaled["spec"]["triggers"]
+        streams = sorted(t["metadata"]["stream"] for t in triggers)
+        assert streams == sorted(keys.request_streams)  # every class, of its model
+        worker_env = env_of(deployment["spec"]["template"]["spec"]["containers"][0])
+        check_triggers(docs, scaled, keys, worker_env["TOKENRELAY_MAX_NUM_SEQS"])
+
+
+def test_the_gateway_queues_for_every_scaled_model_and_its_default_is_one() -> None:
+    """A model KEDA may scale to zero must be in the gateway's --models, else its requests get
+    NOT_FOUND while no worker of it runs; worker Deployments select only their own model's pods."""
+    for overlay in OVERLAYS:
+        docs = RENDERED[overlay]
+        gateway = env_of(container(docs, "tokenrelay-gateway"))
+        declared = gateway["TOKENRELAY_MODELS"].split(",")
+        assert sorted(declared) == sorted(scaled_models(docs))
+        assert gateway["TOKENRELAY_DEFAULT_MODEL"] in declared
+        selectors = [d["spec"]["selector"]["matchLabels"] for _, d in scaled_models(docs).values()]
+        assert all(s["app"] == "tokenrelay-worker" for s in selectors)  # the NetworkPolicies' label
+        assert len({s["tokenrelay.dev/model"] for s in selectors}) == len(selectors)
+
+
+def check_triggers(docs: list[dict[str, Any]], scaled: dict[str, Any], keys: Keys, max_num_seqs: str) -> None:
     service, namespace = find(docs, "Service", "redis")["metadata"], scaled["metadata"]["namespace"]
-    for trigger in triggers:
+    for trigger in scaled["spec"]["triggers"]:
         meta = trigger["metadata"]
         assert trigger["type"] == "redis-streams" and set(meta) <= REDIS_STREAMS_KEYS
         assert meta["consumerGroup"] == keys.group and meta["username"] == "autoscaler"
         # One more replica per worker's worth of waiting requests.
-        assert meta["lagCount"] == env_of(container(docs, "tokenrelay-worker"))["TOKENRELAY_MAX_NUM_SEQS"]
+        assert meta["lagCount"] == max_num_seqs
         assert int(meta["activationLagCount"]) >= 0
         assert meta["address"] == f"{service['name']}.{namespace}.svc.cluster.local:6379"  # KEDA's namespace
         auth = find(docs, "TriggerAuthentication", trigger["authenticationRef"]["name"])
@@ -328,9 +368,9 @@ def test_keda_scales_the_workers_on_the_request_streams_group_lag(overlay: str) 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_keda_reaches_redis_over_tls_checking_its_certificate(overlay: str) -> None:
     docs = RENDERED[overlay]
-    scaled = find(docs, "ScaledObject", "tokenrelay-worker")
     dns_names = redis_certificate(docs)["dnsNames"]
-    for trigger in scaled["spec"]["triggers"]:
+    triggers = [t for d in docs if d["kind"] == "ScaledObject" for t in d["spec"]["triggers"]]
+    for trigger in triggers:
         meta = trigger["metadata"]
         # KEDA refuses a trigger with TLS set in both places; the CA is only an auth parameter.
         assert "enableTLS" not in meta and meta.get("unsafeSsl", "false") == "false"
@@ -486,7 +526,7 @@ def test_every_redis_url_is_rediss_with_the_ca_of_redis_certificate(overlay: str
             for value in (e.get("value", "") for e in c.get("env", [])):
                 if re.match(r"redis[+\w]*://", value) or value.startswith("unix://"):
                     urls.append((name, pod, c, urlsplit(value)))
-    assert sorted(name for name, *_ in urls) == ["tokenrelay-gateway", "tokenrelay-worker"]
+    assert sorted(name for name, *_ in urls) == ["tokenrelay-gateway", *worker_deployments(docs)]
     for name, pod, c, url in urls:
         assert url.scheme == "rediss", name
         assert url.password == "$(REDIS_PASSWORD)", name  # from the Secret, in the pod only
@@ -537,7 +577,7 @@ def test_only_gateways_workers_and_keda_reach_redis(overlay: str) -> None:
     assert [peer for peer in peers if "namespaceSelector" in peer] == [KEDA_OPERATOR]
     assert all(selected_workloads(docs, peer) for peer in inside)  # each selects someone
     assert set().union(*(selected_workloads(docs, peer) for peer in inside)) == {"tokenrelay-gateway",
-                                                                                  "tokenrelay-worker"}
+                                                                                  *worker_deployments(docs)}
     assert all(rule["ports"] == [{"port": "redis", "protocol": "TCP"}] for rule in rules)
 
 
@@ -595,7 +635,7 @@ def test_every_container_runs_locked_down(overlay: str) -> None:
     docs = RENDERED[overlay]
     labels = find(docs, "Namespace", "tokenrelay")["metadata"]["labels"]
     assert labels["pod-security.kubernetes.io/enforce"] == "restricted"  # the API server holds pods to it
-    assert len(workloads(docs)) == 3
+    assert len(workloads(docs)) == 2 + len(worker_deployments(docs))
     for name, template in workloads(docs).items():
         pod = template["spec"]
         assert pod.get("automountServiceAccountToken") is False, name

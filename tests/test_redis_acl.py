@@ -142,7 +142,7 @@ def test_prefix_routing_moves_and_a_dead_workers_routed_stream_under_the_gateway
     seconds, _ = admin.time()
     for name, expiry_ms in (("stuck", (int(seconds) + 60) * 1000), ("ghost", 1)):
         admin.zadd(KEYS.registry, {name: expiry_ms})
-        admin.hset(KEYS.worker(name), mapping={"worker_id": name, "max_num_seqs": "4"})
+        admin.hset(KEYS.worker(name), mapping={"worker_id": name, "model": KEYS.model, "max_num_seqs": "4"})
     admin.xgroup_create(KEYS.routed("ghost", PriorityClass.NORMAL), KEYS.group, id="0", mkstream=True)
     enqueue(admin, "ghosts", seed=3, stream=KEYS.routed("ghost", PriorityClass.NORMAL), max_tokens=2)
     stucks = build_request("s" * 300, max_tokens=2, seed=4, request_id="stucks")
@@ -216,7 +216,7 @@ def test_the_gateways_rarer_paths_run_under_its_user(acl_redis: EmbeddedRedis, a
     worker = as_user("worker", acl_redis.port)
     for stream in KEYS.request_streams:
         admin.xgroup_create(stream, KEYS.group, id="0", mkstream=True)
-    request = build_request("hi", seed=3)
+    request = build_request("hi", seed=3, model=KEYS.model)
     queued = queue_pb2.QueuedRequest(request_id="acme/r", request=request, result_ttl_s=60)
 
     async def run() -> None:
@@ -227,19 +227,19 @@ def test_the_gateways_rarer_paths_run_under_its_user(acl_redis: EmbeddedRedis, a
             assert await router.start(timeout_s=5)
             calls = await router.follow("acme/r")
             found = await queue.attach(queued, "d", may_create=True)
-            assert await queue.entry_state(found.entry_id) is EntryState.QUEUED
+            assert await queue.entry_state(found.entry_id, found.stream) is EntryState.QUEUED
             admin.xreadgroup(KEYS.group, "w.1", {KEYS.requests: ">"}, count=1)
             admin.zadd(KEYS.registry, {"w.1": (time.time() + 60) * 1000})
-            assert await queue.entry_state(found.entry_id) is EntryState.RUNNING
+            assert await queue.entry_state(found.entry_id, found.stream) is EntryState.RUNNING
             admin.zadd(KEYS.registry, {"w.1": 0})
-            assert await queue.entry_state(found.entry_id) is EntryState.ORPHANED
-            assert (await queue.queue_gauges())[:2] == (0, 1)
+            assert await queue.entry_state(found.entry_id, found.stream) is EntryState.ORPHANED
+            assert (await queue.queue_gauges(KEYS.model))[:2] == (0, 1)
             batch = queue_pb2.TokenEventBatch(events=[sim_chunk("acme/r", 3, 0)])
             worker.publish(KEYS.out("w.1"), batch.SerializeToString())
             assert (await asyncio.wait_for(calls.get(), 5)).seq == 0
             admin.xack(KEYS.requests, KEYS.group, found.entry_id)  # abandoned: no final
             admin.xdel(KEYS.requests, found.entry_id)
-            assert await queue.entry_state(found.entry_id) is EntryState.GONE
+            assert await queue.entry_state(found.entry_id, found.stream) is EntryState.GONE
             again = await queue.attach(queued, "d", may_create=False, expect=found.entry_id)
             assert again.state == "created" and again.entry_id != found.entry_id
             router.unfollow("acme/r", calls)

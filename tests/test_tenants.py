@@ -20,7 +20,7 @@ from protos.keys import STREAM_DATA_FIELD, Keys, tenant_request_key
 from protos.tokenrelay.v1 import generate_pb2, queue_pb2
 from tests.factories import CountingEngine
 from tests.service import GatewayThread, WorkerThread, stub_for, wait_until, workers_ready
-from worker.config import WorkerConfig
+from worker.config import DEFAULT_MODEL_NAME, WorkerConfig
 
 ACME, OTHER, OPS = (secrets.token_urlsafe(24) for _ in range(3))
 
@@ -181,7 +181,7 @@ def test_the_queued_request_carries_the_tenant_and_its_cache_scope(
         error = rpc_error(lambda: list(stub.Generate(too_long, timeout=5, metadata=bearer(ACME))))
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "cache_salt" in (error.details() or "")
     client = redis.Redis.from_url(redis_url)
-    entries = client.xrange(Keys(prefix).requests)
+    entries = client.xrange(Keys(prefix, DEFAULT_MODEL_NAME).requests)
     client.close()
     queued = [queue_pb2.QueuedRequest.FromString(fields[STREAM_DATA_FIELD]) for _, fields in entries]
     assert [q.tenant for q in queued] == ["acme", "other", "acme"]

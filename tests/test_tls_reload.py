@@ -25,6 +25,7 @@ from protos.keys import Keys
 from tests.factories import CountingEngine
 from tests.service import ROOT, GatewayThread, WorkerThread, wait_until
 from tests.test_tls import CertFactory, Identity
+from worker.config import DEFAULT_MODEL_NAME
 
 
 @pytest.fixture
@@ -80,7 +81,7 @@ def test_a_rotated_certificate_reaches_new_connections_and_open_calls_go_on(
     with TokenRelayClient(gateway.target, ca=certs.ca, cert=client.cert, key=client.key) as open_client:
         call = open_client.generate("hi", max_tokens=3, timeout_s=30)  # no worker yet: it waits, queued
         queue = redis.Redis.from_url(redis_url)
-        wait_until(lambda: queue.xlen(Keys(prefix).requests) == 1, timeout=10)
+        wait_until(lambda: queue.xlen(Keys(prefix, DEFAULT_MODEL_NAME).requests) == 1, timeout=10)
         queue.close()
         volume.write(certs.issue("gateway-2", is_server=True))
         assert peer_name(gateway.target, certs.ca, client) == "gateway-2"  # seen at the handshake

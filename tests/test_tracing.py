@@ -25,7 +25,7 @@ from protos.logs import JsonFormatter
 from protos.tokenrelay.v1 import generate_pb2, queue_pb2
 from protos.tracing import Tracing, trace_id_of
 from tests.service import ROOT, GatewayThread, WorkerThread, stub_for, wait_until, workers_ready
-from worker.config import WorkerConfig
+from worker.config import DEFAULT_MODEL_NAME, WorkerConfig
 
 # The tracing extra (in `dev`); the collector's service and messages from opentelemetry-proto.
 pytest.importorskip("opentelemetry.sdk.trace")
@@ -210,7 +210,7 @@ def test_the_queued_request_carries_the_trace_context(
         list(stub.Generate(build_request("Hi."), metadata=(("traceparent", TRACEPARENT),
                                                           ("tracestate", "vendor=1")), timeout=1))
     client = redis.Redis.from_url(redis_url)
-    [(_, fields)] = client.xrange(Keys(prefix).requests)
+    [(_, fields)] = client.xrange(Keys(prefix, DEFAULT_MODEL_NAME).requests)
     client.close()
     carried = dict(queue_pb2.QueuedRequest.FromString(fields[STREAM_DATA_FIELD]).trace_context)
     assert trace_id_of(carried) == TRACE_ID

@@ -212,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGHUP, lambda signum, frame: consumer.reload_adapters())
     consumer.run()
     if consumer.is_fenced:  # like Kafka's ProducerFencedException: this process may not write again
         print("tokenrelay-worker: fenced: another worker re-claimed this worker's requests while it was "

@@ -118,6 +118,12 @@ class TextEngine:
     def adapters(self) -> tuple[str, ...]:  # TEMP until the LoRA engine lands
         return ()
 
+    def load_adapter(self, name: str, path: str) -> None:  # TEMP
+        raise ValueError("LoRA is not wired yet")
+
+    def unload_adapter(self, name: str) -> None:  # TEMP
+        pass
+
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
 

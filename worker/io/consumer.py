@@ -40,6 +40,7 @@ from protos.tokenrelay.v1 import generate_pb2, queue_pb2
 from protos.tracing import WORKER_SERVICE, Tracing
 from worker.config import WorkerConfig
 from worker.engine.outputs import Admitted, RequestOutput, Resume
+from worker.io.adapters import AdapterSync
 from worker.io.claim import Claimer, Owned, claim_capacity
 from worker.io.metrics import WorkerMetrics
 from worker.io.parking import POLL_INTERVAL_S, FollowCheck, ParkingLot
@@ -62,6 +63,8 @@ class TextEngineProtocol(Protocol):
                     cache_scope: bytes = b"", adapter: str = "") -> Admitted: ...
     @property
     def adapters(self) -> tuple[str, ...]: ...
+    def load_adapter(self, name: str, path: str) -> None: ...
+    def unload_adapter(self, name: str) -> None: ...
     def abort(self, request_id: str) -> None: ...
     def step(self) -> list[RequestOutput]: ...
     def has_unfinished(self) -> bool: ...
@@ -87,6 +90,7 @@ class Consumer:
                                     on_fenced=self._on_fenced)
         self._heartbeat = HeartbeatThread(self._client, config, on_fenced=self._on_fenced)
         self._aborts = AbortListener(self._client, config)
+        self._adapters = AdapterSync(self._client, config, engine)
         self._running: dict[str, Tracked] = {}
         self._parked = ParkingLot(config.reattach_grace_s, config.max_parked)
         self._outbox = Outbox()
@@ -152,7 +156,14 @@ class Consumer:
             self.tracing.shutdown()
         log.info("worker %s stopped after %d requests", self.config.worker_id, self.num_finished)
 
+    def reload_adapters(self) -> None:
+        """Re-read the adapters hash between two steps (SIGHUP; worker/io/adapters.py)."""
+        self._aborts.adapters_changed.set()
+
     def _run_once(self, *, can_claim: bool) -> None:
+        if self._aborts.adapters_changed.is_set():  # a failed read is retried at the resubscription
+            self._aborts.adapters_changed.clear()
+            self._adapters.sync()
         self._apply_revocations()
         self._apply_aborts()
         self._poll_parked()

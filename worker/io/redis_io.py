@@ -347,11 +347,15 @@ class Heartbeat:
 
 
 class AbortListener:
-    """Background thread collecting (request id, entry id) pairs from the abort channel."""
+    """Background thread collecting (request id, entry id) pairs from the abort channel, and
+    noting any message on the model's control channel (`adapters_changed`: re-read the adapters
+    hash, worker/io/adapters.py); set at each (re)subscription too, as messages sent while
+    unsubscribed are lost."""
 
     def __init__(self, client: redis.Redis, config: WorkerConfig) -> None:
         self._client, self._config = client, config
         self._ids: deque[tuple[str, bytes]] = deque()
+        self.adapters_changed = threading.Event()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="aborts", daemon=True)
 
@@ -382,12 +386,18 @@ class AbortListener:
         while not self._closed.is_set():
             pubsub = self._client.pubsub(ignore_subscribe_messages=True)
             try:
-                pubsub.subscribe(self._config.keys.aborts)
+                keys = self._config.keys
+                control = keys.control(keys.model).encode()
+                pubsub.subscribe(keys.aborts, control)
+                self.adapters_changed.set()
                 backoff.reset()
                 while not self._closed.is_set():
                     message = pubsub.get_message(timeout=0.2)
                     if message is not None and message["type"] == "message":
-                        self._on_message(message["data"])
+                        if message["channel"] == control:
+                            self.adapters_changed.set()
+                        else:
+                            self._on_message(message["data"])
             except redis.RedisError as e:
                 # Aborts sent meanwhile are missed; queued ones are still caught by
                 # the {p}:aborted key when claimed, running ones run to max_tokens.

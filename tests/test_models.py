@@ -1,0 +1,213 @@
+"""Many models and adapters on one queue (protos/keys.py, "Models"; gateway/models.py): each
+request runs on a worker of its model, with its adapter, or is refused naming what is served."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import redis
+
+from gateway import cli
+from protos.convert import build_request
+from protos.keys import Keys
+from protos.tokenrelay.v1 import generate_pb2, generate_pb2_grpc
+from tests.service import GatewayThread, WorkerProcess, WorkerThread, stub_for, wait_until, workers_ready
+from worker.engine.sim import SimConfig, SimEngine, sim_token_ids
+
+Stub = generate_pb2_grpc.TokenRelayStub
+
+
+def sim(salt: str, adapters: tuple[str, ...] = ()) -> SimEngine:
+    return SimEngine(SimConfig(step_ms=1, ms_per_token=0, salt=salt), max_num_seqs=8, adapters=adapters)
+
+
+def tokens(responses: list[generate_pb2.GenerateResponse]) -> list[int]:
+    return [t for r in responses if r.HasField("chunk") for t in r.chunk.token_ids]
+
+
+def server_info(stub: Stub) -> generate_pb2.ServerInfo:
+    return stub.GetServerInfo(generate_pb2.GetServerInfoRequest(), timeout=5)
+
+
+@pytest.fixture
+def two_models(make_gateway: Callable[..., GatewayThread], start_worker: Callable[..., WorkerThread],
+               ) -> Iterator[tuple[Stub, dict[str, WorkerThread]]]:
+    """Worker "a" serves model alpha (and its adapter "fr"), "b" serves beta; tokens salted apart."""
+    workers = {"alpha": start_worker(sim("A", adapters=("fr",)), worker_id="a", served_model_name="alpha"),
+               "beta": start_worker(sim("B"), worker_id="b", served_model_name="beta")}
+    channel, stub = stub_for(make_gateway(models=(), liveness_check_s=0.5).target)
+    with channel:
+        wait_until(workers_ready(stub, 2), timeout=10)
+        yield stub, workers
+
+
+def test_each_request_runs_on_a_worker_of_its_model(two_models: tuple[Stub, dict[str, WorkerThread]]) -> None:
+    stub, _ = two_models
+    for model, worker_id, salt in (("alpha", "a", "A"), ("beta", "b", "B"), ("alpha", "a", "A")):
+        out = list(stub.Generate(build_request("hi", max_tokens=6, seed=3, model=model), timeout=30))
+        assert out[-1].final.worker_id == worker_id
+        assert tokens(out) == sim_token_ids(3, 0, 6, salt)
+
+
+def test_a_request_with_an_adapter_runs_it(two_models: tuple[Stub, dict[str, WorkerThread]]) -> None:
+    stub, _ = two_models
+    request = build_request("hi", max_tokens=6, seed=3, model="alpha", adapter="fr")
+    out = list(stub.Generate(request, timeout=30))
+    assert tokens(out) == sim_token_ids(3, 0, 6, "A|fr") != sim_token_ids(3, 0, 6, "A")
+
+
+@pytest.mark.parametrize(("fields", "code", "message"), [
+    ({}, grpc.StatusCode.INVALID_ARGUMENT, "model is required: this deployment serves alpha, beta"),
+    ({"model": "gamma"}, grpc.StatusCode.NOT_FOUND,
+     "model 'gamma' is not served here: served are alpha, beta"),
+    ({"model": "beta", "adapter": "fr"}, grpc.StatusCode.NOT_FOUND,
+     "adapter 'fr' of model 'beta' is not loaded on any live worker: loaded are none"),
+    ({"model": "alpha", "adapter": "de"}, grpc.StatusCode.NOT_FOUND, "loaded are fr"),
+    ({"model": "a:b"}, grpc.StatusCode.INVALID_ARGUMENT, "model must be 1-128 characters"),
+    ({"model": "alpha", "adapter": "x/y"}, grpc.StatusCode.INVALID_ARGUMENT,
+     "adapter must be 1-64 characters"),
+])
+def test_what_is_not_served_is_refused_naming_what_is(
+        two_models: tuple[Stub, dict[str, WorkerThread]], fields: dict[str, str], code: grpc.StatusCode,
+        message: str) -> None:
+    stub, _ = two_models
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(build_request("hi", max_tokens=2, **fields), timeout=10))
+    assert e.value.code() == code
+    assert message in (e.value.details() or "")
+
+
+def test_server_info_lists_the_models_their_adapters_and_workers(
+        two_models: tuple[Stub, dict[str, WorkerThread]]) -> None:
+    stub, _ = two_models
+    info = server_info(stub)
+    assert list(info.models) == ["alpha", "beta"]
+    assert [(m.name, list(m.adapters), m.num_workers, m.is_default) for m in info.served] == [
+        ("alpha", ["fr"], 1, False), ("beta", [], 1, False)]
+    assert {w.worker_id: list(w.adapters) for w in info.workers} == {"a": ["fr"], "b": []}
+
+
+def test_the_default_model_runs_requests_without_one(
+        make_gateway: Callable[..., GatewayThread], start_worker: Callable[..., WorkerThread]) -> None:
+    start_worker(sim("A"), worker_id="a", served_model_name="alpha")
+    start_worker(sim("B"), worker_id="b", served_model_name="beta")
+    channel, stub = stub_for(make_gateway(models=(), default_model="beta").target)
+    with channel:
+        wait_until(workers_ready(stub, 2), timeout=10)
+        out = list(stub.Generate(build_request("hi", max_tokens=4, seed=1), timeout=30))
+        # the body names the model it ran: a resend naming it attaches to the same request
+        resent = list(stub.Generate(build_request("hi", max_tokens=4, seed=1, model="beta",
+                                                  request_id=out[-1].request_id), timeout=30))
+        assert [m.is_default for m in server_info(stub).served] == [False, True]
+    assert out[-1].final.worker_id == "b" and tokens(out) == sim_token_ids(1, 0, 4, "B") == tokens(resent)
+
+
+def test_a_declared_model_queues_without_workers_and_sheds_on_its_own_depth(
+        make_gateway: Callable[..., GatewayThread], start_worker: Callable[..., WorkerThread],
+        redis_url: str, prefix: str) -> None:
+    """--models gamma: queued for with no worker (KEDA scales it from zero); its full queue refuses
+    gamma's calls, not beta's."""
+    start_worker(sim("B"), worker_id="b", served_model_name="beta")
+    channel, stub = stub_for(make_gateway(models=("gamma",), max_queue_depth=2, retry_pushback_ms=250).target)
+    client = redis.Redis.from_url(redis_url)
+    with channel:
+        wait_until(workers_ready(stub, 1), timeout=10)
+        gamma_request = build_request("hi", max_tokens=2, model="gamma")
+        waiting = [stub.Generate(gamma_request, timeout=30) for _ in range(2)]
+        gamma = Keys(prefix, "gamma").requests
+        wait_until(lambda: client.xlen(gamma) == 2, timeout=10)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(build_request("hi", max_tokens=2, model="gamma"), timeout=10))
+        beta = list(stub.Generate(build_request("hi", max_tokens=2, seed=4, model="beta"), timeout=30))
+        served = [(m.name, m.num_workers) for m in server_info(stub).served]
+        for call in waiting:
+            call.cancel()
+    client.close()
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert tokens(beta) == sim_token_ids(4, 0, 2, "B")
+    assert served == [("beta", 1), ("gamma", 0)]
+
+
+@pytest.mark.slow
+def test_a_worker_kill_with_two_models_in_flight_resumes_each_on_its_own_model(
+        make_gateway: Callable[..., GatewayThread], redis_url: str, prefix: str) -> None:
+    """Two sim worker processes per model, 16 seeded streams over both models; one worker of each
+    model is SIGKILLed mid-stream. Every caller gets every token exactly once, the tokens of its
+    own model (each model's workers salt them apart), and its final names a worker of that
+    model: nothing crossed models, nothing was lost or repeated."""
+    num_tokens = 60
+    sim_args = ["--engine", "sim", "--sim-step-ms", "20", "--heartbeat-ttl", "1", "--max-num-seqs", "8"]
+    procs = {f"{m}{i}": WorkerProcess(redis_url, prefix, f"{m}{i}", *sim_args, "--served-model-name", m,
+                                      "--sim-salt", m) for m in ("alpha", "beta") for i in (0, 1)}
+    channel, stub = stub_for(make_gateway(models=(), default_model="alpha", liveness_check_s=0.5).target)
+
+    def call(i: int) -> tuple[str, list[generate_pb2.GenerateResponse]]:
+        model = ("alpha", "beta")[i % 2]
+        request = build_request("hi", max_tokens=num_tokens, seed=i, request_id=f"r{i}", ignore_eos=True,
+                                model=model)
+        return model, list(stub.Generate(request, timeout=90))
+
+    try:
+        with channel:
+            wait_until(workers_ready(stub, 4), timeout=60)
+            with ThreadPoolExecutor(16) as pool:
+                futures = [pool.submit(call, i) for i in range(16)]
+                time.sleep(0.6)  # every stream has started: about a third of its tokens are out
+                for name in ("alpha0", "beta1"):
+                    os.kill(procs[name].proc.pid, signal.SIGKILL)
+                results = [f.result() for f in futures]
+    finally:
+        for proc in procs.values():
+            with contextlib.suppress(Exception):
+                proc.stop(timeout=10)
+    for i, (model, out) in enumerate(results):
+        chunks = [r.chunk for r in out if r.HasField("chunk")]
+        assert [c.index for c in chunks] == list(range(len(chunks)))  # no gap, no repeat
+        assert tokens(out) == sim_token_ids(i, 0, num_tokens, model), f"stream r{i} of {model}"
+        assert out[-1].final.worker_id.startswith(model)
+    # a stream takes 1.2 s of decoding: none had finished on a killed worker
+    assert {out[-1].final.worker_id for _, out in results} == {"alpha1", "beta0"}
+
+
+def test_adapters_are_loaded_and_unloaded_at_run_time_through_redis(
+        make_gateway: Callable[..., GatewayThread], start_worker: Callable[..., WorkerThread],
+        redis_url: str, prefix: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`tokenrelay adapter load` reaches every worker of the model (and only them); the next request
+    runs the adapter; after `unload` it is refused again. A worker started later loads what the
+    hash holds."""
+    engines = {"a": sim("A"), "b": sim("B")}
+    start_worker(engines["a"], worker_id="a", served_model_name="alpha")
+    start_worker(engines["b"], worker_id="b", served_model_name="beta")
+    channel, stub = stub_for(make_gateway(models=()).target)
+
+    def adapter(*argv: str) -> None:
+        assert cli.main(["adapter", "--redis-url", redis_url, "--key-prefix", prefix, "--model", "alpha",
+                         *argv]) == 0
+
+    def served() -> dict[str, list[str]]:
+        return {m.name: list(m.adapters) for m in server_info(stub).served}
+
+    with channel:
+        wait_until(workers_ready(stub, 2), timeout=10)
+        adapter("load", "fr", "/adapters/fr")
+        wait_until(lambda: served() == {"alpha": ["fr"], "beta": []}, timeout=10)
+        request = build_request("hi", max_tokens=4, seed=2, model="alpha", adapter="fr")
+        assert tokens(list(stub.Generate(request, timeout=30))) == sim_token_ids(2, 0, 4, "A|fr")
+        later = sim("A2")
+        start_worker(later, worker_id="a2", served_model_name="alpha")
+        wait_until(lambda: later.adapters == ("fr",), timeout=10)  # from the hash, at its start
+        adapter("list")
+        assert capsys.readouterr().out.splitlines()[-1] == "fr\t/adapters/fr"
+        adapter("unload", "fr")
+        wait_until(lambda: served() == {"alpha": [], "beta": []}, timeout=10)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(request, timeout=10))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    assert engines["b"].adapters == ()
