@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -146,3 +148,18 @@ class CountingEngine:
 
     def stats(self) -> EngineStats:
         return make_stats(model_name="counting", num_running=len(self._running), max_model_len=512)
+
+
+def write_model(folder: Path, *, seed: int, num_layers: int = 2, renamed: int | None = None,
+                vocab_size: int = VOCAB) -> str:
+    """A Hugging Face folder: a random Llama and a word-level tokenizer of tokens t0..t127
+    (token `renamed` spelled differently)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    make_hf_model(seed=seed, num_layers=num_layers, vocab_size=vocab_size).save_pretrained(folder)
+    vocab = {("x" if i == renamed else "t") + str(i): i for i in range(VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t2"}))
+    return str(folder)

@@ -4,7 +4,6 @@ start-up checks of factory.build_draft_model."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +11,7 @@ import pytest
 import torch
 
 from protos.params import SamplingParams
-from tests.factories import VOCAB, greedy, make_engine, make_hf_model, make_prompts, ours_from_hf
+from tests.factories import VOCAB, greedy, make_engine, make_hf_model, make_prompts, ours_from_hf, write_model
 from tests.test_speculative import PARAMS, assert_same, repetitive_prompts, run, spec_engine
 from worker.engine.config import EngineConfig
 from worker.engine.core import EngineCore
@@ -123,21 +122,6 @@ def test_the_draft_cache_follows_rollbacks(target: LlamaModel, draft: LlamaModel
 
 
 # -- start-up: factory.build_text_engine -----------------------------------------------------------
-
-
-def write_model(folder: Path, *, seed: int, num_layers: int = 2, renamed: int | None = None,
-                vocab_size: int = VOCAB) -> str:
-    """A Hugging Face folder: a random Llama and a word-level tokenizer of tokens t0..t127
-    (token `renamed` spelled differently)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    make_hf_model(seed=seed, num_layers=num_layers, vocab_size=vocab_size).save_pretrained(folder)
-    vocab = {("x" if i == renamed else "t") + str(i): i for i in range(VOCAB)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t2"}))
-    return str(folder)
 
 
 def test_build_text_engine_with_a_draft_model(tmp_path: Path) -> None:

@@ -9,6 +9,8 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -17,8 +19,13 @@ import redis
 from gateway import cli
 from protos.convert import build_request
 from protos.keys import Keys
+from protos.params import PromptInput, SamplingParams
 from protos.tokenrelay.v1 import generate_pb2, generate_pb2_grpc
+from tests.factories import write_model
 from tests.service import GatewayThread, WorkerProcess, WorkerThread, stub_for, wait_until, workers_ready
+from tests.test_e2e import run_in_process
+from worker.config import DEFAULT_MODEL_NAME
+from worker.engine.config import EngineConfig
 from worker.engine.sim import SimConfig, SimEngine, sim_token_ids
 
 Stub = generate_pb2_grpc.TokenRelayStub
@@ -211,3 +218,31 @@ def test_adapters_are_loaded_and_unloaded_at_run_time_through_redis(
             list(stub.Generate(request, timeout=10))
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
     assert engines["b"].adapters == ()
+
+
+@pytest.mark.slow
+def test_two_real_models_each_answer_with_their_own_weights(
+        make_gateway: Callable[..., GatewayThread], start_worker: Callable[..., WorkerThread],
+        smollm_engine: Any, tmp_path: Path) -> None:
+    """SmolLM2 and a random Llama layout (its own word-level tokenizer) on one Redis: each request
+    lands on a worker of its model and streams exactly what that model's engine gives in process."""
+    from worker.factory import build_text_engine
+
+    tiny = build_text_engine(EngineConfig(model=write_model(tmp_path / "tiny-random", seed=3), max_num_seqs=4,
+                                          max_model_len=64, kv_cache_memory_mb=1, num_threads=1))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    cases = {DEFAULT_MODEL_NAME: (smollm_engine, "The capital of France is"),
+             "tiny-random": (tiny, "t5 t9 t7")}
+    references = {model: [t for o in run_in_process(engine, PromptInput(prompt=prompt), params)
+                          for t in o.token_ids] for model, (engine, prompt) in cases.items()}
+    start_worker(smollm_engine, worker_id="smol")
+    start_worker(tiny, worker_id="tiny", served_model_name="tiny-random")
+    channel, stub = stub_for(make_gateway(models=()).target)
+    with channel:
+        wait_until(workers_ready(stub, 2), timeout=30)
+        for model, (_, prompt) in [*cases.items(), *cases.items()]:
+            out = list(stub.Generate(build_request(prompt, max_tokens=8, temperature=0.0, ignore_eos=True,
+                                                   model=model), timeout=120))
+            assert out[-1].final.worker_id == ("smol" if model == DEFAULT_MODEL_NAME else "tiny")
+            assert tokens(out) == references[model], model
+    assert references[DEFAULT_MODEL_NAME] != references["tiny-random"]
