@@ -53,7 +53,8 @@ def build_model(config: EngineConfig) -> LlamaModel:
     with weights_loading():
         model_config, weights = load_model(path, dtype=dtype,
                                            quantize_to=quantize_to(config, path, device, dtype, kernels))
-        model = LlamaModel(model_config, weights, dtype=dtype, device=device, kernels=kernels)
+        model = LlamaModel(model_config, weights, dtype=dtype, device=device, kernels=kernels,
+                           enable_lora=config.is_lora_enabled)
         del weights
     log.info("model %s: %s", path.name, model.quantization_summary)
     return model
@@ -108,7 +109,12 @@ def build_text_engine(config: EngineConfig) -> TextEngine:
                         max_prefill_tokens=config.max_prefill_tokens, eos_token_ids=eos,
                         kv_cache_dtype=plan.dtype, enable_prefix_caching=config.enable_prefix_caching,
                         num_speculative_tokens=num_spec, proposer=proposer,
-                        grammar=build_grammar_compiler(tokenizer, model_config.vocab_size, eos))
+                        grammar=build_grammar_compiler(tokenizer, model_config.vocab_size, eos),
+                        max_adapters=config.max_adapters if config.is_lora_enabled else 0,
+                        max_lora_rank=config.max_lora_rank)
+    if engine.adapters is not None:
+        for name, adapter_path in config.adapters:
+            engine.adapters.load(name, adapter_path)
     weights = model.quantization_summary + (f"; draft {draft.quantization_summary}" if draft else "")
     return TextEngine(engine, tokenizer, model_name=path.stem if path.is_file() else path.name,
                       weights=weights)
@@ -129,7 +135,8 @@ def build_draft_model(config: EngineConfig, target: LlamaModel, tokenizer: Token
     assert config.draft_model is not None, "EngineConfig checks that speculative='draft' has one"
     path = Path(config.draft_model)
     difference = tokenizer.vocab_difference(Tokenizer.load(path))
-    draft = build_model(replace(config, model=str(path))) if difference is None else None
+    draft = (build_model(replace(config, model=str(path), adapters=(), enable_lora=False))
+             if difference is None else None)  # the target's adapters are not the draft's
     if draft is not None and draft.config.vocab_size != target.config.vocab_size:
         difference = f"vocab_size {target.config.vocab_size} vs {draft.config.vocab_size}"
     if draft is None or difference is not None:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0")
 SPECULATIVE = ("none", "ngram", "draft")
 ENGINE_KINDS = ("model", "sim")  # sim: worker/engine/sim.py, no model and no torch
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")  # a LoRA adapter's name (requests and metrics use it)
+MAX_LORA_RANK_LIMIT = 512
 
 
 @dataclass(frozen=True)
@@ -57,9 +60,25 @@ class EngineConfig:
     speculative: str = "none"
     num_speculative_tokens: int = 4  # proposals verified per step and sequence
     draft_model: str | None = None  # GGUF file or Hugging Face folder, for speculative="draft"
-    adapters: tuple[tuple[str, str], ...] = ()  # (name, path) of the LoRA adapters loaded at start
+    # LoRA adapters (PEFT folders: worker/model/lora.py) served next to the base model, as
+    # (name, path) pairs loaded at start; a request names one (its `adapter`) or none (the base).
+    # LoRA is on when `enable_lora` is set or any adapter is given; only then can adapters be
+    # loaded at run time. With LoRA on, every step runs per op, without the fused C layers
+    # (LlamaModel.enable_lora says why, benchmarks/lora.py what it costs); off, nothing changes.
+    adapters: tuple[tuple[str, str], ...] = ()
+    enable_lora: bool = False
+    # Most distinct adapters in one step (vLLM's --max-loras): a request of a further adapter
+    # waits, and no later request is admitted before it (so it cannot starve), until one of the
+    # running adapters has no request left.
+    max_adapters: int = 4
+    max_lora_rank: int = 64  # adapters of a larger r are refused
+
+    @property
+    def is_lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.adapters)
 
     def __post_init__(self) -> None:
+        self._check_lora()
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.kv_cache_dtype is not None and self.kv_cache_dtype not in DTYPES:
@@ -87,6 +106,22 @@ class EngineConfig:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+
+    def _check_lora(self) -> None:
+        for pair in self.adapters:
+            is_pair = isinstance(pair, tuple) and len(pair) == 2
+            if not (is_pair and all(isinstance(p, str) and p for p in pair)):
+                raise ValueError(f"adapters must be (name, path) pairs of non-empty strings, got {pair!r}")
+            if not ADAPTER_NAME.fullmatch(pair[0]):
+                raise ValueError(f"adapters: name {pair[0]!r} must match {ADAPTER_NAME.pattern}")
+        names = [name for name, _ in self.adapters]
+        if len(set(names)) != len(names):
+            twice = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"adapters: names must be unique, got {', '.join(twice)} more than once")
+        if not 1 <= self.max_adapters <= 64:
+            raise ValueError(f"max_adapters must be in [1, 64], got {self.max_adapters}")
+        if not 1 <= self.max_lora_rank <= MAX_LORA_RANK_LIMIT:
+            raise ValueError(f"max_lora_rank must be in [1, {MAX_LORA_RANK_LIMIT}], got {self.max_lora_rank}")
 
 
 @dataclass(frozen=True)

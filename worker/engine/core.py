@@ -21,6 +21,9 @@ A request with a response_format (grammar.py) waits outside the scheduler until 
 compiled (on a background thread), then joins the queue with its matcher fed the tokens it
 already has; the runner masks its rows, and accept advances its matcher with each kept token.
 A compile error fails only that request (`Sequence.is_invalid_request`: INVALID_ARGUMENT).
+
+With LoRA (`max_adapters` > 0) a request may name an adapter (`adapters`: AdapterRegistry);
+an adapter being unloaded is freed at the end of the first step that leaves it no sequence.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from protos.params import FinishReason, SamplingParams
+from worker.engine.adapters import AdapterRegistry
 from worker.engine.grammar import Constraint, GrammarCompiler
 from worker.engine.kv_manager import KVCacheManager
 from worker.engine.model_runner import ModelRunner, SampledToken
@@ -46,6 +50,7 @@ from worker.engine.spec_policy import SpeculationPolicy
 from worker.engine.speculative import NgramProposer, Proposer, num_accepted
 from worker.engine.stopping import StoppingCriteria
 from worker.model.llama import KVCache, LlamaModel
+from worker.model.lora import DEFAULT_MAX_LORA_RANK
 
 # How long an idle engine waits for a compiling format before its caller's loop goes on.
 COMPILE_WAIT_S = 0.05
@@ -66,14 +71,19 @@ class EngineCore:
                  max_num_seqs: int, max_prefill_tokens: int, eos_token_ids: frozenset[int],
                  kv_cache_dtype: torch.dtype | None = None, enable_prefix_caching: bool = True,
                  num_speculative_tokens: int = 0, proposer: Proposer | None = None,
-                 grammar: GrammarCompiler | None = None) -> None:
+                 grammar: GrammarCompiler | None = None, max_adapters: int = 0,
+                 max_lora_rank: int = DEFAULT_MAX_LORA_RANK) -> None:
+        """max_adapters: most distinct LoRA adapters per step; 0 = LoRA off (the model must have
+        enable_lora otherwise)."""
         self.model = model
         self.max_len = max_model_len
         self.eos_token_ids = eos_token_ids
         cache = KVCache(model.config, num_blocks, block_size, kv_cache_dtype or model.dtype, model.device)
         self.kv = KVCacheManager(num_blocks, block_size, max_model_len, enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, max_num_seqs, max_prefill_tokens)
-        self.runner = ModelRunner(model, cache, self.kv)
+        self.scheduler = Scheduler(self.kv, max_num_seqs, max_prefill_tokens, max_adapters or None)
+        # None: LoRA off, and a request naming an adapter is refused
+        self.adapters = AdapterRegistry(model, max_adapters, max_lora_rank) if max_adapters > 0 else None
+        self.runner = ModelRunner(model, cache, self.kv, self.adapters)
         self.num_step_prefill_tokens = self.num_step_decode_tokens = 0  # what the last step computed
         # None: no speculation. Counts since start: verified runs, proposed and accepted tokens.
         self.spec = SpeculationPolicy(num_speculative_tokens) if num_speculative_tokens > 0 else None
@@ -86,12 +96,13 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None, *, seed: int | None = None,
-                    resume_ids: Seq[int] = (), cache_scope: bytes = b"") -> Sequence:
+                    resume_ids: Seq[int] = (), cache_scope: bytes = b"", adapter: str = "") -> Sequence:
         """Queue a request. `seed` overrides params.seed (a resumed request keeps its
         first worker's seed); `resume_ids` are tokens an earlier worker already generated;
-        `cache_scope` decides whose cached prompt blocks it may share (equal scopes only)."""
+        `cache_scope` decides whose cached prompt blocks it may share (equal scopes only);
+        `adapter`: the LoRA adapter it runs with ("" = the base model)."""
         seq = self.new_sequence(request_id, prompt_ids, params, arrival_time, seed=seed,
-                                resume_ids=resume_ids, cache_scope=cache_scope)
+                                resume_ids=resume_ids, cache_scope=cache_scope, adapter=adapter)
         self.submit(seq)
         return seq
 
@@ -109,10 +120,15 @@ class EngineCore:
 
     def new_sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                      arrival_time: float | None = None, *, seed: int | None = None,
-                     resume_ids: Seq[int] = (), cache_scope: bytes = b"") -> Sequence:
+                     resume_ids: Seq[int] = (), cache_scope: bytes = b"", adapter: str = "") -> Sequence:
         """A validated Sequence, not queued (`add_request` queues it)."""
         if not prompt_ids:
             raise ValueError("prompt must contain at least one token")
+        if adapter:
+            if self.adapters is None:
+                raise ValueError(f"adapter {adapter!r}: this worker serves no LoRA adapters (LoRA is off)")
+            self.adapters.check(adapter)
+            cache_scope = self.adapters.cache_scope(adapter, cache_scope)  # shares blocks with its own only
         if self.scheduler.find(request_id) is not None or self._find_compiling(request_id) is not None:
             raise ValueError(f"request_id {request_id!r} is already running")
         if len(prompt_ids) + params.max_tokens > self.max_len:
@@ -125,7 +141,7 @@ class EngineCore:
             seed = params.seed if params.seed is not None else random.getrandbits(63)
         return Sequence(request_id=request_id, prompt_ids=list(prompt_ids), params=params, seed=seed,
                         stopping=StoppingCriteria(params, self.eos_token_ids, params.max_tokens),
-                        cache_scope=cache_scope,
+                        cache_scope=cache_scope, adapter=adapter,
                         arrival_time=arrival_time if arrival_time is not None else time.time(),
                         output_ids=list(resume_ids), num_carried_over_tokens=len(resume_ids),
                         constraint=self._constraint(params))
@@ -170,7 +186,23 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._aborts) or bool(self.compiling)
 
+    def unload_adapter(self, name: str) -> None:
+        """Refuse new requests of LoRA adapter `name` now; free its weights once no sequence uses it."""
+        if self.adapters is None:
+            raise ValueError(f"adapter {name!r}: this worker serves no LoRA adapters (LoRA is off)")
+        self.adapters.unload(name, self._adapters_in_use())
+
+    def _adapters_in_use(self) -> set[str]:
+        sched = self.scheduler
+        return {s.adapter for s in (*sched.running.values(), *sched.waiting, *self.compiling) if s.adapter}
+
     def step(self) -> list[EngineOutput]:
+        outputs = self._step()
+        if self.adapters is not None and self.adapters.is_unloading:
+            self.adapters.release_unused(self._adapters_in_use())
+        return outputs
+
+    def _step(self) -> list[EngineOutput]:
         outputs = self._apply_aborts()
         outputs += self._admit_compiled(wait_s=0.0 if self.scheduler.has_unfinished() else COMPILE_WAIT_S)
         self._propose()

@@ -14,6 +14,10 @@ on CPU) that plain decodes take. Row j's sampling history is the output plus
 the proposals before it: it draws the target's own output token
 len(output) + j with that index's noise and penalties.
 
+A sequence with a LoRA adapter gives each of its rows the adapter's slot in the step: the
+step's distinct adapters in order of first appearance (`ForwardBatch.adapters`), at most the
+scheduler's max_adapters.
+
 Rows of constrained sequences (a response_format) get their grammar's mask before sampling
 (grammar.fill_masks, on a thread of its own while the model computes, then apply_bitmask; a
 decode's proposal rows the masks of its matcher advanced through them).
@@ -27,11 +31,13 @@ from dataclasses import dataclass
 
 import torch
 
+from worker.engine.adapters import AdapterRegistry
 from worker.engine.grammar import apply_bitmask, fill_masks
 from worker.engine.kv_manager import KVCacheManager
 from worker.engine.sampling import Sampler, SamplerOutput, SamplingRow, build_sampling_batch
 from worker.engine.sequence import PrefillChunk, Sequence, sampled_sequences
 from worker.model.llama import ForwardBatch, KVCache, LlamaModel
+from worker.model.lora import LoraAdapter
 
 
 @dataclass
@@ -43,10 +49,12 @@ class SampledToken:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, cache: KVCache, kv: KVCacheManager) -> None:
+    def __init__(self, model: LlamaModel, cache: KVCache, kv: KVCacheManager,
+                 adapters: AdapterRegistry | None = None) -> None:
         self.model = model
         self.cache = cache
         self.kv = kv
+        self.adapters = adapters  # None: LoRA is off
         self.device = model.device
         self.sampler = Sampler()
         self.mask_seconds = 0.0  # what masking the constrained rows took in the last step
@@ -105,14 +113,22 @@ class ModelRunner:
         """The flattened batch: every chunk's tokens, then each decode's last token and its
         proposals, one row each."""
         batch = BatchBuilder(self.kv.block_size, self.device)
+        slots: dict[str, int] = {}  # adapter name -> its slot in this step
+
+        def slot(seq: Sequence) -> int:
+            return slots.setdefault(seq.adapter, len(slots)) if seq.adapter else -1
+
         for c in prefills:
             chunk = c.seq.prefill_ids[c.start:c.start + c.num_tokens]
-            batch.add(self.kv.block_table(c.seq.request_id), chunk, c.start, int(c.is_last))
+            batch.add(self.kv.block_table(c.seq.request_id), chunk, c.start, int(c.is_last), slot(c.seq))
         for s in decodes:  # the last token, then the proposals (if any)
             table = self.kv.block_table(s.request_id)
             for j, token_id in enumerate(s.output_ids[-1:] + s.spec.draft_ids):
-                batch.add(table, [token_id], s.num_tokens - 1 + j, 1)
-        return batch.build(num_prefills=len(prefills))
+                batch.add(table, [token_id], s.num_tokens - 1 + j, 1, slot(s))
+        if slots and self.adapters is None:
+            raise ValueError("a sequence names a LoRA adapter but this engine has LoRA off")
+        adapters = tuple(self.adapters.get(name) for name in slots) if self.adapters else ()
+        return batch.build(num_prefills=len(prefills), adapters=adapters)
 
     @staticmethod
     def _to_host(out: SamplerOutput) -> list[SampledToken]:
@@ -143,11 +159,15 @@ class BatchBuilder:
         self.context_lens: list[int] = []
         self.query_start = [0]
         self.logits_indices: list[int] = []
+        self.adapter_slots: list[int] = []
 
-    def add(self, table: list[int], token_ids: list[int], start: int, num_logits: int) -> None:
-        """Tokens at positions [start, start + len(token_ids)); logits for the last num_logits."""
+    def add(self, table: list[int], token_ids: list[int], start: int, num_logits: int,
+            adapter_slot: int = -1) -> None:
+        """Tokens at positions [start, start + len(token_ids)); logits for the last num_logits;
+        adapter_slot: their LoRA adapter's index in the step's adapters (-1: the base model)."""
         bs, span = self.block_size, range(start, start + len(token_ids))
         self.ids.extend(token_ids)
+        self.adapter_slots.extend([adapter_slot] * len(token_ids))
         self.positions.extend(span)
         self.slots.extend(table[p // bs] * bs + p % bs for p in span)
         self.tables.append(table)
@@ -155,8 +175,9 @@ class BatchBuilder:
         self.query_start.append(self.query_start[-1] + len(token_ids))
         self.logits_indices.extend(range(self.query_start[-1] - num_logits, self.query_start[-1]))
 
-    def build(self, num_prefills: int) -> ForwardBatch:
-        """The first num_prefills sequences are prompt chunks, the rest one-token decode rows."""
+    def build(self, num_prefills: int, adapters: tuple[LoraAdapter, ...] = ()) -> ForwardBatch:
+        """The first num_prefills sequences are prompt chunks, the rest one-token decode rows;
+        `adapters`: the LoRA adapters the rows' adapter slots index."""
         width = max(map(len, self.tables))
         padded = [t + [0] * (width - len(t)) for t in self.tables]
 
@@ -170,4 +191,5 @@ class BatchBuilder:
             context_lens=tensor(self.context_lens, torch.int32),  # (S,)
             query_start_loc=tuple(self.query_start), context_lens_host=tuple(self.context_lens),
             num_prefills=num_prefills, logits_indices=tensor(self.logits_indices),  # (R,)
+            lora_slots=tensor(self.adapter_slots) if adapters else None, adapters=adapters,  # (T,)
         )

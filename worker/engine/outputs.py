@@ -68,6 +68,8 @@ class EngineStats:
     num_grammar_cache_hits: int = 0
     num_grammar_cache_misses: int = 0
     grammar_mask_seconds: float = 0.0  # masking the constrained rows' logits in the last step
+    # LoRA: running requests of each loaded adapter (unloading ones too), the base model's not included
+    num_running_by_adapter: dict[str, int] = field(default_factory=dict)
 
 
 def context_overflow(prompt_tokens: int, max_tokens: int, context: int) -> ValueError:

@@ -19,7 +19,11 @@ Each step, in this order:
    stays free for their decodes. Nothing is admitted in a step that preempted
    (it would take back the blocks just freed). A request never fits only if it
    is larger than the pool, and `Engine` refuses those up front: nothing waits
-   forever.
+   forever. With LoRA, the running requests use at most `max_adapters`
+   distinct adapters (the base model not counted), so every step does; a
+   request of a further adapter waits, FIFO as for blocks, until one of them
+   has no running request left: the running ones only drain meanwhile, so it
+   never starves.
 4. Speculation (after the decodes above, so it never preempts anyone): a
    decode with proposals also gets the blocks for its k proposal positions,
    or, when the pool has none to spare, drops its proposals and runs as a
@@ -53,13 +57,15 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_prefill_tokens: int) -> None:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_prefill_tokens: int,
+                 max_adapters: int | None = None) -> None:
         if max_num_seqs < 1 or max_prefill_tokens < 1:
             raise ValueError(f"max_num_seqs ({max_num_seqs}) and max_prefill_tokens "
                              f"({max_prefill_tokens}) must be >= 1")
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
+        self.max_adapters = max_adapters  # None: no limit
         self.waiting: deque[Sequence] = deque()
         self.running: dict[str, Sequence] = {}  # in admission order
         self.num_preemptions = 0
@@ -88,8 +94,12 @@ class Scheduler:
         for seq in self.running.values():  # admission order: older prompts finish first
             if budget > 0 and not seq.is_prefilled:
                 budget -= self._add_chunk(out, seq, budget)
+        adapters = {s.adapter for s in self.running.values() if s.adapter}
         while budget > 0 and self.waiting and not out.preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if (seq.adapter and seq.adapter not in adapters and self.max_adapters is not None
+                    and len(adapters) >= self.max_adapters):
+                break  # FIFO: waits for one of the running adapters to drain
             prefill_ids = seq.prefill_ids
             if self.kv.is_prefix_pending(prefill_ids, scope=seq.cache_scope):
                 break  # computed this step by another request: a cache hit next step
@@ -104,6 +114,8 @@ class Scheduler:
                 seq.admitted_time = time.time()
             seq.status = SequenceStatus.RUNNING
             self.running[seq.request_id] = seq
+            if seq.adapter:
+                adapters.add(seq.adapter)
             budget -= self._add_chunk(out, seq, budget)
         return out
 

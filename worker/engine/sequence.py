@@ -50,6 +50,7 @@ class Sequence:
     stop_text: TextStop | None = None  # stop strings, checked on the text after `stopping`
     # Shares cached prompt blocks only with sequences of the same scope (b"": the unscoped default).
     cache_scope: bytes = b""
+    adapter: str = ""  # the LoRA adapter it runs with (worker/engine/adapters.py); "" = the base model
     arrival_time: float = field(default_factory=time.time)  # unix seconds
     output_ids: list[int] = field(default_factory=list)
     # Output tokens that prefill computes with the prompt instead of decoding them; they count

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from protos.params import (
@@ -78,7 +79,9 @@ class TextEngine:
                     arrival_time: float | None = None, resume: Resume | None = None,
                     cache_scope: bytes = b"", adapter: str = "") -> Admitted:
         """Queue a request; ValueError (naming the field) if it cannot be served. It shares
-        cached prompt blocks only with requests of the same `cache_scope`.
+        cached prompt blocks only with requests of the same `cache_scope` and `adapter` (a
+        loaded LoRA adapter's name, `adapters`; "" = the base model; another name raises a
+        ValueError starting with "adapter ").
 
         With `resume`, the tokens an earlier worker streamed are replayed through the
         detokenizer and stop checks (rebuilding exactly the text state it had) and
@@ -87,13 +90,11 @@ class TextEngine:
         """
         if request_id in self._states:
             raise ValueError(f"request_id {request_id!r} is already running")
-        if adapter:  # TEMP until the LoRA engine lands
-            raise ValueError(f"adapter {adapter!r} is not loaded")
         ids, truncated = self._encode(prompt, params)
         resumed = resume.token_ids if resume is not None else ()
         seq = self.engine.new_sequence(request_id, ids, params, arrival_time,
                                        seed=resume.seed if resume is not None else None, resume_ids=resumed,
-                                       cache_scope=cache_scope)
+                                       cache_scope=cache_scope, adapter=adapter)
         matcher = StopStringMatcher(params.stop) if params.stop else None
         detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=True)
         state = _TextState(detok, matcher, truncated)
@@ -114,18 +115,26 @@ class TextEngine:
             self._states[request_id] = state
         return Admitted(seq.seed, text)
 
-    @property
-    def adapters(self) -> tuple[str, ...]:  # TEMP until the LoRA engine lands
-        return ()
-
-    def load_adapter(self, name: str, path: str) -> None:  # TEMP
-        raise ValueError("LoRA is not wired yet")
-
-    def unload_adapter(self, name: str) -> None:  # TEMP
-        pass
-
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
+
+    # -- LoRA adapters (between steps, on the thread that calls step()) -----
+    @property
+    def adapters(self) -> tuple[str, ...]:
+        """The LoRA adapters requests may name: loaded and not unloading (none with LoRA off)."""
+        return self.engine.adapters.names if self.engine.adapters is not None else ()
+
+    def load_adapter(self, name: str, path: str | Path) -> None:
+        """Load a PEFT LoRA folder as adapter `name`; ValueError on bad files, a taken or invalid
+        name, or with LoRA off."""
+        if self.engine.adapters is None:
+            raise ValueError(f"adapter {name!r}: LoRA is off on this worker (enable_lora)")
+        self.engine.adapters.load(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        """Refuse new requests of `name` now; its requests in flight finish with it, then its
+        weights are freed. ValueError if it is not loaded."""
+        self.engine.unload_adapter(name)
 
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished() or bool(self._ready)
@@ -143,7 +152,17 @@ class TextEngine:
             num_step_decode_tokens=self.engine.num_step_decode_tokens,
             num_spec_drafts=self.engine.num_spec_drafts,
             num_spec_draft_tokens=self.engine.num_spec_draft_tokens,
-            num_spec_accepted_tokens=self.engine.num_spec_accepted_tokens, **self._grammar_stats())
+            num_spec_accepted_tokens=self.engine.num_spec_accepted_tokens,
+            num_running_by_adapter=self._running_by_adapter(), **self._grammar_stats())
+
+    def _running_by_adapter(self) -> dict[str, int]:
+        if self.engine.adapters is None:
+            return {}
+        counts = dict.fromkeys(self.engine.adapters.loaded, 0)
+        for seq in self.engine.scheduler.running.values():
+            if seq.adapter:
+                counts[seq.adapter] = counts.get(seq.adapter, 0) + 1
+        return counts
 
     def _grammar_stats(self) -> dict[str, Any]:
         grammar = self.engine.grammar

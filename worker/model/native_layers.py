@@ -1,5 +1,5 @@
 """The Python side of kernels/layer.c: all decoder layers of a step in one C call, every new
-token a decode row (prompt tokens too: LlamaModel._rows_as_decodes)."""
+token a decode row (prompt tokens too: attention.rows_as_decodes)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,190 @@
+"""The paged KV cache, a step's attention metadata (`ForwardBatch`) and attention over them in torch.
+
+The C kernels' decode attention is worker/model/native.py's; llama.py picks. Shapes: T new
+tokens in the step, S sequences, H query heads, K kv heads, D head dim, N cache blocks of Bs
+tokens, M blocks per block table.
+"""
+
+from __future__ import annotations
+
+import mmap
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from worker.model.config import ModelConfig
+from worker.model.lora import LoraAdapter
+
+
+@dataclass
+class ForwardBatch:
+    """One step's new tokens and where their K/V are read and written.
+
+    Sequence s owns tokens [query_start_loc[s], query_start_loc[s + 1]); the first
+    `num_prefills` sequences are prompt chunks, the rest decode one token each. A
+    sequence's tokens are the last ones of its context: positions
+    [context_lens[s] - n, context_lens[s]).
+    """
+
+    input_ids: torch.Tensor  # (T,)
+    positions: torch.Tensor  # (T,) absolute position of each token
+    slot_mapping: torch.Tensor  # (T,) int64: block * Bs + offset, where each new K/V is written
+    block_tables: torch.Tensor  # (S, M) int32: each sequence's blocks, padded with block 0
+    context_lens: torch.Tensor  # (S,) int32: cached + new tokens each sequence attends over
+    query_start_loc: tuple[int, ...]  # (S + 1,) on the host
+    context_lens_host: tuple[int, ...]  # (S,) context_lens on the host
+    num_prefills: int
+    logits_indices: torch.Tensor  # (R,) the tokens whose logits are returned
+    # LoRA (a model with enable_lora): each token's index into `adapters`, -1 for the base model;
+    # None when no token has an adapter
+    lora_slots: torch.Tensor | None = None  # (T,) int64
+    adapters: tuple[LoraAdapter, ...] = ()
+
+
+
+class KVCache:
+    """K and V of every layer in blocks, allocated once: each (num_layers, K, N, Bs, D).
+
+    A block holds Bs consecutive positions of one sequence, all kv heads; each
+    (kv head, block) is Bs * D contiguous values, and blocks with consecutive ids
+    are adjacent, so a prompt's blocks (allocated together) are one contiguous
+    stretch per kv head: the decode kernel streams them as it streamed a slot
+    per sequence (with (N, K, Bs, D) it read 4 KB pieces 12 KB apart and a
+    SmolLM2 batch-16 step's attention took ~20% longer).
+    On CPU the memory comes from an anonymous mmap: pages cost RAM only once
+    written, so a large budget does not take the memory up front, and
+    never-written positions read as finite zeros (the torch decode path reads
+    whole blocks and weights the positions past a row's end by 0, so those
+    must not be NaN). Its pages are 4 KB, not huge: numpy's zeros (the
+    allocator here before) asks for 2 MB pages, so the first block written in
+    each (layer, kv head) region took 2 MB, and SmolLM2's first request made
+    ~450 MB of a 640-block pool resident; with 4 KB pages it takes the 4 KB of
+    each block (one block of one kv head). The attention kernel's extra TLB
+    misses are a few thousand per step.
+    """
+
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        shape = (config.num_layers, config.num_kv_heads, num_blocks, block_size, config.head_dim)
+        self.k = _zeros(shape, dtype, device)  # (L, K, N, Bs, D)
+        self.v = _zeros(shape, dtype, device)  # (L, K, N, Bs, D)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.dtype = dtype
+
+    @staticmethod
+    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        return 2 * config.num_layers * config.num_kv_heads * block_size * config.head_dim * dtype.itemsize
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    num_bytes = int(np.prod(shape)) * dtype.itemsize
+    buf = mmap.mmap(-1, max(num_bytes, 1))  # anonymous: zero-filled, each page on its first write
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # Linux; elsewhere pages are small anyway
+        buf.madvise(mmap.MADV_NOHUGEPAGE)
+    return torch.frombuffer(buf, dtype=torch.uint8)[:num_bytes].view(dtype).view(shape)
+
+
+
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    """Attention of one new token per row: (B, H, 1, D) queries over (B, K, L, D) keys/values.
+
+    The G = H / K query heads sharing a kv head are the rows of one small matmul,
+    so each key and value is read from memory once per step (the CPU kernels of
+    scaled_dot_product_attention take ~1.5x longer here: measured 53 vs 34 ms
+    per SmolLM2 step at batch 16). bias: (B * K, 1, L), 0 or -inf, or None.
+    """
+    B, H, _, D = q.shape
+    K, L = keys.shape[1], keys.shape[2]
+    qg = q.reshape(B * K, H // K, D) * D ** -0.5  # (B * K, G, D): heads h = k * G + g
+    kt = keys.reshape(B * K, L, D).transpose(1, 2)  # (B * K, D, L)
+    scores = torch.bmm(qg, kt) if bias is None else torch.baddbmm(bias, qg, kt)  # (B * K, G, L)
+    out = torch.bmm(torch.softmax(scores, dim=-1), values.reshape(B * K, L, D))  # (B * K, G, D)
+    return out.view(B, H, 1, D)
+
+
+
+def rows_as_decodes(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every new token as a decode row of the fused layers: its sequence's block table and
+    its own position + 1 as its length, (T, M) int32 and (T,) int32. Its K/V and those of
+    the step's earlier tokens of its sequence are written before any row attends, so a
+    prompt chunk attends causally, through the same kernel and in the same order as a
+    decode would: a token's hidden states do not depend on how its sequence was batched
+    or chunked, so a preempted or resumed request recomputes bit for bit what it had.
+    It costs prefill speed: SDPA plus, from 64 rows on, dequantized weights in oneDNN
+    fp32 ran a 512-token SmolLM2 prefill at 421-458 tok/s, this at 269-285 (2 threads,
+    AVX2 EPYC), but the former changed a seeded answer's tokens after a resume.)"""
+    if batch.num_prefills == 0:
+        return batch.block_tables, batch.context_lens
+    starts = batch.query_start_loc
+    counts = torch.tensor([b - a for a, b in zip(starts, starts[1:], strict=False)])  # (S,)
+    rows = torch.repeat_interleave(torch.arange(len(counts)), counts)  # (T,) each token's sequence
+    return batch.block_tables[rows].contiguous(), (batch.positions + 1).to(torch.int32)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, i: int,
+                      batch: ForwardBatch) -> list[torch.Tensor]:
+    """Per prompt chunk: causal attention over its own new tokens and, when it continues
+    a prompt (chunked prefill, prefix hit), over the keys already in its blocks.
+
+    The inputs are 4-D with a batch of 1 on purpose: torch's CPU SDPA takes its fused
+    kernel only for 4-D inputs and falls back to the unfused maths for 3-D ones, 4x
+    slower at 512 tokens (measured 31 vs 7.8 ms per layer, SmolLM2 shapes)."""
+    outs, gqa, bs = [], q.shape[1] != k.shape[1], cache.block_size
+    for s in range(batch.num_prefills):
+        a, b = batch.query_start_loc[s], batch.query_start_loc[s + 1]
+        n, context = b - a, batch.context_lens_host[s]
+        qs = q[None, a:b].transpose(1, 2)  # (1, H, n, D); out is the same shape
+        if context == n:  # the whole context is new: nothing to read back
+            ks, vs = k[None, a:b].transpose(1, 2), v[None, a:b].transpose(1, 2)  # (1, K, n, D)
+            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
+        else:
+            blocks = batch.block_tables[s:s + 1, :-(-context // bs)]  # (1, m)
+            keys = gather_blocks(cache.k[i], blocks, q.dtype)[:, :, :context]  # (1, K, context, D)
+            values = gather_blocks(cache.v[i], blocks, q.dtype)[:, :, :context]
+            query_pos = torch.arange(context - n, context, device=q.device)  # (n,)
+            mask = torch.arange(context, device=q.device)[None, :] <= query_pos[:, None]  # (n, context)
+            out = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, enable_gqa=gqa)
+        outs.append(out[0].transpose(0, 1))  # (n, H, D)
+    return outs
+
+
+def torch_decode_attention(q: torch.Tensor, cache: KVCache, i: int, batch: ForwardBatch,
+                           bias: torch.Tensor) -> torch.Tensor:
+    """One token per sequence over its whole context, in torch (the CUDA path): q (B, H, D) ->
+    (B, H, D); bias from `decode_bias`."""
+    p = batch.num_prefills
+    m = bias.shape[-1] // cache.block_size
+    tables = batch.block_tables[p:, :m]  # (B, m)
+    keys = gather_blocks(cache.k[i], tables, q.dtype)  # (B, K, m * Bs, D)
+    values = gather_blocks(cache.v[i], tables, q.dtype)
+    return decode_attention(q[:, :, None], keys, values, bias)[:, :, 0]  # (B, H, D)
+
+
+def decode_bias(batch: ForwardBatch, block_size: int, num_kv_heads: int,
+                dtype: torch.dtype) -> torch.Tensor | None:
+    """For the torch decode path: 0 for each row's positions, -inf past its end:
+    (B * K, 1, m * Bs), m the longest row's block count. None without decodes."""
+    lens = batch.context_lens[batch.num_prefills:]  # (B,)
+    if lens.shape[0] == 0:
+        return None
+    m = -(-max(batch.context_lens_host[batch.num_prefills:]) // block_size)
+    key_pos = torch.arange(m * block_size, device=lens.device)  # (m * Bs,)
+    bias = torch.zeros(lens.shape[0], m * block_size, dtype=dtype, device=lens.device)
+    bias.masked_fill_(key_pos[None, :] >= lens[:, None], float("-inf"))  # (B, m * Bs)
+    K = num_kv_heads
+    bias = bias[:, None, None, :].expand(-1, K, 1, -1)  # (B, K, 1, m * Bs)
+    return bias.reshape(-1, 1, m * block_size)  # (B * K, 1, m * Bs)
+
+
+def gather_blocks(cache: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Blocks of each row laid end to end: cache (K, N, Bs, D), tables (B, m) -> (B, K, m * Bs, D)."""
+    B, m = tables.shape
+    K, _, bs, D = cache.shape
+    blocks = cache[:, tables.long()]  # (K, B, m, Bs, D) gathered copy
+    return blocks.transpose(0, 1).reshape(B, K, m * bs, D).to(dtype)
