@@ -41,9 +41,11 @@ def canonical_text(request: generate_pb2.GenerateRequest) -> str:
 
 def prefix_hashes(request: generate_pb2.GenerateRequest, cache_scope: bytes) -> list[bytes]:
     """The chained hash of each whole CHUNK_CHARS chunk of the canonical text (at most
-    MAX_CHUNKS), keyed by the cache scope."""
+    MAX_CHUNKS), keyed by the cache scope and the request's LoRA adapter (a worker shares
+    cached blocks only within one adapter: a base model's blocks are no hit for it)."""
     text = canonical_text(request).encode()
-    key = hashlib.blake2b(cache_scope, digest_size=32).digest()  # blake2b keys are <= 64 bytes
+    scope = cache_scope + b"\0lora:" + request.adapter.encode() if request.adapter else cache_scope
+    key = hashlib.blake2b(scope, digest_size=32).digest()  # blake2b keys are <= 64 bytes
     hashes: list[bytes] = []
     previous = b""
     for start in range(0, min(len(text), CHUNK_CHARS * MAX_CHUNKS) - CHUNK_CHARS + 1, CHUNK_CHARS):

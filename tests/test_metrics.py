@@ -7,10 +7,13 @@ from collections.abc import Callable
 
 import grpc
 import pytest
+from prometheus_client import CollectorRegistry
 
 from gateway.redis_server import free_port
 from protos.convert import build_request
+from tests.factories import make_stats
 from tests.service import GatewayThread, MetricsStack, scrape_samples, stub_for, wait_until
+from worker.io.metrics import WorkerMetrics
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -90,3 +93,22 @@ def test_rejections_queue_gauges_and_vllm_names(make_gateway: Callable[..., Gate
     assert value(samples, "vllm:requests_rejected_total", reason="queue_full") == 1
     assert all("model_name" in dict(ls) and "model" not in dict(ls)
                for (n, ls) in samples if n.startswith("vllm:"))
+
+
+def test_lora_requests_info_names_the_running_adapters_in_one_series() -> None:
+    """vLLM's lora_requests_info: one series, whose labels say which adapters run (and the most
+    per step); a change replaces it. A worker without LoRA exports none."""
+    registry = CollectorRegistry()
+    metrics = WorkerMetrics(registry, "m", "w", max_adapters=4)
+
+    def series() -> list[dict[str, str]]:
+        return [s.labels for f in registry.collect() for s in f.samples
+                if s.name == "tokenrelay_lora_requests_info"]
+
+    metrics.update(make_stats(num_running_by_adapter={"fr": 2, "de": 0, "it": 1}), 0)
+    assert [(s["running_lora_adapters"], s["max_lora"]) for s in series()] == [("fr,it", "4")]
+    metrics.update(make_stats(num_running_by_adapter={"fr": 0, "de": 3}), 0)
+    assert [s["running_lora_adapters"] for s in series()] == ["de"]
+    off = CollectorRegistry()
+    WorkerMetrics(off, "m", "w").update(make_stats(), 0)
+    assert not [s for f in off.collect() for s in f.samples if s.name == "tokenrelay_lora_requests_info"]

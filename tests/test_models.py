@@ -21,7 +21,7 @@ from protos.convert import build_request
 from protos.keys import Keys
 from protos.params import PromptInput, SamplingParams
 from protos.tokenrelay.v1 import generate_pb2, generate_pb2_grpc
-from tests.factories import write_model
+from tests.factories import make_hf_model, write_model
 from tests.service import GatewayThread, WorkerProcess, WorkerThread, stub_for, wait_until, workers_ready
 from tests.test_e2e import run_in_process
 from worker.config import DEFAULT_MODEL_NAME
@@ -246,3 +246,53 @@ def test_two_real_models_each_answer_with_their_own_weights(
             assert out[-1].final.worker_id == ("smol" if model == DEFAULT_MODEL_NAME else "tiny")
             assert tokens(out) == references[model], model
     assert references[DEFAULT_MODEL_NAME] != references["tiny-random"]
+
+
+@pytest.mark.slow
+def test_real_lora_adapters_through_the_gateway_loaded_at_start_and_at_run_time(
+        make_gateway: Callable[..., GatewayThread], start_worker: Callable[..., WorkerThread],
+        redis_url: str, prefix: str, tmp_path: Path) -> None:
+    """A random Llama with adapter "fr" from its flags and "de" loaded at run time (`tokenrelay
+    adapter load`): requests of both adapters and of the base, sent together so they share
+    steps, stream exactly what a separate engine with both adapters gives each of them alone."""
+    from tests.lora_factories import adapter_tensors, write_adapter
+    from worker.factory import build_text_engine
+
+    folder = write_model(tmp_path / "tiny", seed=3)
+    hf = make_hf_model(seed=3)
+    paths = {name: write_adapter(tmp_path / name, adapter_tensors(hf, seed=seed))
+             for name, seed in (("fr", 1), ("de", 2))}
+    base = dict(model=folder, max_num_seqs=8, max_model_len=64, kv_cache_memory_mb=1, num_threads=1)
+    reference_engine = build_text_engine(EngineConfig(**base, adapters=tuple(paths.items())))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompt = "t5 t9 t7 t3"
+    references = {adapter: alone(reference_engine, prompt, params, adapter) for adapter in ("", "fr", "de")}
+    assert len({tuple(r) for r in references.values()}) == 3  # each adapter changes the answer
+
+    worker = build_text_engine(EngineConfig(**base, adapters=(("fr", paths["fr"]),)))
+    start_worker(worker, worker_id="tiny", served_model_name="tiny")
+    channel, stub = stub_for(make_gateway(models=()).target)
+    with channel:
+        wait_until(workers_ready(stub, 1), timeout=30)
+        assert cli.main(["adapter", "--redis-url", redis_url, "--key-prefix", prefix, "--model", "tiny",
+                         "load", "de", paths["de"]]) == 0
+        wait_until(lambda: [list(m.adapters) for m in server_info(stub).served] == [["de", "fr"]], timeout=10)
+
+        def call(adapter: str) -> list[int]:
+            request = build_request(prompt, max_tokens=8, temperature=0.0, ignore_eos=True, model="tiny",
+                                    adapter=adapter or None)
+            return tokens(list(stub.Generate(request, timeout=60)))
+
+        with ThreadPoolExecutor(6) as pool:
+            adapters = ["fr", "", "de", "de", "", "fr"]
+            results = list(pool.map(call, adapters))
+    assert results == [references[a] for a in adapters]
+
+
+def alone(engine: Any, prompt: str, params: SamplingParams, adapter: str) -> list[int]:
+    """The tokens of one request run by itself in the engine."""
+    engine.add_request(f"alone-{adapter}", PromptInput(prompt=prompt), params, adapter=adapter)
+    ids: list[int] = []
+    while engine.has_unfinished():
+        ids += [t for o in engine.step() for t in o.token_ids]
+    return ids

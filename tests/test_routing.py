@@ -77,6 +77,11 @@ def test_a_chats_next_turn_starts_with_the_hashes_of_the_turn_before() -> None:
 def test_hashes_are_keyed_by_the_cache_scope_and_short_prompts_have_none() -> None:
     request = session(1, 1)[0]
     assert not set(prefix_hashes(request, SCOPE + b"-b")) & set(prefix_hashes(request, SCOPE))
+    adapted = generate_pb2.GenerateRequest()
+    adapted.CopyFrom(request)
+    adapted.adapter = "fr"  # cached blocks are per adapter too
+    assert len(prefix_hashes(adapted, SCOPE)) == len(prefix_hashes(request, SCOPE)) > 0
+    assert not set(prefix_hashes(adapted, SCOPE)) & set(prefix_hashes(request, SCOPE))
     assert prefix_hashes(build_request("y" * (CHUNK_CHARS - 1)), SCOPE) == []
     assert len(prefix_hashes(build_request("y" * (3 * CHUNK_CHARS + 5)), SCOPE)) == 3
 

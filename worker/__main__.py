@@ -40,6 +40,14 @@ def _env(name: str, default: object = None) -> str | None:
     return value if value is not None else (None if default is None else str(default))
 
 
+def _adapter_pair(text: str) -> tuple[str, str]:
+    """NAME=PATH -> (name, path); argparse reports the error."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, not {text!r}")
+    return name, path
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tokenrelay-worker",
@@ -121,6 +129,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="for --speculative draft: a smaller model with the same tokenizer (GGUF file or "
                         "Hugging Face folder), run in this worker with its own KV cache "
                         "[env TOKENRELAY_DRAFT_MODEL]")
+    lora = p.add_argument_group("LoRA adapters (docs/models.md)")
+    lora.add_argument("--adapter", action="append", type=_adapter_pair, metavar="NAME=PATH",
+                      help="serve the PEFT LoRA folder PATH as adapter NAME (GenerateRequest.adapter); "
+                           "repeatable [env TOKENRELAY_ADAPTERS, comma-separated NAME=PATH]")
+    lora.add_argument("--enable-lora", action=argparse.BooleanOptionalAction,
+                      default=_env("TOKENRELAY_ENABLE_LORA", "0") not in ("0", "false", "no"),
+                      help="accept adapters loaded at run time (tokenrelay adapter load) even with no "
+                           "--adapter; with LoRA on every step runs per op, without the fused CPU layer "
+                           "kernel (benchmarks/lora.py measures what that costs) "
+                           "[env TOKENRELAY_ENABLE_LORA]")
+    lora.add_argument("--max-adapters", type=int, default=_env("TOKENRELAY_MAX_ADAPTERS", 4),
+                      help="most distinct adapters in one engine step (vLLM's --max-loras); requests of "
+                           "another wait [env TOKENRELAY_MAX_ADAPTERS]")
+    lora.add_argument("--max-lora-rank", type=int, default=_env("TOKENRELAY_MAX_LORA_RANK", 64),
+                      help="adapters of a larger rank are refused [env TOKENRELAY_MAX_LORA_RANK]")
     p.add_argument("--num-threads", type=int, default=_env("TOKENRELAY_NUM_THREADS"),
                    help="torch CPU threads; default torch's choice [env TOKENRELAY_NUM_THREADS]")
     p.add_argument("--drain-timeout", type=float, default=_env("TOKENRELAY_DRAIN_TIMEOUT_S", 30),
@@ -156,6 +179,9 @@ def config_from_args(argv: list[str] | None = None) -> tuple[WorkerConfig, str]:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if args.adapter is None:  # the flags win over the environment
+            env = os.environ.get("TOKENRELAY_ADAPTERS", "")
+            args.adapter = [_adapter_pair(pair) for pair in env.split(",") if pair]
         engine = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                               kv_cache_memory_mb=args.kv_cache_memory_mb, block_size=args.block_size,
@@ -165,7 +191,9 @@ def config_from_args(argv: list[str] | None = None) -> tuple[WorkerConfig, str]:
                               enable_native_kernels=args.native_kernels, quantization=args.quantization,
                               speculative=args.speculative,
                               num_speculative_tokens=args.num_speculative_tokens,
-                              draft_model=args.draft_model)
+                              draft_model=args.draft_model, adapters=tuple(args.adapter),
+                              enable_lora=args.enable_lora, max_adapters=args.max_adapters,
+                              max_lora_rank=args.max_lora_rank)
         sim = SimConfig(step_ms=args.sim_step_ms, ms_per_token=args.sim_ms_per_token, salt=args.sim_salt)
         config = WorkerConfig(engine=engine, engine_kind=args.engine, sim=sim,
                               redis_url=args.redis_url, key_prefix=args.key_prefix,
@@ -177,7 +205,7 @@ def config_from_args(argv: list[str] | None = None) -> tuple[WorkerConfig, str]:
                               max_parked=args.max_parked, reconcile_interval_s=args.reconcile_interval,
                               metrics_port=args.metrics_port, metrics_compat=args.metrics_compat,
                               otlp_traces_endpoint=args.otlp_traces_endpoint, log_format=args.log_format)
-    except ValueError as e:
+    except (ValueError, argparse.ArgumentTypeError) as e:
         parser.error(str(e))
     return config, args.log_level
 

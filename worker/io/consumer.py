@@ -81,8 +81,9 @@ class Consumer:
         self._metrics_server = MetricsServer(config.metrics_port, compat_vllm=config.metrics_compat == "vllm")
         self._metrics: WorkerMetrics | None = None
         if self._metrics_server.is_enabled:
+            lora = config.engine.max_adapters if config.engine.is_lora_enabled else 0
             self._metrics = WorkerMetrics(self._metrics_server.registry, config.model_name,
-                                          config.worker_id)
+                                          config.worker_id, lora)
         self.tracing = Tracing(config.otlp_traces_endpoint, WORKER_SERVICE, config.worker_id)
         self._spans = RequestSpans(self.tracing, config.worker_id)
         self._fenced = threading.Event()

@@ -8,6 +8,8 @@ is a few dictionary updates per step, far below a step's milliseconds.
 
 from __future__ import annotations
 
+import contextlib
+import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -17,7 +19,9 @@ from protos.params import Usage
 
 
 class WorkerMetrics:
-    def __init__(self, registry: CollectorRegistry, model: str, worker_id: str) -> None:
+    def __init__(self, registry: CollectorRegistry, model: str, worker_id: str,
+                 max_adapters: int = 0) -> None:
+        """max_adapters: the engine's most adapters per step; 0 = LoRA off (no lora_requests_info)."""
         labels = {"model": model, "worker": worker_id}
         names = list(labels)
 
@@ -63,6 +67,13 @@ class WorkerMetrics:
                                       "token.", REQUEST_LATENCY_BUCKETS)
         self.decode_time = histogram("request_decode_time_seconds", "Time from the first to the last token.",
                                      REQUEST_LATENCY_BUCKETS)
+        # vLLM's lora_requests_info: the adapters with running requests in a label, the value the
+        # unix time of the update (one series at a time: the last one is removed when they change).
+        self._lora_info = Gauge("tokenrelay_lora_requests_info", "Running LoRA adapters (in the labels) and "
+                                "the most per step; the value is when they were read.",
+                                [*names, "max_lora", "running_lora_adapters"], registry=registry)
+        self._lora_labels = {**labels, "max_lora": str(max_adapters)} if max_adapters else None
+        self._lora_running = ""
         self._totals = {"preemptions": 0, "queries": 0, "hits": 0, "drafts": 0, "draft_tokens": 0,
                         "accepted_tokens": 0, "grammar_hits": 0, "grammar_misses": 0, "grammar_compiles": 0}
 
@@ -86,11 +97,22 @@ class WorkerMetrics:
             if total > self._totals[key]:
                 counter.inc(total - self._totals[key])
                 self._totals[key] = total
+        self._update_lora(getattr(stats, "num_running_by_adapter", {}))
         num_new = getattr(stats, "num_grammar_compiles", 0) - self._totals["grammar_compiles"]
         if num_new > 0:  # the newest compilations' times (the engine keeps the latest 64)
             for seconds in stats.grammar_compile_seconds[-num_new:]:
                 self.grammar_compile_time.observe(seconds)
             self._totals["grammar_compiles"] = stats.num_grammar_compiles
+
+    def _update_lora(self, running_by_adapter: dict[str, int]) -> None:
+        if self._lora_labels is None:
+            return
+        running = ",".join(sorted(name for name, n in running_by_adapter.items() if n > 0))
+        if running != self._lora_running:
+            with contextlib.suppress(KeyError):  # none before the first update
+                self._lora_info.remove(*self._lora_labels.values(), self._lora_running)
+            self._lora_running = running
+        self._lora_info.labels(**self._lora_labels, running_lora_adapters=running).set(time.time())
 
     def observe_step(self, seconds: float, num_prefill_tokens: int, num_decode_tokens: int,
                      mask_seconds: float = 0.0) -> None:
