@@ -170,6 +170,8 @@ HEADLINES = (
              "hit_fraction_prefix", "hit_fraction_none", "--routing none"),
     Headline("24 chats on 4 workers, prefix routing: TTFT p50 ms of turns 2-4", "routing",
              "ttft_p50_ms_prefix", "ttft_p50_ms_none", "--routing none", "ttft_p50_prefix_over_none"),
+    Headline("16 requests over 4 LoRA adapters: tok/s", "lora", "lora_tps", "base_tps",
+             "same requests, base model, LoRA on", "lora_vs_base_tps"),
     Headline("fleet: gateway CPU s per 1k tokens (largest S)", "fleet", "gateway_cpu_s_per_1k_tokens",
              "grpc_floor_cpu_s_per_1k_messages", "no-op grpc.aio server, 1 message a token",
              "gateway_cpu_over_grpc_floor"),
@@ -193,7 +195,7 @@ def headline_row(h: Headline, record: Record | None, link: str) -> str:
     p = record["payload"]
     value = p.get(h.value)
     ref = p.get(h.reference) if h.reference else None
-    ratio = p.get(h.ratio) if h.ratio else (value / ref if isinstance(value, int | float) and ref else None)
+    ratio = p[h.ratio] if h.ratio in p else (value / ref if isinstance(value, int | float) and ref else None)
     t = p.get("targets", {}).get(h.ratio or "") or p.get("targets", {}).get(h.value)
     target = f"{cell(t['target'])}: {verdict(t['met'])}" if t else ""
     reference = f"{h.reference_label} {fmt(ref)}" if h.reference else ""

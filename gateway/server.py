@@ -10,16 +10,14 @@ speaks TLS only (gateway/tls.py).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
 
 import grpc
-from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
@@ -49,6 +47,7 @@ from gateway.routing import SHARED, PrefixRouter, Route, move_unclaimed
 from gateway.server_info import ServerInfoView
 from gateway.tls import ServerCertificates, bind
 from gateway.tracing import CallTrace
+from gateway.wire import SERVICE_NAME, MalformedRequest, add_servicer, request_digest
 from protos.convert import check_request_id, params_from_pb
 from protos.keys import PriorityClass, tenant_request_key
 from protos.logs import bind_request
@@ -61,58 +60,12 @@ log = logging.getLogger(__name__)
 
 MAX_ATTACH_RACES = 3  # new attempts started by other gateways in a row before giving up
 
-SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["TokenRelay"].full_name
-
 
 @dataclass
 class UsedTokens:
     """What a call is charged against its tenant's tokens_per_minute when it ends."""
 
     num_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class MalformedRequest:
-    """Request bytes that do not parse as the method's message (grpc would answer UNKNOWN)."""
-
-    error: str
-
-
-def _parse_or_report(message: type[Message]) -> Callable[[bytes], Message | MalformedRequest]:
-    def parse(data: bytes) -> Message | MalformedRequest:
-        try:
-            return message.FromString(data)
-        except DecodeError as e:
-            return MalformedRequest(f"the request is not a valid {message.DESCRIPTOR.full_name}: {e}")
-    return parse
-
-
-def add_servicer(servicer: TokenRelayServicer, server: grpc.aio.Server) -> None:
-    """generate_pb2_grpc's registration, but undecodable bytes reach the handler as a
-    MalformedRequest, so the caller gets INVALID_ARGUMENT naming the message."""
-    handlers = {
-        "Generate": grpc.unary_stream_rpc_method_handler(
-            servicer.Generate, request_deserializer=_parse_or_report(generate_pb2.GenerateRequest),
-            response_serializer=generate_pb2.GenerateResponse.SerializeToString),
-        "GetServerInfo": grpc.unary_unary_rpc_method_handler(
-            servicer.GetServerInfo, request_deserializer=_parse_or_report(generate_pb2.GetServerInfoRequest),
-            response_serializer=generate_pb2.ServerInfo.SerializeToString),
-    }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-
-
-def request_digest(request: generate_pb2.GenerateRequest, tenant: str = "") -> str:
-    """What names a request's body: the same digest = the same request (request_id and
-    resume_from_index left out), so a resend attaches to its generation. Request keys are
-    per tenant already (protos/keys.py); the tenant in the digest is a second wall."""
-    body = generate_pb2.GenerateRequest()
-    body.CopyFrom(request)
-    body.ClearField("request_id")
-    body.ClearField("resume_from_index")
-    digest = hashlib.sha256(body.SerializeToString(deterministic=True))
-    if tenant:
-        digest.update(b"\0tenant:" + tenant.encode())
-    return digest.hexdigest()
 
 
 class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):

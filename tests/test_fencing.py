@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import redis
 
-from gateway.server import request_digest
+from gateway.wire import request_digest
 from protos.convert import build_request, event_from_log
 from protos.keys import FENCE_MARK, STREAM_DATA_FIELD, Keys, LogField, Record
 from protos.tokenrelay.v1 import generate_pb2, queue_pb2
