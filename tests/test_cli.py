@@ -104,3 +104,35 @@ def test_worker_draft_model_from_flags_and_env(argv: list[str], env: dict[str, s
         monkeypatch.setenv(name, value)
     engine = config_from_args(argv)[0].engine
     assert (engine.speculative, engine.draft_model) == expected
+
+
+@pytest.mark.parametrize(("argv", "env", "expected"), [
+    ([], {}, ((), False, "")),
+    (["--adapter", "fr=/a/fr", "--adapter", "de=/a/de"], {"TOKENRELAY_ADAPTERS": "x=/x"},
+     ((("fr", "/a/fr"), ("de", "/a/de")), True, "")),  # the flags replace the variable's
+    ([], {"TOKENRELAY_ADAPTERS": "fr=/a/fr,de=/a/de", "TOKENRELAY_SERVED_MODEL_NAME": "org/m"},
+     ((("fr", "/a/fr"), ("de", "/a/de")), True, "org/m")),
+    (["--enable-lora", "--served-model-name", "m"], {}, ((), True, "m")),
+])
+def test_worker_models_and_adapters_from_flags_and_env(argv: list[str], env: dict[str, str],
+                                                      expected: tuple[object, bool, str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.__main__ import config_from_args
+
+    for name in ("TOKENRELAY_ADAPTERS", "TOKENRELAY_ENABLE_LORA", "TOKENRELAY_SERVED_MODEL_NAME"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    config = config_from_args(argv)[0]
+    assert (config.engine.adapters, config.engine.is_lora_enabled, config.served_model_name) == expected
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--adapter", "fr"], "expected NAME=PATH"),
+    (["--adapter", "bad name=/x"], "adapters: name 'bad name'"),
+    (["--served-model-name", "a:b"], "served_model_name must be 1-128 characters"),
+])
+def test_bad_model_and_adapter_flags_are_clean_usage_errors(argv: list[str], message: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "worker", "--engine", "sim", *argv], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr

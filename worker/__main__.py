@@ -48,6 +48,19 @@ def _adapter_pair(text: str) -> tuple[str, str]:
     return name, path
 
 
+class _AdapterFlags(argparse.Action):
+    """--adapter, repeatable: the first one replaces the environment's default (a string)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        try:
+            pair = _adapter_pair(str(values))
+        except argparse.ArgumentTypeError as e:
+            raise argparse.ArgumentError(self, str(e)) from None
+        current = getattr(namespace, self.dest)
+        setattr(namespace, self.dest, [*(current if isinstance(current, list) else []), pair])
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tokenrelay-worker",
@@ -130,9 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "Hugging Face folder), run in this worker with its own KV cache "
                         "[env TOKENRELAY_DRAFT_MODEL]")
     lora = p.add_argument_group("LoRA adapters (docs/models.md)")
-    lora.add_argument("--adapter", action="append", type=_adapter_pair, metavar="NAME=PATH",
+    lora.add_argument("--adapter", action=_AdapterFlags, metavar="NAME=PATH",
+                      default=_env("TOKENRELAY_ADAPTERS"),
                       help="serve the PEFT LoRA folder PATH as adapter NAME (GenerateRequest.adapter); "
-                           "repeatable [env TOKENRELAY_ADAPTERS, comma-separated NAME=PATH]")
+                           "repeatable; the flags replace the variable's [env TOKENRELAY_ADAPTERS, "
+                           "comma-separated NAME=PATH]")
     lora.add_argument("--enable-lora", action=argparse.BooleanOptionalAction,
                       default=_env("TOKENRELAY_ENABLE_LORA", "0") not in ("0", "false", "no"),
                       help="accept adapters loaded at run time (tokenrelay adapter load) even with no "
@@ -179,9 +194,8 @@ def config_from_args(argv: list[str] | None = None) -> tuple[WorkerConfig, str]:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        if args.adapter is None:  # the flags win over the environment
-            env = os.environ.get("TOKENRELAY_ADAPTERS", "")
-            args.adapter = [_adapter_pair(pair) for pair in env.split(",") if pair]
+        if not isinstance(args.adapter, list):  # no --adapter: the environment's (a string) or none
+            args.adapter = [_adapter_pair(pair) for pair in (args.adapter or "").split(",") if pair]
         engine = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                               kv_cache_memory_mb=args.kv_cache_memory_mb, block_size=args.block_size,
