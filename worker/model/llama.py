@@ -197,7 +197,8 @@ class LlamaModel:
             decode_bias=(decode_bias(batch, bs, self.config.num_kv_heads, self.dtype)
                          if self.kernels is None else None),
             decode_rows=rows_as_decodes(batch) if self.is_lora_enabled and self.kernels else None,
-            lora=LoraRows(batch.lora_slots, batch.adapters) if batch.lora_slots is not None else None)
+            lora=(LoraRows(batch.lora_slots, batch.adapters, self.kernels.lora if self.kernels else None)
+                  if batch.lora_slots is not None else None))
         for i, layer in enumerate(self.layers):
             h = self.rms_norm(x, layer.attn_norm, self.config.rms_norm_eps)  # (T, C)
             x = x + self._attention(h, layer, cache, i, step)

@@ -15,14 +15,14 @@ by side, and their B^T (scale folded in) placed at each module's output columns,
 zero elsewhere. One step then costs two small matmuls per fused linear and adapter.
 
 `LoraRows.add` applies them like vLLM's punica kernels: the base matmul runs once
-over all rows, then each adapter present adds its update to its own rows. The
-update is a batch of one-row products (`torch.bmm` of (n, 1, in) rows against the
-adapter's matrices broadcast to n), so a row's result does not depend on how many
-rows, or which adapters, share the step; a plain (n, in) @ (in, r) matmul picks its
-kernel by n, and its bits changed with n when tried. The price: 16 decode rows over 4
-rank-16 adapters of SmolLM2 take ~19 ms a step here (2-core Xeon), 960 bmm calls that use
-one core each; B kept dense per module instead of block-diagonal (a third fewer bytes, more
-calls) took ~21 ms.
+over all rows, then each adapter present adds its update to its own rows, so that a row's
+result does not depend on how many rows, or which adapters, share the step (a plain
+(n, in) @ (in, r) matmul picks its kernel by n, and its bits changed with n when tried).
+On the C kernels that is one call per matmul for all rows (kernels/lora.c, which reads
+only b_t's nonzero blocks through each adapter's `table` of addresses); elsewhere (CUDA,
+half precision) a batch of one-row products, `torch.bmm` of (n, 1, in) rows against the
+adapter's matrices broadcast to n: 16 decode rows over 4 rank-16 adapters of SmolLM2 took
+~19 ms a step that way on the 2-core Xeon, 960 bmm calls that use one core each.
 """
 
 from __future__ import annotations
@@ -39,11 +39,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from worker.model.config import ModelConfig
+from worker.model.native_lora import TABLE_FIELDS, LoraKernel, check_rows
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # The model's fused matmuls and their modules, in the order of their output columns.
 GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
           "down": ("down_proj",)}
+GROUP_INDEX = {group: i for i, group in enumerate(GROUPS)}  # kernels/lora.c's order
 PARENTS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 DEFAULT_MAX_LORA_RANK = 64
@@ -58,6 +60,7 @@ class LoraUpdate:
 
     a_t: torch.Tensor  # (in, m * r): A^T of the m adapted modules of the group, side by side
     b_t: torch.Tensor  # (m * r, out): scale * B^T of each at its module's output columns, zero elsewhere
+    columns: tuple[tuple[int, int], ...]  # (start, end) output columns of each adapted module, m of them
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,10 @@ class LoraAdapter:
     scale: float
     modules: tuple[str, ...]  # the adapted target modules, in TARGET_MODULES order
     layers: tuple[dict[str, LoraUpdate], ...]  # per layer: GROUPS name -> its update (absent: none)
+    # (L, 4, TABLE_FIELDS) int64: per layer and group (GROUP_INDEX), a_t's and b_t's addresses, in,
+    # N, r, m and `columns` (0 where absent), for kernels/lora.c, valid while this adapter lives;
+    # None unless the weights are fp32 on the CPU
+    table: torch.Tensor | None
 
     @property
     def nbytes(self) -> int:
@@ -106,7 +113,19 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, *, max_rank: 
             if adapted:
                 groups[group] = _fuse(members, adapted, pairs, i, shapes, scale, dtype, torch.device(device))
         layers.append(groups)
-    return LoraAdapter(name, rank, scale, modules, tuple(layers))
+    table = _table(layers, rank) if dtype == torch.float32 and torch.device(device).type == "cpu" else None
+    return LoraAdapter(name, rank, scale, modules, tuple(layers), table)
+
+
+def _table(layers: list[dict[str, LoraUpdate]], rank: int) -> torch.Tensor:
+    """The adapter's addresses and shapes for kernels/lora.c (LoraAdapter.table)."""
+    table = torch.zeros(len(layers), len(GROUPS), TABLE_FIELDS, dtype=torch.int64)  # (L, 4, 12)
+    for i, groups in enumerate(layers):
+        for group, u in groups.items():
+            fields = [u.a_t.data_ptr(), u.b_t.data_ptr(), u.a_t.shape[0], u.b_t.shape[1], rank,
+                      len(u.columns), *(c for span in u.columns for c in span)]
+            table[i, GROUP_INDEX[group], :len(fields)] = torch.tensor(fields)
+    return table
 
 
 def _read_config(file: Path, max_rank: int) -> tuple[int, float, tuple[str, ...] | None]:
@@ -194,14 +213,17 @@ def _fuse(members: tuple[str, ...], adapted: list[str], pairs: Pairs,
     for j, m in enumerate(adapted):
         b = pairs[(layer, m)][1]  # (out_m, r)
         b_t[j * r:(j + 1) * r, offsets[m]:offsets[m] + b.shape[0]] = scale * b.T
-    return LoraUpdate(a_t.to(device, dtype), b_t.to(device, dtype))
+    columns = tuple((offsets[m], offsets[m] + shapes[m][0]) for m in adapted)
+    return LoraUpdate(a_t.to(device, dtype), b_t.to(device, dtype), columns)
 
 
 class LoraRows:
     """One step's adapted rows, grouped by adapter: `rows` holds each adapter's rows in a span."""
 
-    def __init__(self, slots: torch.Tensor, adapters: tuple[LoraAdapter, ...]) -> None:
-        """slots (T,): each row's index into `adapters`, -1 for the base model."""
+    def __init__(self, slots: torch.Tensor, adapters: tuple[LoraAdapter, ...],
+                 kernel: LoraKernel | None = None) -> None:
+        """slots (T,): each row's index into `adapters`, -1 for the base model. `kernel`: the C
+        update (native_lora.py) for fp32 CPU models with the C kernels; None keeps torch.bmm."""
         order = torch.argsort(slots, stable=True)  # (T,): base rows first, then adapter by adapter
         counts = torch.bincount(slots + 1, minlength=len(adapters) + 1).tolist()  # the step's host sync
         self.rows = order[counts[0]:]  # (n,) the adapted rows
@@ -211,12 +233,26 @@ class LoraRows:
             if count:
                 self.spans.append((adapter, start, start + count))
                 start += count
+        self._kernel = kernel
+        if kernel is not None:  # what every C call of the step reads, built once
+            if any(a.table is None for a in adapters):
+                raise ValueError("the C LoRA update needs adapters loaded as fp32 on the CPU")
+            self._row_slots = slots[self.rows].to(torch.int64)  # (n,) sorted
+            self._tables = torch.tensor([a.table.data_ptr() for a in adapters if a.table is not None],
+                                        dtype=torch.int64)  # (S,)
+            self._keep = adapters  # the tables' addresses stay valid for the step
+            check_rows(self.rows, self._row_slots, self._tables)
 
     def add(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """out[rows] += (x[rows] @ A^T) @ (scale B)^T for each adapter's rows: x (T, in), out (T, N).
 
-        One gather and one scatter per call whatever the number of adapters (each was ~5 and
-        ~10 us, SmolLM2's 30 layers x 4 matmuls x 4 adapters made that ~6 ms of a step)."""
+        On the C kernels, one call for all rows and adapters. <BENCH>
+        On torch, one gather and one scatter per call whatever the number of adapters (each was
+        ~5 and ~10 us, SmolLM2's 30 layers x 4 matmuls x 4 adapters made that ~6 ms of a step)."""
+        if self._kernel is not None:
+            if self.spans:
+                self._kernel(self._tables, layer, GROUP_INDEX[group], x, out, self.rows, self._row_slots)
+            return
         spans = [(u, a, b) for adapter, a, b in self.spans if (u := adapter.layers[layer].get(group))]
         if not spans:
             return

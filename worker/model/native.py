@@ -27,13 +27,14 @@ from pathlib import Path
 import torch
 
 from worker.model.native_layers import DecodeLayers
+from worker.model.native_lora import LoraKernel
 from worker.model.native_quant import QuantKernels
 
 log = logging.getLogger(__name__)
 
 KERNELS = Path(__file__).with_name("kernels")
 # One library; the *.h files they include are hashed into its name too.
-SOURCES = (KERNELS / "cpu.c", KERNELS / "quant.c", KERNELS / "layer.c")
+SOURCES = (KERNELS / "cpu.c", KERNELS / "quant.c", KERNELS / "layer.c", KERNELS / "lora.c")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
 COMPILERS = ("cc", "gcc", "clang")
 
@@ -162,6 +163,7 @@ class NativeKernels:
     rms_norm: RmsNorm
     quant: QuantKernels
     decode_layers: Callable[..., DecodeLayers]  # (layers, **shapes) -> the layers' decode-step call
+    lora: LoraKernel  # a matmul's LoRA updates for all adapted rows of a step
 
 
 @functools.cache
@@ -190,7 +192,7 @@ def load_native_kernels(cache_dir: Path | None = None) -> NativeKernels | None:
     norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
     quant = QuantKernels(lib)
     return NativeKernels(PagedDecodeAttention(attention), RmsNorm(norm), quant,
-                         functools.partial(DecodeLayers, lib, quant))
+                         functools.partial(DecodeLayers, lib, quant), LoraKernel(lib))
 
 
 def _build(sources: tuple[Path, ...], cache_dir: Path) -> Path:
