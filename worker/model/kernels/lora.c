@@ -25,7 +25,8 @@
 
 #define LORA_GROUPS 4 /* qkv, o, gate_up, down: lora.py's GROUPS, in that order */
 #define LORA_MAX_MODULES 3
-#define CHUNK 4
+#define CHUNK 4 /* the code below is written for at most 4 */
+#define LANES 16 /* columns a register block computes */
 
 #ifdef __FMA__ /* fmaf is then one instruction, and every copy of a loop rounds alike */
 #define MADD(a, b, c) fmaf((a), (b), (c))
@@ -44,43 +45,86 @@ static const lora_entry *entry_of(const int64_t *tables, int64_t slot, int64_t l
     return (const lora_entry *)(intptr_t)tables[slot] + layer * LORA_GROUPS + group;
 }
 
-/* s (count, m * r) = x[rows] @ a_t: row by row, each value summed over k in order. */
-static void shrink(const lora_entry *e, const float *restrict x, int64_t x_stride, const int64_t *rows,
-                   int64_t count, float *restrict s) {
-    const int64_t mr = e->m * e->r;
-    const float *restrict a = (const float *)(intptr_t)e->a_t;
-    memset(s, 0, (size_t)(count * mr) * sizeof(float));
-    for (int64_t k = 0; k < e->in; ++k) {
-        const float *restrict ak = a + k * mr;
-        for (int64_t t = 0; t < count; ++t) {
-            const float xv = x[rows[t] * x_stride + k];
-            float *restrict st = s + t * mr;
-            for (int64_t j = 0; j < mr; ++j) st[j] = MADD(xv, ak[j], st[j]);
-        }
+/* LANES floats as one vector (GCC/clang vector extensions: zmm with AVX-512, 2 ymm with AVX2);
+ * vfu loads and stores at any float's alignment. */
+typedef float vf __attribute__((vector_size(4 * LANES)));
+typedef float vfu __attribute__((vector_size(4 * LANES), aligned(4)));
+
+/* s[t, j0:j0 + LANES] = x[rows[t]] @ a_t[:, j0:j0 + LANES] for t < count, each value one chain of
+ * multiply-adds over k in order (fused: -march=native contracts them, as fmaf in the tails).
+ * Inlined with a constant count, so the sums stay in registers. */
+static inline __attribute__((always_inline)) void shrink_block(const float *restrict a, int64_t mr, int64_t in,
+                                                               const float *const *xr, int64_t j0, int count,
+                                                               float *restrict s) {
+    vf acc[CHUNK] = {0};
+    for (int64_t k = 0; k < in; ++k) {
+        const vf ak = *(const vfu *)(a + k * mr + j0);
+        for (int t = 0; t < count; ++t) acc[t] += xr[t][k] * ak;
     }
+    for (int t = 0; t < count; ++t) *(vfu *)(s + t * mr + j0) = acc[t];
 }
 
-/* out[rows, c0:c1] += s @ b_t[:, c0:c1] for each module's columns; delta (count, N) scratch. */
-static void expand(const lora_entry *e, const float *restrict s, float *restrict out, int64_t out_stride,
-                   const int64_t *rows, int64_t count, float *restrict delta) {
-    const int64_t mr = e->m * e->r, N = e->N;
-    const float *restrict b = (const float *)(intptr_t)e->b_t;
-    for (int64_t q = 0; q < e->m; ++q) {
-        const int64_t c0 = e->cols[2 * q], c1 = e->cols[2 * q + 1];
-        for (int64_t t = 0; t < count; ++t) memset(delta + t * N + c0, 0, (size_t)(c1 - c0) * sizeof(float));
-        for (int64_t j = q * e->r; j < (q + 1) * e->r; ++j) {
-            const float *restrict bj = b + j * N;
-            for (int64_t t = 0; t < count; ++t) {
-                const float sv = s[t * mr + j];
-                float *restrict dt = delta + t * N;
-                for (int64_t n = c0; n < c1; ++n) dt[n] = MADD(sv, bj[n], dt[n]);
-            }
+/* The same for the columns [j0, mr) a block does not fill. */
+static void shrink_tail(const float *restrict a, int64_t mr, int64_t in, const float *const *xr, int64_t j0,
+                        int count, float *restrict s) {
+    for (int t = 0; t < count; ++t)
+        for (int64_t j = j0; j < mr; ++j) s[t * mr + j] = 0.0f;
+    for (int64_t k = 0; k < in; ++k)
+        for (int t = 0; t < count; ++t)
+            for (int64_t j = j0; j < mr; ++j) s[t * mr + j] = MADD(xr[t][k], a[k * mr + j], s[t * mr + j]);
+}
+
+/* out[rows[t], n0:n0 + LANES] += s[t, j0:j1] @ b_t[j0:j1, n0:n0 + LANES]: the update summed over j
+ * in order from zero, then added (as torch's path does); inlined like shrink_block. */
+static inline __attribute__((always_inline)) void expand_block(const float *restrict b, int64_t N,
+                                                               const float *restrict s, int64_t mr, int64_t j0,
+                                                               int64_t j1, float *const *orow, int64_t n0,
+                                                               int count) {
+    vf acc[CHUNK] = {0};
+    for (int64_t j = j0; j < j1; ++j) {
+        const vf bj = *(const vfu *)(b + j * N + n0);
+        for (int t = 0; t < count; ++t) acc[t] += s[t * mr + j] * bj;
+    }
+    for (int t = 0; t < count; ++t) *(vfu *)(orow[t] + n0) = *(vfu *)(orow[t] + n0) + acc[t];
+}
+
+/* The same for the columns [n0, n1) a block does not fill. */
+static void expand_tail(const float *restrict b, int64_t N, const float *restrict s, int64_t mr, int64_t j0,
+                        int64_t j1, float *const *orow, int64_t n0, int64_t n1, int count) {
+    for (int t = 0; t < count; ++t)
+        for (int64_t n = n0; n < n1; ++n) {
+            float acc = 0.0f;
+            for (int64_t j = j0; j < j1; ++j) acc = MADD(s[t * mr + j], b[j * N + n], acc);
+            orow[t][n] += acc;
         }
-        for (int64_t t = 0; t < count; ++t) {
-            float *restrict ot = out + rows[t] * out_stride;
-            const float *restrict dt = delta + t * N;
-            for (int64_t n = c0; n < c1; ++n) ot[n] += dt[n];
+}
+
+/* One chunk of `count` rows of one adapter: s (count, m * r) scratch. */
+static void chunk_update(const lora_entry *e, const float *x, int64_t x_stride, float *out, int64_t out_stride,
+                         const int64_t *rows, int count, float *restrict s) {
+    const int64_t mr = e->m * e->r;
+    const float *a = (const float *)(intptr_t)e->a_t, *b = (const float *)(intptr_t)e->b_t;
+    const float *xr[CHUNK];
+    float *orow[CHUNK];
+    for (int t = 0; t < count; ++t) xr[t] = x + rows[t] * x_stride, orow[t] = out + rows[t] * out_stride;
+    int64_t j0 = 0;
+    for (; j0 + LANES <= mr; j0 += LANES) switch (count) {
+        case 1: shrink_block(a, mr, e->in, xr, j0, 1, s); break;
+        case 2: shrink_block(a, mr, e->in, xr, j0, 2, s); break;
+        case 3: shrink_block(a, mr, e->in, xr, j0, 3, s); break;
+        default: shrink_block(a, mr, e->in, xr, j0, 4, s); break;
+    }
+    if (j0 < mr) shrink_tail(a, mr, e->in, xr, j0, count, s);
+    for (int64_t q = 0; q < e->m; ++q) { /* module q: ranks [q r, (q + 1) r), its columns only */
+        const int64_t r0 = q * e->r, r1 = r0 + e->r, c1 = e->cols[2 * q + 1];
+        int64_t n0 = e->cols[2 * q];
+        for (; n0 + LANES <= c1; n0 += LANES) switch (count) {
+            case 1: expand_block(b, e->N, s, mr, r0, r1, orow, n0, 1); break;
+            case 2: expand_block(b, e->N, s, mr, r0, r1, orow, n0, 2); break;
+            case 3: expand_block(b, e->N, s, mr, r0, r1, orow, n0, 3); break;
+            default: expand_block(b, e->N, s, mr, r0, r1, orow, n0, 4); break;
         }
+        if (n0 < c1) expand_tail(b, e->N, s, mr, r0, r1, orow, n0, c1, count);
     }
 }
 
@@ -115,19 +159,14 @@ int lora_add(const int64_t *tables, int64_t num_slots, int64_t layer, int64_t gr
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
         float *s = malloc((size_t)(CHUNK * max_mr) * sizeof(float));
-        float *delta = malloc((size_t)(CHUNK * N) * sizeof(float));
-        failed |= !s || !delta;
+        failed |= !s;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t c = 0; c < num_chunks; ++c) {
             const lora_entry *e = entry_of(tables, row_slots[starts[c]], layer, group);
-            if (!s || !delta || !e->a_t) continue;
-            const int64_t *chunk = rows + starts[c];
-            const int64_t count = starts[c + 1] - starts[c];
-            shrink(e, x, x_stride, chunk, count, s);
-            expand(e, s, out, out_stride, chunk, count, delta);
+            if (!s || !e->a_t) continue;
+            chunk_update(e, x, x_stride, out, out_stride, rows + starts[c], (int)(starts[c + 1] - starts[c]), s);
         }
         free(s);
-        free(delta);
     }
     free(starts);
     return failed ? -1 : 0;
