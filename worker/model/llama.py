@@ -120,12 +120,12 @@ class LlamaModel:
         update, and a base request's floats must not depend on whether an adapter request shares
         its step. On the C kernels, every token still attends as a decode row, and gate/up is
         computed before the activation (the kernel's SiLU-mul epilogue would hide it), then
-        SiLU-mul in torch. What that costs (benchmarks/lora.py, SmolLM2 Q4_1 GGUF, 16 requests
-        of 64 tokens, 2 threads, AVX-512 VNNI Xeon, 1 run): fused 343 decode tok/s (198 overall),
-        per op 296 (182): 0.86x decode, 0.92x overall. The adapters' own cost comes on top: 4
-        rank-16 adapters over all seven modules cost ~6.6 ms a step at 16 rows in the C update
-        (kernels/lora.c; ~19 ms as per-row bmm calls), 0.877x the base requests' tok/s
-        (2026-12-05, a contended run: LoraRows.add has the numbers)."""
+        SiLU-mul in torch. What that costs (`make bench-lora`, SmolLM2 Q4_1 GGUF, 16 requests of
+        64 tokens, 2 threads, AVX-512 VNNI Xeon, 2026-12-05, 3 runs): fused 334 decode tok/s (195
+        overall), per op 282 (173): 0.84x decode, 0.88x overall. The adapters' own cost comes on
+        top: 4 rank-16 adapters over all seven modules cost ~6.6 ms a step at 16 rows in the C
+        update (kernels/lora.c; ~19 ms as per-row bmm calls), 0.92x the base requests' tok/s
+        (LoraRows.add has the numbers)."""
         self.is_lora_enabled = True
 
     def _fused_decode_layers(self) -> DecodeLayers | None:

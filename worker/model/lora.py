@@ -249,10 +249,9 @@ class LoraRows:
         On the C kernels, one call for all rows and adapters: 16 decode rows over 4 rank-16
         adapters of SmolLM2, all 120 calls of a step, ~6.6 ms with 2 threads (~10.4 with 1;
         about what reading the adapters' ~70 MB of fp32 costs) vs ~22 ms of torch bmm, same run.
-        benchmarks/lora.py --runs 3 (2026-12-05, 2-core Xeon, AVX-512 VNNI): lora 65.0 tok/s,
-        base 74.1, fused 50.1; lora_vs_base_tps 0.877 (was 0.76 with bmm). Another process's
-        test suite shared the 2 cores throughout, so the tok/s are low and fused < base; only
-        the same-run ratio is meaningful.
+        `make bench-lora` (2026-12-05, 2-core Xeon, AVX-512 VNNI, 3 alternated runs, nothing else
+        running): lora 158.8 tok/s, base 172.5, fused 195.2; lora_vs_base_tps 0.921 (0.760 with
+        the per-row bmm calls, recorded the same day).
         On torch, one gather and one scatter per call whatever the number of adapters (each was
         ~5 and ~10 us, SmolLM2's 30 layers x 4 matmuls x 4 adapters made that ~6 ms of a step)."""
         if self._kernel is not None:
