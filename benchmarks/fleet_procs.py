@@ -26,6 +26,9 @@ ROOT = Path(__file__).resolve().parent.parent
 CHILD_ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENRELAY_METRICS_PORT": "0"}
 STOP_TIMEOUT_S = 10.0
 LOG_TAIL_LINES = 15
+# What a sim worker serves (--served-model-name's default): the gateways queue for it even before a
+# worker heart-beats (--models), as a deployment declares its models.
+SIM_MODEL = "sim"
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 _running: set[subprocess.Popen[bytes]] = set()
@@ -162,7 +165,8 @@ class Fleet(ChildGroup):
         targets = [f"127.0.0.1:{p}" for p in ports]
         gateways = [Child(f"gateway-{i}",
                           ["-m", "gateway", "--listen", t, "--max-queue-depth", str(max_queue_depth),
-                           "--shutdown-grace", "1", *common], log_dir / f"gateway-{i}.log")
+                           "--models", SIM_MODEL, "--shutdown-grace", "1", *common],
+                          log_dir / f"gateway-{i}.log")
                     for i, t in enumerate(targets)]
         workers = [Child(f"worker-{i}",
                          ["-m", "worker", "--engine", "sim", "--sim-step-ms", f"{step_ms:.3f}",

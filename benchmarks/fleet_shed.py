@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
 
-from benchmarks.fleet_procs import Child, Fleet  # noqa: E402
+from benchmarks.fleet_procs import SIM_MODEL, Child, Fleet  # noqa: E402
 from benchmarks.fleet_stats import percentile  # noqa: E402
 from gateway.__main__ import loop_factory  # noqa: E402
 from gateway.redis_server import free_port  # noqa: E402
@@ -125,6 +125,7 @@ def shedding_test(redis_url: str, log_dir: Path, num_calls: int) -> dict[str, An
     gateway = Child("shed-gateway", ["-m", "gateway", "--listen", gateway_target, "--redis-url", redis_url,
                                      "--key-prefix", f"fleet-shed-{uuid.uuid4().hex[:6]}",
                                      "--max-queue-depth", str(SHED_QUEUE_DEPTH), "--shutdown-grace", "1",
+                                     "--models", SIM_MODEL,  # queued for: no worker serves this prefix
                                      "--metrics-port", "0", "--log-level", "WARNING"],
                     log_dir / "shed-gateway.log")
     floor = Child("refusing-server", [__file__, "--serve-refusing", floor_target],

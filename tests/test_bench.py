@@ -16,6 +16,7 @@ from gateway import bench, cli
 from gateway.bench_report import RequestResult, compute_metrics, format_block, inter_token_latencies
 from protos.tokenrelay.v1 import generate_pb2, generate_pb2_grpc
 from tests.service import GatewayThread, WorkerThread, stub_for, wait_until, workers_ready
+from worker.engine.sim import SimConfig, SimEngine
 
 
 def make_results() -> list[RequestResult]:
@@ -101,6 +102,9 @@ def test_cli_flags_become_the_config() -> None:
                                           "ttft:500", "tpot:50", "--metric-percentiles", "50,99"])
     config = bench.config_from_args(args)
     assert config.target == "h:1" and config.request_rates == (2.0, math.inf)
+    assert (config.model, config.adapter) == ("", "")  # the deployment's default, the base model
+    args = cli.build_parser().parse_args(["bench", "--model", "org/m", "--adapter", "fr"])
+    assert (bench.config_from_args(args).model, bench.config_from_args(args).adapter) == ("org/m", "fr")
     assert config.slos_ms == {"ttft": 500.0, "tpot": 50.0} and config.percentiles == (50.0, 99.0)
     with pytest.raises(ValueError, match="goodput"):
         bench.BenchConfig(slos_ms={"latency": 1.0})
@@ -174,3 +178,24 @@ def test_bench_against_a_real_stack(tmp_path: Path, make_gateway: Callable[..., 
 def num_finished(stub: generate_pb2_grpc.TokenRelayStub) -> int:
     info = stub.GetServerInfo(generate_pb2.GetServerInfoRequest(), timeout=5)
     return sum(w.num_finished for w in info.workers)
+
+
+def test_bench_runs_a_named_model_and_adapter(tmp_path: Path, make_gateway: Callable[..., GatewayThread],
+                                              start_worker: Callable[..., WorkerThread]) -> None:
+    """--model/--adapter reach the requests: an adapter the worker has runs, one it lacks is
+    counted as NOT_FOUND (the gateway's answer), not sent to the base model."""
+    start_worker(SimEngine(SimConfig(step_ms=1, ms_per_token=0), adapters=("fr",)), served_model_name="alpha")
+    gateway = make_gateway(models=())
+    channel, stub = stub_for(gateway.target)
+    with channel:
+        wait_until(workers_ready(stub, 1), timeout=10, interval=0.1)
+        counts = {}
+        for adapter in ("fr", "de"):
+            out = tmp_path / f"{adapter}.json"
+            config = bench.BenchConfig(target=gateway.target, num_requests=3, input_len=8, output_len=4,
+                                       model="alpha", adapter=adapter, result_json=str(out),
+                                       is_progress_enabled=False, timeout_s=30)
+            asyncio.run(bench.run(config))
+            counts[adapter] = json.loads(out.read_text())["runs"][0]["status_counts"]
+    assert counts == {"fr": {"OK": 3}, "de": {"NOT_FOUND": 3}}
+
