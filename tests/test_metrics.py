@@ -97,7 +97,7 @@ def test_rejections_queue_gauges_and_vllm_names(make_gateway: Callable[..., Gate
 
 def test_lora_requests_info_names_the_running_adapters_in_one_series() -> None:
     """vLLM's lora_requests_info: one series, whose labels say which adapters run (and the most
-    per step); a change replaces it. A worker without LoRA exports none."""
+    per step); a change replaces it. A worker without LoRA shows max_lora 0 and none running."""
     registry = CollectorRegistry()
     metrics = WorkerMetrics(registry, "m", "w", max_adapters=4)
 
@@ -111,4 +111,5 @@ def test_lora_requests_info_names_the_running_adapters_in_one_series() -> None:
     assert [s["running_lora_adapters"] for s in series()] == ["de"]
     off = CollectorRegistry()
     WorkerMetrics(off, "m", "w").update(make_stats(), 0)
-    assert not [s for f in off.collect() for s in f.samples if s.name == "tokenrelay_lora_requests_info"]
+    assert [(s.labels["max_lora"], s.labels["running_lora_adapters"]) for f in off.collect()
+            for s in f.samples if s.name == "tokenrelay_lora_requests_info"] == [("0", "")]

@@ -21,7 +21,8 @@ from protos.params import Usage
 class WorkerMetrics:
     def __init__(self, registry: CollectorRegistry, model: str, worker_id: str,
                  max_adapters: int = 0) -> None:
-        """max_adapters: the engine's most adapters per step; 0 = LoRA off (no lora_requests_info)."""
+        """max_adapters: the engine's most adapters per step; 0 = LoRA off (lora_requests_info then
+        shows max_lora "0" and no adapter)."""
         labels = {"model": model, "worker": worker_id}
         names = list(labels)
 
@@ -72,7 +73,7 @@ class WorkerMetrics:
         self._lora_info = Gauge("tokenrelay_lora_requests_info", "Running LoRA adapters (in the labels) and "
                                 "the most per step; the value is when they were read.",
                                 [*names, "max_lora", "running_lora_adapters"], registry=registry)
-        self._lora_labels = {**labels, "max_lora": str(max_adapters)} if max_adapters else None
+        self._lora_labels = {**labels, "max_lora": str(max_adapters)}
         self._lora_running = ""
         self._totals = {"preemptions": 0, "queries": 0, "hits": 0, "drafts": 0, "draft_tokens": 0,
                         "accepted_tokens": 0, "grammar_hits": 0, "grammar_misses": 0, "grammar_compiles": 0}
@@ -105,8 +106,6 @@ class WorkerMetrics:
             self._totals["grammar_compiles"] = stats.num_grammar_compiles
 
     def _update_lora(self, running_by_adapter: dict[str, int]) -> None:
-        if self._lora_labels is None:
-            return
         running = ",".join(sorted(name for name, n in running_by_adapter.items() if n > 0))
         if running != self._lora_running:
             with contextlib.suppress(KeyError):  # none before the first update
