@@ -38,9 +38,11 @@ class Models:
     def __init__(self, queue: RequestQueue, config: GatewayConfig) -> None:
         self._queue, self._config = queue, config
         self._workers: list[Worker] = []
+        self._by_model: dict[str, list[Worker]] = {}  # the same workers by model, grouped per read
         self._read_at = -float("inf")
         self._lock = asyncio.Lock()
-        self.on_read: list[Callable[[list[Worker]], None]] = []  # each read calls these with its list
+        # each read calls these with the live workers by model
+        self.on_read: list[Callable[[dict[str, list[Worker]]], None]] = []
 
     async def live(self, max_age_s: float = WORKERS_CACHE_S) -> list[Worker]:
         """Every live worker, at most max_age_s old (raises RedisError)."""
@@ -48,13 +50,23 @@ class Models:
             async with self._lock:  # one read serves every call waiting on it
                 if time.monotonic() - self._read_at > max_age_s:
                     self._workers = await self._queue.consumers()
+                    self._by_model = defaultdict(list)
+                    for consumer, info in self._workers:
+                        self._by_model[info.model].append((consumer, info))
                     self._read_at = time.monotonic()
                     for callback in self.on_read:
-                        callback(self._workers)
+                        callback(self._by_model)
         return self._workers
 
-    async def of_model(self, model: str) -> list[Worker]:
-        return [(c, w) for c, w in await self.live() if w.model == model]
+    async def of_model(self, model: str, max_age_s: float = WORKERS_CACHE_S) -> list[Worker]:
+        await self.live(max_age_s)
+        return self._by_model.get(model, [])
+
+    async def _served(self, max_age_s: float = WORKERS_CACHE_S) -> dict[str, list[Worker]]:
+        """model -> its live workers, for every model served or declared (--models)."""
+        await self.live(max_age_s)
+        names = sorted({*self._by_model, *self._config.models} - {""})
+        return {name: self._by_model.get(name, []) for name in names}
 
     async def resolve(self, request: generate_pb2.GenerateRequest) -> str:
         """The served model the request runs: its `model`, else the default. InvalidArgument for a
@@ -67,8 +79,8 @@ class Models:
                 check_adapter_name(request.adapter)
         except ValueError as e:
             raise InvalidArgument(str(e)) from None
-        by_model = self._by_model(await self.live())
-        served = sorted(set(by_model) | set(self._config.models))
+        by_model = await self._served()
+        served = list(by_model)
         name = request.model or self._config.default_model
         if not name:
             if len(served) > 1:
@@ -82,7 +94,7 @@ class Models:
             raise NotFound(f"model {name!r} is not served here: served are {', '.join(served) or 'none'} (a "
                            "live worker's --served-model-name, or the gateway's --models)")
         if request.adapter:
-            adapters = sorted({a for w in by_model.get(name, []) for a in w.adapters})
+            adapters = sorted({a for _, w in by_model[name] for a in w.adapters})
             if request.adapter not in adapters:
                 raise NotFound(f"adapter {request.adapter!r} of model {name!r} is not loaded on any live "
                                f"worker: loaded are {', '.join(adapters) or 'none'}")
@@ -90,19 +102,11 @@ class Models:
 
     async def served(self, max_age_s: float = WORKERS_CACHE_S) -> list[generate_pb2.ServedModel]:
         """Every served model with its adapters and live workers, by name (raises RedisError)."""
-        by_model = self._by_model(await self.live(max_age_s))
+        by_model = await self._served(max_age_s)
         default = self._config.default_model
-        names = sorted(set(by_model) | set(self._config.models))
+        names = list(by_model)
         if not default and len(names) == 1:
             default = names[0]
         return [generate_pb2.ServedModel(
-            name=name, adapters=sorted({a for w in by_model.get(name, []) for a in w.adapters}),
-            num_workers=len(by_model.get(name, [])), is_default=name == default) for name in names]
-
-    @staticmethod
-    def _by_model(workers: list[Worker]) -> dict[str, list[generate_pb2.WorkerInfo]]:
-        by_model: dict[str, list[generate_pb2.WorkerInfo]] = defaultdict(list)
-        for _, w in workers:
-            if w.model:
-                by_model[w.model].append(w)
-        return by_model
+            name=name, adapters=sorted({a for _, w in by_model[name] for a in w.adapters}),
+            num_workers=len(by_model[name]), is_default=name == default) for name in names]

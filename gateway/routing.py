@@ -159,17 +159,14 @@ class PrefixRouter:
     def _load(self, consumer: str, worker: generate_pb2.WorkerInfo) -> float:
         return min(1.0, self._busy(consumer, worker) / worker.max_num_seqs) if worker.max_num_seqs else 1.0
 
-    def _on_read(self, workers: list[Worker]) -> None:
+    def _on_read(self, by_model: dict[str, list[Worker]]) -> None:
         """Fresh heartbeats count what runs: forget the routes counted since the last read. The
         queue depth counts the model's routed streams where a model has two or more workers (with
         one, nobody is routed to: `choose`)."""
         self._routed_since_read.clear()
-        by_model: dict[str, list[str]] = {}
-        for consumer, w in workers:
-            by_model.setdefault(w.model, []).append(consumer)
         self._queue.routed_streams = {
-            model: tuple(s for c in consumers for s in self._queue.keys.routed_streams(c))
-            for model, consumers in by_model.items() if len(consumers) > 1}
+            model: tuple(s for c, _ in workers for s in self._queue.keys.routed_streams(c))
+            for model, workers in by_model.items() if len(workers) > 1}
 
 
 def move_unclaimed(follow: Follow, queue: RequestQueue, request: generate_pb2.GenerateRequest,

@@ -58,9 +58,10 @@ from tests.test_auth import bearer, new_token, write_tenants
 from worker.config import WorkerConfig
 from worker.engine.sim import sim_token_ids
 from worker.io.claim import Claimer
+from worker.io.listener import AbortListener
 from worker.io.reclaim import other_workers_alive, reconcile
-from worker.io.redis_io import AbortListener, Outbox
 from worker.io.redis_io import Heartbeat as HeartbeatThread
+from worker.io.redis_io import Outbox
 from worker.io.scripts import STEP
 
 REDIS7 = find_redis7()

@@ -42,11 +42,12 @@ from worker.config import WorkerConfig
 from worker.engine.outputs import Admitted, RequestOutput, Resume
 from worker.io.adapters import AdapterSync
 from worker.io.claim import Claimer, Owned, claim_capacity
+from worker.io.listener import AbortListener
 from worker.io.metrics import WorkerMetrics
 from worker.io.parking import POLL_INTERVAL_S, FollowCheck, ParkingLot
 from worker.io.reclaim import Claimed, other_workers_alive
-from worker.io.redis_io import AbortListener, Outbox, Publisher, connect, heartbeat_fields
 from worker.io.redis_io import Heartbeat as HeartbeatThread
+from worker.io.redis_io import Outbox, Publisher, connect, heartbeat_fields
 from worker.io.tracing import RequestSpans
 from worker.io.tracked import Tracked
 

@@ -17,10 +17,10 @@ kept, the LM head Q8_0) or --model, every time a median of repeated timings afte
     GEMM with VNNI/AMX, s8 x s8 -> s32: not the int16 vpdpwssd our kernels use) at SmolLM2's
     matmul shapes with 512 rows, and the C linear kernel alone at 512 rows per layer weight.
 Targets: decode_bandwidth_fraction >= 0.85, prefill_peak_fraction >= 0.4, b1_host_overhead_ms
-<= 0.3. Prints a table, then one JSON line; --record keeps it in benchmarks/results/kernels.json
+<= 0.3. Prints a table, then one JSON line; --record keeps it in benchmarks/results/kernel_limits.json
 (not with --quick, a smoke run).
 
-    python benchmarks/kernels.py [--threads 2] [--model PATH] [--quick] [--record]
+    python benchmarks/kernel_limits.py [--threads 2] [--model PATH] [--quick] [--record]
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def weight_bytes(model: LlamaModel) -> tuple[int, int]:
     """Bytes the fused layers and the head read per forward, as stored (qs + d + m)."""
     layers = [w for layer in model.layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
     if not all(isinstance(w, QuantWeight) for w in [*layers, model.lm_head]):
-        raise SystemExit("kernels.py measures the C kernels: every matmul weight must be quantized")
+        raise SystemExit("kernel_limits.py measures the C kernels: every matmul weight must be quantized")
     return sum(w.nbytes for w in layers), model.lm_head.nbytes
 
 
@@ -320,7 +320,7 @@ def main() -> None:
     print_table(m, args, model.quantization_summary)
     payload = {"threads": args.threads, "weights": model.quantization_summary, "quick": args.quick, **m,
                "targets": {name: target(m[name], op, limit) for name, (op, limit) in TARGETS.items()}}
-    emit("kernels", payload, args, smoke="--quick" if args.quick else None)
+    emit("kernel_limits", payload, args, smoke="--quick" if args.quick else None)
 
 
 if __name__ == "__main__":

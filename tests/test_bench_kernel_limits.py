@@ -1,4 +1,4 @@
-"""benchmarks/kernels.py: a --quick run (SmolLM2, ~15 s) prints its table and ends with the
+"""benchmarks/kernel_limits.py: a --quick run (SmolLM2, ~15 s) prints its table and ends with the
 JSON line of every figure the issue asks for and its targets; no timing is asserted."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ TARGETS = {"decode_bandwidth_fraction", "prefill_peak_fraction", "b1_host_overhe
 
 @pytest.mark.slow
 def test_quick_run_prints_the_table_and_ends_with_the_json() -> None:
-    command = [sys.executable, str(ROOT / "benchmarks" / "kernels.py"), "--quick"]
+    command = [sys.executable, str(ROOT / "benchmarks" / "kernel_limits.py"), "--quick"]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.strip().splitlines()
