@@ -157,7 +157,9 @@ class Load:
 
 def snapshot(client: redis.Redis, fleet: Fleet) -> dict[str, Any]:
     times = os.times()
-    return {"redis": redis_counters(client.info("all")), "gateways": fleet.cpu_s(fleet.gateways),
+    info = client.info("all")
+    return {"redis": redis_counters(info), "calls": command_calls(info),
+            "gateways": fleet.cpu_s(fleet.gateways),
             "workers": fleet.cpu_s(fleet.workers), "client": times.user + times.system,
             "stat": proc_stat_cpu(), "t": time.perf_counter()}
 
@@ -213,8 +215,24 @@ async def drive(fleet: Fleet, client: redis.Redis, result: PointResult, args: ar
     result.machine_busy = cpu_busy(start["stat"], end["stat"])
     result.gaps_s, result.ttfts_s = load.gaps_s, load.ttfts_s
     result.num_refused = load.num_refused
+    if args.commands:
+        print_command_calls(start["calls"], end["calls"], load.num_tokens)
     if load.num_refused:
         print(f"  {load.num_refused} calls failed, the last: {load.last_refusal}", file=sys.stderr)
+
+
+def command_calls(info: dict[str, Any]) -> dict[str, int]:
+    """Calls per command (scripts' inner commands included) from `INFO all`'s commandstats."""
+    return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in info.items()
+            if k.startswith("cmdstat_") and isinstance(v, dict)}
+
+
+def print_command_calls(start: dict[str, int], end: dict[str, int], num_tokens: int) -> None:
+    """--commands: each command's calls per token over the window, most frequent first."""
+    delta = {k: n - start.get(k, 0) for k, n in end.items() if n > start.get(k, 0)}
+    top = sorted(delta.items(), key=lambda kv: -kv[1])
+    print("  calls per token: " + ", ".join(f"{k} {n / max(num_tokens, 1):.4f}" for k, n in top),
+          file=sys.stderr)
 
 
 def reset_redis(client: redis.Redis) -> None:
@@ -321,6 +339,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gateways", type=int, default=2, help="gateway processes G (streams round-robin)")
     p.add_argument("--shed-burst", type=int, help=f"calls fired at the full queue (default {SHED_BURST})")
     p.add_argument("--plot", type=Path, default=ROOT / "benchmarks" / "fleet.png", help="PNG to write")
+    p.add_argument("--commands", action="store_true",
+                   help="print each Redis command's calls per token over each window (to stderr)")
     p.add_argument("--keep-logs", action="store_true", help="keep the children's logs (kept on a crash)")
     add_record_arg(p)
     args = p.parse_args(argv)

@@ -166,6 +166,30 @@ def test_a_workers_own_stream_comes_before_the_shared_one_of_its_class_never_bef
     assert order == ["shared-high", "own-normal", "shared-normal"]
 
 
+def xreadgroup_calls(client: redis.Redis) -> int:
+    return int(client.info("commandstats").get("cmdstat_xreadgroup", {}).get("calls", 0))
+
+
+def test_a_poll_with_room_for_every_stream_is_one_command_when_empty_and_keeps_the_class_order(
+        client: redis.Redis, redis_url: str, prefix: str) -> None:
+    keys = Keys(prefix, MODEL)
+    config = WorkerConfig(redis_url=redis_url, key_prefix=prefix, worker_id="w")
+    claimer = Claimer(client, config)
+    room = len(keys.claim_streams(config.consumer_name)) + 2
+    claimer.take(room, is_idle=False)  # creates the groups; sweep and reconcile run now, not later
+    before = xreadgroup_calls(client)
+    assert claimer.take(room, is_idle=False) == []
+    assert xreadgroup_calls(client) - before == 1
+    for stream, names in ((keys.requests_of(PriorityClass.LOW), ["low-1", "low-2"]),
+                          (keys.requests, ["normal-1"]),
+                          (keys.requests_of(PriorityClass.HIGH), ["high-1", "high-2", "high-3"])):
+        for name in names:
+            client.xadd(stream, {b"data": queue_pb2.QueuedRequest(request_id=name).SerializeToString()})
+    taken = [c.request.request_id for c in claimer.take(room, is_idle=False) if c.request]
+    assert taken == ["high-1", "high-2", "high-3", "normal-1", "low-1", "low-2"]
+    assert claimer.take(room, is_idle=False) == []
+
+
 # -- whole paths ----------------------------------------------------------------------------------
 
 def generate(stub: generate_pb2_grpc.TokenRelayStub,

@@ -149,13 +149,25 @@ class Claimer:
         """New entries without blocking, the highest priority class first: one XREADGROUP per
         class over this worker's own stream and the shared one (so routing adds no command to a
         poll). COUNT is per stream, so a class may give up to 2 x `count` (what a gateway routed
-        here, because this worker had room, and the shared stream's next)."""
+        here, because this worker had room, and the shared stream's next).
+
+        With room for one entry of every stream, one XREADGROUP over all of them (COUNT 1 each)
+        looks first, and only the classes it found something in are read further: a busy worker
+        polls every step, almost always in vain, and that poll is then one command, not one per
+        class (bench-fleet at 8 workers x 32 streams: 3 XREADGROUPs per step were a third of
+        the Redis commands per token)."""
+        pairs = list(zip(self._streams[::2], self._streams[1::2], strict=True))
         entries: list[Claimed] = []
-        for own, shared in zip(self._streams[::2], self._streams[1::2], strict=True):
+        if count >= len(self._streams):
+            entries = self._xreadgroup(dict.fromkeys(self._streams, ">"), 1, block_ms=None)
+            found = {c.stream for c in entries}
+            pairs = [pair for pair in pairs if found.intersection(pair)]
+        for own, shared in pairs:
             if len(entries) >= count:
                 break
             entries += self._xreadgroup({own: ">", shared: ">"}, count - len(entries), block_ms=None)
-        return entries
+        order = {name: i for i, name in enumerate(self._streams)}
+        return sorted(entries, key=lambda c: order[c.stream])  # stable: a stream's entries keep their order
 
     def _wait(self, block_ms: int) -> list[Claimed]:
         """Block until an entry arrives in any class's stream (or block_ms passed)."""
