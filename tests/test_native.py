@@ -14,6 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from protos.params import SamplingParams
+from tests.test_sampling import make_batch
+from worker.engine.sampling import Sampler
 from worker.model import native
 from worker.model.native import COMPILERS, NativeKernels, PagedDecodeAttention, load_native_kernels
 
@@ -327,3 +330,45 @@ def test_rms_norm_rejects_what_it_cannot_read(kernels: NativeKernels, x: torch.T
                                               weight: torch.Tensor) -> None:
     with pytest.raises(ValueError, match="rms_norm: x"):
         kernels.rms_norm(x, weight, 1e-5)
+
+
+# -- greedy argmax --------------------------------------------------------------------------------
+
+def test_greedy_argmax_gives_what_the_torch_sampler_gives_on_any_row(kernels: NativeKernels) -> None:
+    vocab = 1000
+    logits = torch.randn(9, vocab + 24)[:, :vocab]  # (9, V): strided rows
+    logits[1, [7, 500, 999]] = 50.0  # a tie: the first index wins
+    logits[2, 3] = float("nan")
+    logits[3, 900] = float("inf")
+    logits[4] = float("-inf")  # no finite token
+    logits[5, :] = -3.0  # all equal
+    logits[6, 998:] = float("-inf")
+    logits[7, 0] = float("-inf")
+    logits[8, 999] = 1e30  # the last index
+    batch = make_batch([SamplingParams(temperature=0.0)] * 9, vocab)
+    want = Sampler()(logits, batch)
+    got = Sampler(kernels.greedy_argmax)(logits, batch)
+    assert got.token_ids.tolist() == want.token_ids.tolist()
+    finite = [True, True, False, False, False, True, True, True, True]
+    assert got.is_finite.tolist() == want.is_finite.tolist() == finite
+    assert got.token_ids[1] == 7 and got.token_ids[8] == 999
+
+
+def test_the_sampler_keeps_its_torch_path_where_a_greedy_argmax_is_not_enough(kernels: NativeKernels) -> None:
+    calls: list[int] = []
+
+    def argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(logits.shape[0])
+        return kernels.greedy_argmax(logits)
+
+    logits = torch.randn(2, 50)
+    greedy = SamplingParams(temperature=0.0)
+    for params in ([greedy, SamplingParams(temperature=0.7)],  # one row samples
+                   [greedy, SamplingParams(temperature=0.0, repetition_penalty=1.3)],  # a penalty
+                   [greedy, SamplingParams(temperature=0.0, logprobs=True)]):  # logprobs
+        Sampler(argmax)(logits, make_batch(params, 50, outputs=[[1, 2], [3]]))
+    assert calls == []
+    Sampler(argmax)(logits, make_batch([greedy, greedy], 50))
+    assert calls == [2]
+    with pytest.raises(ValueError, match="fp32 CPU"):
+        kernels.greedy_argmax(torch.randn(2, 50, dtype=torch.float64))

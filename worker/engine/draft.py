@@ -59,7 +59,7 @@ class DraftProposer:
         self.cache = cache
         self.kv = kv
         self.max_prefill_tokens = max_prefill_tokens
-        self.sampler = Sampler()
+        self.sampler = Sampler(model.greedy_argmax)
         self._cached: dict[str, _Cached] = {}
 
     def retain(self, request_ids: Iterable[str]) -> None:

@@ -56,7 +56,7 @@ class ModelRunner:
         self.kv = kv
         self.adapters = adapters  # None: LoRA is off
         self.device = model.device
-        self.sampler = Sampler()
+        self.sampler = Sampler(model.greedy_argmax)
         self.mask_seconds = 0.0  # what masking the constrained rows took in the last step
         # Grammar masks are filled here while the model computes: they depend only on the tokens
         # already accepted (xgrammar releases the GIL).

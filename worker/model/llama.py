@@ -93,6 +93,8 @@ class LlamaModel:
         self.rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = (
             kernels.rms_norm if kernels is not None else rms_norm)
         self.linear = Linears(self.device, dtype, kernels.quant if kernels is not None else None)
+        # the sampler's one-pass argmax for all-greedy steps (None: torch's)
+        self.greedy_argmax = kernels.greedy_argmax if kernels is not None else None
         self.formats = sorted({w.source for w in weights.values() if isinstance(w, QuantWeight)})
         self.embed = self._take(weights, "model.embed_tokens.weight")  # (V, C)
         lm_head = weights.pop("lm_head.weight", None)

@@ -157,6 +157,26 @@ class RmsNorm:
         return out
 
 
+class GreedyArgmax:
+    """Greedy rows in one C call: (first index of each row's maximum, whether the row is finite)."""
+
+    def __init__(self, fn: Callable[..., None]) -> None:
+        self._fn = fn
+
+    def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits (B, V) fp32 CPU, contiguous rows -> ids (B,) int64, is_finite (B,) bool; a row
+        with NaN or +inf, or only -inf, gets id 0 and is_finite False (as Sampler does)."""
+        if logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.dim() != 2 \
+                or (logits.shape[1] > 1 and logits.stride(1) != 1):
+            raise ValueError(f"greedy_argmax: logits must be (B, V) fp32 CPU with contiguous rows, got "
+                             f"{logits.dtype} {tuple(logits.shape)} on {logits.device}")
+        B, V = logits.shape
+        ids = torch.empty(B, dtype=torch.int64)  # (B,)
+        is_finite = torch.empty(B, dtype=torch.bool)  # (B,)
+        self._fn(logits.data_ptr(), B, V, logits.stride(0), ids.data_ptr(), is_finite.data_ptr())
+        return ids, is_finite
+
+
 @dataclass(frozen=True)
 class NativeKernels:
     paged_decode_attention: PagedDecodeAttention
@@ -164,6 +184,7 @@ class NativeKernels:
     quant: QuantKernels
     decode_layers: Callable[..., DecodeLayers]  # (layers, **shapes) -> the layers' decode-step call
     lora: LoraKernel  # a matmul's LoRA updates for all adapted rows of a step
+    greedy_argmax: GreedyArgmax  # the sampler's all-greedy rows
 
 
 @functools.cache
@@ -190,9 +211,12 @@ def load_native_kernels(cache_dir: Path | None = None) -> NativeKernels | None:
     norm = lib.rms_norm_f32
     norm.restype = None
     norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
+    argmax = lib.greedy_argmax_f32
+    argmax.restype = None
+    argmax.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2
     quant = QuantKernels(lib)
     return NativeKernels(PagedDecodeAttention(attention), RmsNorm(norm), quant,
-                         functools.partial(DecodeLayers, lib, quant), LoraKernel(lib))
+                         functools.partial(DecodeLayers, lib, quant), LoraKernel(lib), GreedyArgmax(argmax))
 
 
 def _build(sources: tuple[Path, ...], cache_dir: Path) -> Path:

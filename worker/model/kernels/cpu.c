@@ -93,3 +93,30 @@ void rms_norm_f32(const float *x, const float *weight, float *out, int64_t rows,
                   float eps) {
     for (int64_t r = 0; r < rows; ++r) rms_norm_row(x + r * cols, weight, out + r * cols, cols, eps);
 }
+
+/* Greedy sampling of rows of logits (B, V), row stride `stride`: ids[b] is the first index of
+ * the row's maximum, as torch.argmax gives, and is_finite[b] whether the row has no NaN or
+ * +inf and not only -inf (a row that is not gets id 0, as the sampler's zeroed row would).
+ * Two short passes over the row in place of the sampler's three (a sum for the finite check, isfinite,
+ * argmax): ~0.14 ms of a batch-1 step over SmolLM2's 49152 logits. */
+void greedy_argmax_f32(const float *logits, int64_t B, int64_t V, int64_t stride, int64_t *ids,
+                       uint8_t *is_finite) {
+    for (int64_t b = 0; b < B; ++b) {
+        const float *x = logits + b * stride;
+        float best = -__builtin_inff();
+        int bad = 0;
+        /* the maximum and the finite check in one vectorised pass, then the first index of that
+         * maximum (NaN never compares greater, and a row with one is not used) */
+#pragma omp simd reduction(max : best) reduction(| : bad)
+        for (int64_t v = 0; v < V; ++v) {
+            const float value = x[v];
+            bad |= (value != value) | (value == __builtin_inff());
+            best = value > best ? value : best;
+        }
+        int64_t id = 0;
+        while (id < V && !(x[id] == best)) ++id;
+        const int finite = !bad && best > -__builtin_inff();
+        ids[b] = finite ? id : 0;
+        is_finite[b] = (uint8_t)finite;
+    }
+}
