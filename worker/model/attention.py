@@ -54,12 +54,12 @@ class KVCache:
     per sequence (with (N, K, Bs, D) it read 4 KB pieces 12 KB apart and a
     SmolLM2 batch-16 step's attention took ~20% longer).
     On CPU the memory comes from an anonymous mmap: pages cost RAM only once
-    written, so a large budget does not take the memory up front, and
-    never-written positions read as finite zeros (the torch decode path reads
-    whole blocks and weights the positions past a row's end by 0, so those
-    must not be NaN). Its pages are 4 KB, not huge: numpy's zeros (the
-    allocator here before) asks for 2 MB pages, so the first block written in
-    each (layer, kv head) region took 2 MB, and SmolLM2's first request made
+    written, so a large budget does not take the memory up front (whatever a
+    never-written or stale slot holds, no kernel reads it for a row: the C
+    kernel reads [0, len), the torch path zeroes what is past a row's end).
+    Its pages are 4 KB, not huge: numpy's zeros (the allocator here before)
+    asks for 2 MB pages, so the first block written in each (layer, kv head)
+    region took 2 MB, and SmolLM2's first request made
     ~450 MB of a 640-block pool resident; with 4 KB pages it takes the 4 KB of
     each block (one block of one kv head). The attention kernel's extra TLB
     misses are a few thousand per step.
@@ -102,9 +102,16 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     B, H, _, D = q.shape
     K, L = keys.shape[1], keys.shape[2]
     qg = q.reshape(B * K, H // K, D) * D ** -0.5  # (B * K, G, D): heads h = k * G + g
-    kt = keys.reshape(B * K, L, D).transpose(1, 2)  # (B * K, D, L)
+    keys, values = keys.reshape(B * K, L, D), values.reshape(B * K, L, D)
+    if bias is not None:
+        # Positions past a row's end are the padding block and slots other requests left: they
+        # may hold NaN or inf (an fp16 cache that overflowed), and NaN + (-inf) is NaN, as is
+        # 0 * NaN in the weighted sum. Zeroed, they weigh exactly 0 and no row reads another's.
+        stale = (bias != 0).transpose(1, 2)  # (B * K, L, 1)
+        keys, values = keys.masked_fill(stale, 0.0), values.masked_fill(stale, 0.0)
+    kt = keys.transpose(1, 2)  # (B * K, D, L)
     scores = torch.bmm(qg, kt) if bias is None else torch.baddbmm(bias, qg, kt)  # (B * K, G, L)
-    out = torch.bmm(torch.softmax(scores, dim=-1), values.reshape(B * K, L, D))  # (B * K, G, D)
+    out = torch.bmm(torch.softmax(scores, dim=-1), values)  # (B * K, G, D)
     return out.view(B, H, 1, D)
 
 
