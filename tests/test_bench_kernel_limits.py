@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 KEYS = {"machine_read_bytes_per_s", "decode_kernels", "b1_step_ms", "b1_forward_ms", "b1_host_overhead_ms",
         "b1_decode_bytes_per_s", "decode_bandwidth_fraction", "prefill_gops", "int8_peak_gops",
-        "prefill_peak_fraction"}
+        "int16_dot_gops", "int16_peak_gops", "prefill_peak_fraction", "prefill_int8_gemm_fraction"}
 TARGETS = {"decode_bandwidth_fraction", "prefill_peak_fraction", "b1_host_overhead_ms"}
 
 

@@ -352,3 +352,9 @@ def test_shapes_and_types_the_blocks_cannot_hold_are_refused() -> None:
         from_blocks(np.zeros((4, 64), np.uint8), Q.F16, (4, QK))
     with pytest.raises(ValueError, match=re.escape("cannot fuse weights of formats ['q4', 'q8']")):
         cat_rows([make_weight("q4_0", 2, QK), make_weight("q8_0", 2, QK)])
+
+
+def test_the_int16_peak_loop_counts_its_multiply_adds_on_every_isa(quant: QuantKernels, isa: str) -> None:
+    """bench-kernel-limits divides by this count: 12 accumulators x (2 x s32 lanes) a round."""
+    lanes = {"avx512vnni": 16, "avxvnni": 8, "avx2": 8, "scalar": 0}[isa]
+    assert quant.int16_peak_macs(isa, 1000, 2) == 2 * 1000 * 12 * 2 * lanes

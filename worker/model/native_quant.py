@@ -31,6 +31,9 @@ class QuantKernels:
         self._dequantize = lib.quant_dequantize_rows
         self._dequantize.restype = None
         self._dequantize.argtypes = [_p, _p, _p, _i64, _i, _p, _i64, _p, _i]
+        self._peak = lib.quant_int16_peak
+        self._peak.restype = _i64
+        self._peak.argtypes = [_i, _i64, _i]
         supported = lib.quant_isa_supported
         supported.restype = _i
         supported.argtypes = [_i]
@@ -72,6 +75,14 @@ class QuantKernels:
             raise ValueError(f"quantized linear: this CPU cannot run {isa} "
                              f"(it has {', '.join(self.supported_isas)})")
         return out
+
+    def int16_peak_macs(self, isa: str, iters: int, num_threads: int) -> int:
+        """Run `iters` rounds of independent int16 dot products on registers (vpdpwssd, or
+        vpmaddwd + vpaddd on AVX2) on each of num_threads threads: the multiply-adds done, 0 for
+        "scalar". Timed by the caller, it is the machine's int16 dot peak on that ISA."""
+        if isa not in self.supported_isas:
+            raise ValueError(f"int16 peak: this CPU cannot run {isa} (it has {', '.join(self.supported_isas)})")
+        return int(self._peak(ISAS[isa], iters, num_threads))
 
     def quantize_activations(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x (T, C) fp32, contiguous rows -> qs (T, C) int16, d, s, d * s (T, C / QK)."""

@@ -101,6 +101,74 @@ void quantize_rows_body(const float *x, int64_t x_stride, int64_t T, int64_t C, 
 #pragma GCC pop_options
 #endif
 
+/* ---- the machine's int16 dot-product peak (bench-kernel-limits' yardstick) ---------------------
+ * PEAK_ACC independent accumulators on registers only, so the loop is bound by the dot
+ * instruction's throughput: vpdpwssd on zmm (AVX-512 VNNI), on ymm (AVX-VNNI), vpmaddwd +
+ * vpaddd (AVX2). Returns the multiply-adds one thread did. */
+#define PEAK_ACC 12
+#ifdef HAVE_X86_VARIANTS
+#define PEAK_LOOP(vec, zero, set1, dot, lanes)                                                   \
+    vec acc[PEAK_ACC];                                                                       \
+    const vec w = set1(3), a = set1(5);                                                      \
+    for (int j = 0; j < PEAK_ACC; ++j) acc[j] = zero();                                      \
+    for (int64_t i = 0; i < iters; ++i) {                                                    \
+        _Pragma("GCC unroll 12") for (int j = 0; j < PEAK_ACC; ++j) acc[j] = dot(acc[j], w, a); \
+        __asm__ volatile("" : "+x"(acc[0]), "+x"(acc[1]), "+x"(acc[2]), "+x"(acc[3]));          \
+    }                                                                                        \
+    int32_t sink[lanes];                                                                     \
+    for (int j = 1; j < PEAK_ACC; ++j) acc[0] = add(acc[0], acc[j]);                         \
+    memcpy(sink, &acc[0], sizeof sink);                                                      \
+    return sink[0] == 42 ? 0 : iters * PEAK_ACC * 2 * lanes;
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")
+static int64_t peak_avx512vnni(int64_t iters) {
+#define add _mm512_add_epi32
+    PEAK_LOOP(__m512i, _mm512_setzero_si512, _mm512_set1_epi16, _mm512_dpwssd_epi32, 16)
+#undef add
+}
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,avxvnni")
+static int64_t peak_avxvnni(int64_t iters) {
+#define add _mm256_add_epi32
+    PEAK_LOOP(__m256i, _mm256_setzero_si256, _mm256_set1_epi16, _mm256_dpwssd_avx_epi32, 8)
+#undef add
+}
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+static inline __m256i madd_add(__m256i acc, __m256i w, __m256i a) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(w, a));
+}
+static int64_t peak_avx2(int64_t iters) {
+#define add _mm256_add_epi32
+    PEAK_LOOP(__m256i, _mm256_setzero_si256, _mm256_set1_epi16, madd_add, 8)
+#undef add
+}
+#pragma GCC pop_options
+#undef PEAK_LOOP
+#endif
+
+/* Multiply-adds done by all num_threads threads, each running `iters` rounds on `isa`
+ * (0 for the portable C path, which has no peak to speak of, or an ISA this CPU lacks). */
+int64_t quant_int16_peak(int isa, int64_t iters, int num_threads) {
+    if (!quant_isa_supported(isa)) return 0;
+    int64_t total = 0;
+#pragma omp parallel num_threads(num_threads) reduction(+ : total)
+    {
+        switch (isa) {
+#ifdef HAVE_X86_VARIANTS
+        case QUANT_ISA_AVX512VNNI: total += peak_avx512vnni(iters); break;
+        case QUANT_ISA_AVXVNNI: total += peak_avxvnni(iters); break;
+        case QUANT_ISA_AVX2: total += peak_avx2(iters); break;
+#endif
+        default: break;
+        }
+    }
+    return total;
+}
+
 int quant_isa_supported(int isa) {
     switch (isa) {
     case QUANT_ISA_SCALAR:
