@@ -81,7 +81,8 @@ class QuantKernels:
         vpmaddwd + vpaddd on AVX2) on each of num_threads threads: the multiply-adds done, 0 for
         "scalar". Timed by the caller, it is the machine's int16 dot peak on that ISA."""
         if isa not in self.supported_isas:
-            raise ValueError(f"int16 peak: this CPU cannot run {isa} (it has {', '.join(self.supported_isas)})")
+            raise ValueError(f"int16 peak: this CPU cannot run {isa} "
+                             f"(it has {', '.join(self.supported_isas)})")
         return int(self._peak(ISAS[isa], iters, num_threads))
 
     def quantize_activations(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
