@@ -95,7 +95,9 @@ void quantize_rows_body(const float *x, int64_t x_stride, int64_t T, int64_t C, 
 #pragma GCC target("avx2,fma,avx512f,avx512vl,avx512vnni")
 #define SUFFIX avx512vnni
 #define DOT_S16(acc, w, a) _mm256_dpwssd_epi32(acc, w, a)
+#define TILE_WIDE_REGS 1
 #include "quant_simd.h"
+#undef TILE_WIDE_REGS
 #undef SUFFIX
 #undef DOT_S16
 #pragma GCC pop_options

@@ -8,9 +8,23 @@
  * AVX2 EPYC, 2 threads, SmolLM2's gate/up (3072 x 576 Q4), us for 1..8 input rows: 73 119
  * 158 197 244 278 345 412; with groups of 4 run as 2 x 4 tiles and the rest as 2 x 1 tiles
  * row by row (so 5 rows took two passes, 3 rows three) it was 85 182 270 228 319 415 509 456. */
+/* With AVX-512 the ymm registers are 32 (ymm16-31 through AVX-512VL), so groups of 4 to 8
+ * rows run as 2 weight rows x the group: the group's activations, loaded once per block, serve
+ * 2 weight rows instead of 1 (measured on the 2-core AVX-512 Xeon, 2 threads, us, 1 x 8 tiles
+ * then 2 x 8: gate/up at 512 rows 13,657 -> 12,705, at 16 rows 440 -> 395; down (576 x 1536)
+ * 6,930 -> 6,351 and 220 -> 203; wqkv Q8_0 (960 x 576) 3,898 -> 3,588 and 136 -> 130; 1 row
+ * unchanged). 4 x 6 tiles of 6-row groups measured the same as 2 x 8. Each pair's float
+ * operations do not depend on the tile, so this changes no result. */
+#undef TILE_RW
+#ifdef TILE_WIDE_REGS
+#define TILE_RW(RA) ((RA) <= 3 ? 4 : 2)
+#else
+#define TILE_RW(RA) ((RA) <= 3 ? 4 : (RA) <= 6 ? 2 : 1)
+#endif
+#ifndef TILE_MAX_RA
 #define TILE_MAX_RA 8
 #define TILE_MAX_RW 4
-#define TILE_RW(RA) ((RA) <= 3 ? 4 : (RA) <= 6 ? 2 : 1)
+#endif
 #define CAT_(a, b) a##_##b
 #define CAT(a, b) CAT_(a, b)
 
@@ -33,8 +47,8 @@ static inline float CAT(hsum, SUFFIX)(__m256 v) {
  * dot product vectorised over blocks, one per pair, it took ~30% of an 8-row step (gate/up,
  * 1 thread: 867 us, 613 without it). */
 static inline __attribute__((always_inline)) void CAT(tile, SUFFIX)(
-    quant_weight w, q16_act a, const float *ds_t, int64_t n, int64_t t, const int FMT, const int RW, const int RA,
-    float *res) {
+    quant_weight w, q16_act a, const float *ds_t, const float *da_t, int64_t n, int64_t t, const int FMT,
+    const int RW, const int RA, float *res) {
     const int64_t nb = w.C / 32;
 #ifdef DOT_S16
     /* Rows are adjacent: one base pointer per operand, row r at r * stride. Indexing
@@ -68,13 +82,19 @@ static inline __attribute__((always_inline)) void CAT(tile, SUFFIX)(
                 hi = _mm256_cvtepi8_epi16(
                     _mm_loadu_si128((const __m128i *)(wq + r * row_bytes + b * block_bytes + 16)));
             }
+            /* dw * da of every input row in one multiply, then broadcast from L1 per row: the
+             * same products as one multiply per row, one vector op instead of RA (an 8-row group
+             * does 4 rather than 5 per row and block: 2 dots, convert, fma) */
+            float scale[TILE_MAX_RA] __attribute__((aligned(32)));
+            if (RA > 1) _mm256_store_ps(scale, _mm256_mul_ps(dw, _mm256_loadu_ps(da_t + b * TILE_MAX_RA)));
             #pragma GCC unroll 8
             for (int c = 0; c < RA; ++c) {
                 const __m256i alo = _mm256_loadu_si256((const __m256i *)(aq + c * a.C + b * 32));
                 const __m256i ahi = _mm256_loadu_si256((const __m256i *)(aq + c * a.C + b * 32 + 16));
-                const __m256 da = _mm256_broadcast_ss(ad + c * nb + b);
+                const __m256 s = RA > 1 ? _mm256_broadcast_ss(scale + c)
+                                        : _mm256_mul_ps(dw, _mm256_broadcast_ss(ad + c * nb + b));
                 const __m256i dot = DOT_S16(DOT_S16(_mm256_setzero_si256(), lo, alo), hi, ahi);
-                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, da), acc[r][c]);
+                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc[r][c]);
             }
         }
     }
@@ -111,7 +131,7 @@ static inline __attribute__((always_inline)) void CAT(tile, SUFFIX)(
         }
     }
 #else
-    (void)ds_t; /* its offset term is a dot product per pair, as ever (the C path may differ) */
+    (void)ds_t, (void)da_t; /* its offset term is a dot product per pair, as ever (the C path may differ) */
     for (int r = 0; r < RW; ++r)
         for (int c = 0; c < RA; ++c) {
             const int16_t *qa = a.qs + (t + c) * a.C;
@@ -164,12 +184,12 @@ static inline void CAT(write_tile, SUFFIX)(const float *res, int RW, int RA, int
  * past the last whole tile. QUANT_SILU_MUL writes rows in (gate, up) pairs, so one-row tiles
  * go two at a time there. */
 static inline __attribute__((always_inline)) void CAT(tiles, SUFFIX)(
-    quant_weight w, q16_act a, const float *ds_t, int64_t *n, int64_t n1, int64_t t, float *out,
+    quant_weight w, q16_act a, const float *ds_t, const float *da_t, int64_t *n, int64_t n1, int64_t t, float *out,
     int64_t out_stride, const float *bias, int mode, const int FMT, const int RW, const int RA) {
     float res[2 * TILE_MAX_RW * TILE_MAX_RA];
     const int step = mode == QUANT_SILU_MUL && RW == 1 ? 2 : RW;
     for (; *n + step <= n1; *n += step) {
-        for (int k = 0; k < step; k += RW) CAT(tile, SUFFIX)(w, a, ds_t, *n + k, t, FMT, RW, RA, res + k * RA);
+        for (int k = 0; k < step; k += RW) CAT(tile, SUFFIX)(w, a, ds_t, da_t, *n + k, t, FMT, RW, RA, res + k * RA);
         CAT(write_tile, SUFFIX)(res, step, RA, *n, t, out, out_stride, bias, mode);
     }
 }
@@ -179,8 +199,8 @@ static inline __attribute__((always_inline)) void CAT(tiles, SUFFIX)(
 #define TILE_GROUP(RA)                                                                             \
     case RA: {                                                                                     \
         int64_t n = n0;                                                                            \
-        CAT(tiles, SUFFIX)(w, a, ds_t, &n, n1, t, out, out_stride, bias, mode, FMT, TILE_RW(RA), RA); \
-        CAT(tiles, SUFFIX)(w, a, ds_t, &n, n1, t, out, out_stride, bias, mode, FMT, 1, RA);       \
+        CAT(tiles, SUFFIX)(w, a, ds_t, da_t, &n, n1, t, out, out_stride, bias, mode, FMT, TILE_RW(RA), RA); \
+        CAT(tiles, SUFFIX)(w, a, ds_t, da_t, &n, n1, t, out, out_stride, bias, mode, FMT, 1, RA);       \
         break;                                                                                     \
     }
 
@@ -192,12 +212,16 @@ static inline __attribute__((always_inline)) void CAT(task_fmt, SUFFIX)(
     int64_t out_stride, const float *bias, int mode, const int FMT) {
     const int64_t groups = (t1 - t0 + TILE_MAX_RA - 1) / TILE_MAX_RA, nb = w.C / 32;
     float ds_t[FMT == QUANT_Q4 ? nb * TILE_MAX_RA : 1]; /* the group's ds, (nb, TILE_MAX_RA) */
+    float da_t[nb * TILE_MAX_RA];                       /* the group's d, (nb, TILE_MAX_RA) */
     for (int64_t g = 0, t = t0; g < groups; ++g) {
         const int64_t t_next = t0 + (t1 - t0) * (g + 1) / groups;
-        if (FMT == QUANT_Q4 && t_next - t > 1)
+        if (t_next - t > 1)
             for (int64_t b = 0; b < nb; ++b)
-                for (int c = 0; c < TILE_MAX_RA; ++c)
-                    ds_t[b * TILE_MAX_RA + c] = t + c < t_next ? a.ds[(t + c) * nb + b] : 0.0f;
+                for (int c = 0; c < TILE_MAX_RA; ++c) {
+                    const int is_row = t + c < t_next;
+                    da_t[b * TILE_MAX_RA + c] = is_row ? a.d[(t + c) * nb + b] : 0.0f;
+                    if (FMT == QUANT_Q4) ds_t[b * TILE_MAX_RA + c] = is_row ? a.ds[(t + c) * nb + b] : 0.0f;
+                }
         switch (t_next - t) {
             TILE_GROUP(1)
             TILE_GROUP(2)
