@@ -2,8 +2,9 @@
 
 llama.cpp's Q4_0, Q4_1 and Q8_0 blocks hold 32 weights and fp16 scales. At load
 they are repacked once into two runtime formats, rows of blocks with the values
-of a row contiguous and the scales beside them as fp32 (a conversion that is
-exact and saves the kernels an fp16 decode per block):
+of a row contiguous and the scales beside them, fp16 as in the file (the kernels
+widen them with F16C: at batch 1 decode reads its weights from memory, and fp32
+scales made SmolLM2's 96.5 MB a token 111.5 MB):
   * "q4": Q4_1 (w = d * u + m, u a nibble) and Q4_0 (w = d * (u - 8), kept as
     Q4_1 with m = -8 d: one kernel for both);
   * "q8": Q8_0 (w = d * q, q an int8).
@@ -35,8 +36,8 @@ class QuantWeight:
     format: str  # "q4" or "q8"
     source: str  # the file's type it came from: "Q4_1", "Q4_0", "Q8_0", or "F32->Q8_0", ...
     qs: torch.Tensor  # q4: (N, C // 2) uint8, byte j of a block holds u_j (low) and u_{j+16}; q8: (N, C) int8
-    d: torch.Tensor  # (N, C // QK) fp32 block scales
-    m: torch.Tensor | None  # q4: (N, C // QK) fp32 block offsets; q8: None
+    d: torch.Tensor  # (N, C // QK) fp16 block scales
+    m: torch.Tensor | None  # q4: (N, C // QK) fp16 block offsets; q8: None
 
     def __post_init__(self) -> None:
         """The C kernels read these tensors through raw pointers, so they must be what the
@@ -46,11 +47,11 @@ class QuantWeight:
         N, nb = self.d.shape if self.d.dim() == 2 else (0, 0)
         C = nb * QK
         qs_dtype, qs_shape = (torch.uint8, (N, C // 2)) if self.format == "q4" else (torch.int8, (N, C))
-        parts = {"qs": (self.qs, qs_dtype, qs_shape), "d": (self.d, torch.float32, (N, nb))}
+        parts = {"qs": (self.qs, qs_dtype, qs_shape), "d": (self.d, torch.float16, (N, nb))}
         if self.format == "q4":
             if self.m is None:
                 raise ValueError("a q4 weight needs its block offsets m")
-            parts["m"] = (self.m, torch.float32, (N, nb))
+            parts["m"] = (self.m, torch.float16, (N, nb))
         for name, (t, dtype, shape) in parts.items():
             if t.device.type != "cpu" or t.dtype != dtype:
                 raise ValueError(f"weight {name} must be a {dtype} CPU tensor, got {t.dtype} on {t.device}")
@@ -73,13 +74,13 @@ class QuantWeight:
     def dequantize(self) -> torch.Tensor:
         """(N, C) fp32: what the kernels multiply by."""
         N, C = self.shape
-        scale = self.d[:, :, None]  # (N, C / QK, 1)
+        scale = self.d.float()[:, :, None]  # (N, C / QK, 1)
         if self.format == "q8":
             return (self.qs.view(N, -1, QK).float() * scale).view(N, C)
         q = self.qs.view(N, -1, QK // 2)  # (N, C / QK, 16)
         u = torch.cat((q & 0x0F, q >> 4), dim=-1).float()  # (N, C / QK, QK) in element order
         assert self.m is not None
-        return (u * scale + self.m[:, :, None]).view(N, C)
+        return (u * scale + self.m.float()[:, :, None]).view(N, C)
 
 
 def cat_rows(weights: list[QuantWeight], source: str | None = None) -> QuantWeight:
@@ -107,15 +108,17 @@ def from_blocks(raw: np.ndarray, qtype: Q, shape: tuple[int, int], source: str |
     if C % QK:
         raise ValueError(f"a {qtype.name} tensor needs in_features divisible by {QK}, got {C}")
     blocks = np.ascontiguousarray(raw).reshape(N, C // QK, -1)  # (N, nb, block bytes)
-    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))  # (N, nb)
+    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0])  # (N, nb) fp16
     if qtype == Q.Q8_0:
         qs = torch.from_numpy(blocks[..., 2:].copy().view(np.int8).reshape(N, C))
         return QuantWeight("q8", source or qtype.name, qs, d, None)
     if qtype == Q.Q4_1:
-        m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+        m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0])
         qs = torch.from_numpy(blocks[..., 4:].reshape(N, C // 2).copy())
     elif qtype == Q.Q4_0:
-        m = d * -8.0  # exact: a power of two
+        m = d * -8.0  # exact (a power of two) unless it overflows fp16
+        if not torch.isfinite(m).all():
+            raise ValueError("a Q4_0 block scale is too large: -8 x d overflows fp16")
         qs = torch.from_numpy(blocks[..., 2:].reshape(N, C // 2).copy())
     else:
         raise ValueError(f"{qtype.name} blocks are not kept quantized (only {[t.name for t in KEPT_TYPES]})")

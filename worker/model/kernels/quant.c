@@ -2,7 +2,7 @@
  *
  * Weights stay in llama.cpp's block formats, repacked at load into two runtime
  * formats (worker/model/quant.py): rows of 32-weight blocks, the 4-bit or 8-bit
- * values of a row contiguous, the block scales beside them as fp32:
+ * values of a row contiguous, the block scales beside them as fp16, as in the file:
  *   q4 (Q4_1, and Q4_0 as Q4_1 with m = -8 d): w = d * u + m, u in [0, 15]; a
  *      block is 16 bytes, byte j holding u_j (low nibble) and u_{j+16} (high);
  *   q8 (Q8_0): w = d * q, q in [-128, 127], 32 bytes a block.
@@ -74,7 +74,7 @@ void quantize_rows_body(const float *x, int64_t x_stride, int64_t T, int64_t C, 
 #if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__) && !defined(__clang__)
 #define HAVE_X86_VARIANTS 1
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 #define SUFFIX avx2
 #define DOT_S16(acc, w, a) _mm256_add_epi32(acc, _mm256_madd_epi16(w, a))
 #include "quant_simd.h"
@@ -83,7 +83,7 @@ void quantize_rows_body(const float *x, int64_t x_stride, int64_t T, int64_t C, 
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx2,fma,avxvnni")
+#pragma GCC target("avx2,fma,f16c,avxvnni")
 #define SUFFIX avxvnni
 #define DOT_S16(acc, w, a) _mm256_dpwssd_avx_epi32(acc, w, a)
 #include "quant_simd.h"
@@ -92,7 +92,7 @@ void quantize_rows_body(const float *x, int64_t x_stride, int64_t T, int64_t C, 
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx2,fma,avx512f,avx512vl,avx512vnni")
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")
 #define SUFFIX avx512vnni
 #define DOT_S16(acc, w, a) _mm256_dpwssd_epi32(acc, w, a)
 #define TILE_WIDE_REGS 1
@@ -177,12 +177,12 @@ int quant_isa_supported(int isa) {
         return 1;
 #ifdef HAVE_X86_VARIANTS
     case QUANT_ISA_AVX2:
-        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     case QUANT_ISA_AVXVNNI:
         return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-               __builtin_cpu_supports("avxvnni");
+               __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avxvnni");
     case QUANT_ISA_AVX512VNNI:
-        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
                __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
                __builtin_cpu_supports("avx512vnni");
 #endif
@@ -228,7 +228,7 @@ void quant_matmul_body(int isa, quant_weight w, q16_act a, int64_t T, float *out
 /* The entry points (ctypes): one call quantizes x (T, C), row stride x_stride, into the
  * caller's activation buffers and multiplies. Returns -1 for an instruction set this CPU
  * lacks (nothing is computed), else 0. */
-int quant_linear(int isa, const void *w_qs, const float *w_d, const float *w_m, int64_t N, int64_t C,
+int quant_linear(int isa, const void *w_qs, const uint16_t *w_d, const uint16_t *w_m, int64_t N, int64_t C,
                  int format, const float *x, int64_t x_stride, int64_t T, int16_t *a_qs, float *a_d,
                  int32_t *a_s, float *a_ds, float *out, int64_t out_stride, const float *bias, int mode,
                  int num_threads) {
@@ -253,7 +253,7 @@ void quantize_rows(const float *x, int64_t x_stride, int64_t T, int64_t C, int16
 
 /* Rows `ids` of a weight as fp32: embedding lookups on a quantized table, and whole
  * weights for prefill-sized matmuls (native_quant.py says why). */
-void quant_dequantize_rows(const void *w_qs, const float *w_d, const float *w_m, int64_t C, int format,
+void quant_dequantize_rows(const void *w_qs, const uint16_t *w_d, const uint16_t *w_m, int64_t C, int format,
                            const int64_t *ids, int64_t n, float *out, int num_threads) {
     const int64_t nb = C / QBLOCK;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (n >= 64)
@@ -261,10 +261,10 @@ void quant_dequantize_rows(const void *w_qs, const float *w_d, const float *w_m,
         const int64_t r = ids[i];
         float *o = out + i * C;
         for (int64_t b = 0; b < nb; ++b) {
-            const float d = w_d[r * nb + b];
+            const float d = half_to_float(w_d[r * nb + b]);
             if (format == QUANT_Q4) {
                 const uint8_t *q = (const uint8_t *)w_qs + r * (C / 2) + b * (QBLOCK / 2);
-                const float m = w_m[r * nb + b];
+                const float m = half_to_float(w_m[r * nb + b]);
                 for (int j = 0; j < QBLOCK / 2; ++j) {
                     o[b * QBLOCK + j] = d * (float)(q[j] & 0x0F) + m;
                     o[b * QBLOCK + j + QBLOCK / 2] = d * (float)(q[j] >> 4) + m;

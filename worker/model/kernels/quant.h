@@ -3,15 +3,17 @@
 #define TOKENRELAY_QUANT_H
 #include <stdint.h>
 
+#include "half.h"
+
 enum { QUANT_ISA_SCALAR = 0, QUANT_ISA_AVX2 = 1, QUANT_ISA_AVXVNNI = 2, QUANT_ISA_AVX512VNNI = 3 };
 enum { QUANT_Q4 = 0, QUANT_Q8 = 1 };                       /* runtime weight formats */
 enum { QUANT_STORE = 0, QUANT_ADD = 1, QUANT_SILU_MUL = 2 }; /* how a matmul writes out */
 
 /* A weight (N, C) in blocks of 32 along C: qs q4 (N, C / 2) uint8 or q8 (N, C) int8;
- * d and m (N, C / 32) fp32 (m only for q4). */
+ * d and m (N, C / 32) fp16 bits, as the GGUF file has them (m only for q4). */
 typedef struct {
     const void *qs;
-    const float *d, *m;
+    const uint16_t *d, *m;
     int64_t N, C;
     int format;
 } quant_weight;

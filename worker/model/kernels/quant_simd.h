@@ -37,6 +37,16 @@ static inline float CAT(hsum, SUFFIX)(__m256 v) {
 }
 #endif
 
+/* n fp16 scales as fp32: a tile's RW rows of block scales (or offsets) are widened once into
+ * L1 before its block loop reads them, rather than converted per block and row. */
+static inline void CAT(widen, SUFFIX)(const uint16_t *h, float *f, int64_t n) {
+    int64_t i = 0;
+#ifdef DOT_S16
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+#endif
+    for (; i < n; ++i) f[i] = half_to_float(h[i]);
+}
+
 /* res[r * RA + c] = row n + r of the weight . input row t + c, for r < RW, c < RA. Inlined
  * with constant FMT, RW and RA, so the RW x RA accumulators live in registers (the loops over
  * them unrolled early, or GCC keeps the accumulator array in memory: 2 stores a pair a block).
@@ -56,7 +66,10 @@ static inline __attribute__((always_inline)) void CAT(tile, SUFFIX)(
      * a third of them address arithmetic; a pointer per row spilled them to the stack. */
     const int64_t row_bytes = FMT == QUANT_Q4 ? w.C / 2 : w.C, block_bytes = FMT == QUANT_Q4 ? 16 : 32;
     const uint8_t *wq = (const uint8_t *)w.qs + n * row_bytes;
-    const float *wd = w.d + n * nb, *ad = a.d + t * nb;
+    float wd[TILE_MAX_RW * nb], wm[FMT == QUANT_Q4 ? TILE_MAX_RW * nb : 1]; /* rows n.. are adjacent */
+    CAT(widen, SUFFIX)(w.d + n * nb, wd, RW * nb);
+    if (FMT == QUANT_Q4) CAT(widen, SUFFIX)(w.m + n * nb, wm, RW * nb);
+    const float *ad = a.d + t * nb;
     const int16_t *aq = a.qs + t * a.C;
     __m256 acc[TILE_MAX_RW][TILE_MAX_RA];
     #pragma GCC unroll 8
@@ -103,7 +116,7 @@ static inline __attribute__((always_inline)) void CAT(tile, SUFFIX)(
         #pragma GCC unroll 8
         for (int c = 0; c < RA; ++c) res[r * RA + c] = CAT(hsum, SUFFIX)(acc[r][c]);
     if (FMT == QUANT_Q4) { /* the offset term (above) */
-        const float *m = w.m + n * nb;
+        const float *m = wm;
         if (RA == 1) { /* ds_t is not built for one row: 1 of its 8 lanes would be used */
             float sum[TILE_MAX_RW] = {0};
             const float *ds = a.ds + t * nb;
@@ -146,17 +159,18 @@ static inline __attribute__((always_inline)) void CAT(tile, SUFFIX)(
                     const int8_t *q = (const int8_t *)w.qs + (n + r) * w.C + b * 32;
                     for (int j = 0; j < 32; ++j) dot += q[j] * qa[b * 32 + j];
                 }
-                acc += (float)dot * (w.d[(n + r) * nb + b] * a.d[(t + c) * nb + b]);
+                acc += (float)dot * (half_to_float(w.d[(n + r) * nb + b]) * a.d[(t + c) * nb + b]);
             }
             res[r * RA + c] = acc;
         }
     if (FMT == QUANT_Q4)
         for (int r = 0; r < RW; ++r)
             for (int c = 0; c < RA; ++c) {
-                const float *m = w.m + (n + r) * nb, *ds = a.ds + (t + c) * nb;
+                const uint16_t *m = w.m + (n + r) * nb;
+                const float *ds = a.ds + (t + c) * nb;
                 float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-                for (int64_t b = 0; b < nb; ++b) sum += m[b] * ds[b];
+                for (int64_t b = 0; b < nb; ++b) sum += half_to_float(m[b]) * ds[b];
                 res[r * RA + c] += sum;
             }
 #endif
