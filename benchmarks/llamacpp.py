@@ -14,6 +14,15 @@ once (llama.cpp's first decode of a shape is several times slower). Run it on an
 llama.cpp's OpenMP threads spin at barriers, so a busy core costs it far more than it does
 torch (JSON `loadavg`: the 1-minute load before the runs). Prints a table, then one JSON line.
 
+Our side also measures, in its process after its timings, what issue 25 compares with the
+machine: b1_decode_bytes_per_s (weight bytes read per token, as stored, x batch-1 tok/s) over
+machine_read_bytes_per_s (a 1 GiB read with the same threads) = decode_bandwidth_fraction,
+and prefill_gops (weight dot-product GOP/s of the prefill) over int16_peak_gops (the int16
+dot instruction on registers, as benchmarks/kernel_limits.py) = prefill_peak_fraction; and
+prefill512_vs_hf_ratio against transformers fp32. Targets (issue 25): b1_decode_ratio >= 1.8,
+prefill512_ratio >= 3.0, concurrent16_ratio >= 2.0, prefill512_vs_hf_ratio >= 1.5,
+decode_bandwidth_fraction >= 0.85, prefill_peak_fraction >= 0.4.
+
     python benchmarks/llamacpp.py [--runs 3] [--threads 2] [--quantization auto] [--install]
 
 Needs llama-cpp-python (the `llamacpp` extra; it compiles llama.cpp, ~20-30 min on 2 cores).
@@ -140,7 +149,28 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
         raise RuntimeError(f"ours: {n} tokens from the 16 sequences, expected {NUM_CONCURRENT * new}")
     concurrent = n / (time.perf_counter() - t0)
     return {"decode": decode, "prefill": prefill, "concurrent16": concurrent, "peak_rss_mb": peak_rss_mb(),
-            "format": None if summary is None else str(summary() if callable(summary) else summary)}
+            "format": None if summary is None else str(summary() if callable(summary) else summary),
+            **machine_use(model, decode, prefill, args)}
+
+
+def machine_use(model: Any, decode: float, prefill: float, args: argparse.Namespace) -> dict[str, float]:
+    """Issue 25's yardsticks, measured in this side's process right after its timings: the
+    weight bytes a batch-1 decode reads per second (layers and LM head as stored) against a
+    1 GiB streaming read with the same threads, and the prefill's weight dot-product GOP/s
+    against the int16 dot peak (benchmarks/kernel_limits.py measures both the same way)."""
+    import torch
+
+    from benchmarks.kernel_limits import GiB, int16_peak, read_bandwidth, weight_bytes, weight_params
+
+    layer_bytes, head_bytes = weight_bytes(model)
+    layer_params, head_params = weight_params(model)
+    src = torch.ones(GiB // 4, dtype=torch.float32)  # (2^28,)
+    read = read_bandwidth(src, 5)["machine_read_bytes_per_s"]
+    del src
+    peak = max(int16_peak(model, args.threads, 3).values(), default=float("nan"))
+    prefill_ops = 2 * (layer_params * args.prefill_len + head_params)  # only the last token gets logits
+    return {"b1_decode_bytes_per_s": (layer_bytes + head_bytes) * decode, "machine_read_bytes_per_s": read,
+            "prefill_gops": prefill_ops * prefill / args.prefill_len / 1e9, "int16_peak_gops": peak}
 
 
 # -- llama.cpp ----------------------------------------------------------------
@@ -260,6 +290,10 @@ def run_hf(args: argparse.Namespace) -> dict[str, Any]:
 
 
 RUNNERS = {"ours": run_ours, "llamacpp": run_llamacpp, "hf": run_hf}
+# issue 25's targets, each a ratio of one run's sides or a fraction of that run's measured limits
+TARGETS = {"b1_decode_ratio": (">=", 1.8), "prefill512_ratio": (">=", 3.0), "concurrent16_ratio": (">=", 2.0),
+           "prefill512_vs_hf_ratio": (">=", 1.5), "decode_bandwidth_fraction": (">=", 0.85),
+           "prefill_peak_fraction": (">=", 0.4)}
 ROWS = [("batch-1 decode tok/s", "b1_decode_tok_s", "decode", "b1_decode_ratio"),
         ("prefill {n} tok/s", "prefill512_tok_s", "prefill", "prefill512_ratio"),
         ("16 sequences tok/s", "concurrent16_tok_s", "concurrent16", "concurrent16_ratio"),
@@ -300,6 +334,18 @@ def summarize(runs: list[dict[str, dict[str, Any]]], args: argparse.Namespace) -
             out[ratio] = round(statistics.median(r["ours"][field] / r["llamacpp"][field] for r in runs), 3)
     if "ours" in args.sides:
         out["format_ours"] = runs[-1]["ours"]["format"]
+        ours = [r["ours"] for r in runs if "b1_decode_bytes_per_s" in r["ours"]]
+        for key in ("b1_decode_bytes_per_s", "machine_read_bytes_per_s", "prefill_gops", "int16_peak_gops"):
+            if ours:
+                out[key] = round(statistics.median(o[key] for o in ours), 2)
+        if ours:  # each run's fraction of its own limits, then the median
+            out["decode_bandwidth_fraction"] = round(statistics.median(
+                o["b1_decode_bytes_per_s"] / o["machine_read_bytes_per_s"] for o in ours), 3)
+            out["prefill_peak_fraction"] = round(statistics.median(
+                o["prefill_gops"] / o["int16_peak_gops"] for o in ours), 3)
+    if {"ours", "hf"} <= set(args.sides):
+        out["prefill512_vs_hf_ratio"] = round(statistics.median(
+            r["ours"]["prefill"] / r["hf"]["prefill"] for r in runs), 3)
     out.update(quantization=args.quantization, cpu=cpu(), loadavg=args.loadavg, runs=args.runs,
                threads=args.threads, new_tokens=args.new_tokens, prefill_len=args.prefill_len)
     return out
@@ -314,6 +360,17 @@ def print_table(med: dict[str, Any], args: argparse.Namespace) -> None:
         ratio_cell = cell(ratio, 15, ".2f") if ratio else f"{'-':>15}"
         print(f"{name.format(n=args.prefill_len):24} {cell(key + '_ours', 11)} {cell(key + '_llamacpp', 10)}"
               f" {cell(key + '_hf', 13)} {ratio_cell}")
+    if "decode_bandwidth_fraction" in med:
+        gb = 1e9
+        print(f"ours against this machine: batch-1 decode reads {med['b1_decode_bytes_per_s'] / gb:.1f} GB/s "
+              f"of {med['machine_read_bytes_per_s'] / gb:.1f} ({med['decode_bandwidth_fraction']:.3f}); "
+              f"prefill {med['prefill_gops']:.1f} GOP/s of an int16 dot peak of {med['int16_peak_gops']:.0f} "
+              f"({med['prefill_peak_fraction']:.3f})")
+    if "prefill512_vs_hf_ratio" in med:
+        print(f"prefill vs transformers fp32: {med['prefill512_vs_hf_ratio']:.2f}x")
+    for name, t in med.get("targets", {}).items():
+        if t["value"] is not None:
+            print(f"{name} {t['value']} (target {t['target']}: {'met' if t['met'] else 'NOT MET'})")
 
 
 def main() -> None:
@@ -346,8 +403,7 @@ def main() -> None:
             f"{side} " + ", ".join(f"{k}={v:.1f}" for k, v in r.items() if isinstance(v, float))
             for side, r in runs[-1].items()), file=sys.stderr)
     med = summarize(runs, args)
-    # ours at least as fast as llama.cpp on its own GGUF, each ratio of one run's two sides
-    med["targets"] = {ratio: target(med.get(ratio), ">=", 1.0) for _, _, _, ratio in ROWS if ratio}
+    med["targets"] = {name: target(med.get(name), op, limit) for name, (op, limit) in TARGETS.items()}
     print_table(med, args)
     is_full = (args.new_tokens, args.prefill_len, set(args.sides)) == (NEW_TOKENS, PREFILL_LEN, set(SIDES))
     emit("llamacpp", med, args, smoke=None if is_full else "smoke run: not every side, or shorter shapes")

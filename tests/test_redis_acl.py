@@ -163,7 +163,9 @@ def test_prefix_routing_moves_and_a_dead_workers_routed_stream_under_the_gateway
     # nobody follows "ghosts" (no call): the worker takes it and parks it
     taker = worker.config.consumer_name.encode()
     wait_until(lambda: admin.hget(KEYS.record("ghosts"), Record.OWNER) == taker, timeout=10)
-    wait_until(lambda: not admin.exists(KEYS.routed("ghost", PriorityClass.NORMAL)), timeout=10)
+    # its routed stream goes once the entry ends: parked with nobody following, it is abandoned
+    # reattach_grace_s (10 s) after the claim, so this wait must outlast that (at 10 s it raced)
+    wait_until(lambda: not admin.exists(KEYS.routed("ghost", PriorityClass.NORMAL)), timeout=20)
     stack.stop()
     assert refusals(admin) == []
 
