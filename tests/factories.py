@@ -22,7 +22,8 @@ VOCAB = 128
 
 def make_hf_model(num_heads: int = 4, num_kv_heads: int = 2, tie: bool = False,
                   rope_scaling: dict[str, Any] | None = None, seed: int = 0,
-                  attention_bias: bool = False, num_layers: int = 2, vocab_size: int = VOCAB) -> Any:
+                  attention_bias: bool = False, num_layers: int = 2, vocab_size: int = VOCAB,
+                  max_position_embeddings: int = 256) -> Any:
     """A seeded random transformers.LlamaForCausalLM small enough for unit tests."""
     import transformers
 
@@ -30,7 +31,7 @@ def make_hf_model(num_heads: int = 4, num_kv_heads: int = 2, tie: bool = False,
     cfg = transformers.LlamaConfig(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=num_layers,
         num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, rms_norm_eps=1e-5,
-        rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=tie,
+        rope_theta=10000.0, max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie,
         rope_scaling=rope_scaling, attention_bias=attention_bias, bos_token_id=1, eos_token_id=2,
     )
     model = transformers.LlamaForCausalLM(cfg).eval()

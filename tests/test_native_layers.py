@@ -146,3 +146,37 @@ def test_a_prompt_chunk_computes_what_its_tokens_decoded_one_by_one_compute(mode
     step_logits = torch.cat([model.forward(batch(i, i + 1), one_by_one) for i in range(n)])
     assert torch.equal(chunk_logits, step_logits)
     assert torch.equal(whole.k, one_by_one.k) and torch.equal(whole.v, one_by_one.v)
+
+
+def forward_in_chunks(model: LlamaModel, ids: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, KVCache]:
+    """ids (n,) as one sequence's prompt chunks of `sizes` tokens (the last repeats until the
+    prompt is done), every token's logits kept: (n, V) logits and the cache."""
+    n = ids.shape[0]
+    num_blocks = -(-n // BLOCK)
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(6))  # scattered blocks
+    tables = order[None].to(torch.int32)  # (1, num_blocks)
+    cache = KVCache(model.config, num_blocks, BLOCK, torch.float32, torch.device("cpu"))
+    logits, a, k = [], 0, 0
+    while a < n:
+        b = min(n, a + sizes[min(k, len(sizes) - 1)])
+        pos = torch.arange(a, b)
+        slots = tables[0, pos // BLOCK].long() * BLOCK + pos % BLOCK
+        batch = ForwardBatch(input_ids=ids[a:b], positions=pos, slot_mapping=slots, block_tables=tables,
+                             context_lens=torch.tensor([b], dtype=torch.int32), query_start_loc=(0, b - a),
+                             context_lens_host=(b,), num_prefills=1, logits_indices=torch.arange(b - a))
+        logits.append(model.forward(batch, cache))
+        a, k = b, k + 1
+    return torch.cat(logits), cache
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+def test_a_2048_token_prompt_gives_the_same_bits_in_any_chunking(kind: str) -> None:
+    """Issue 25's proof for prompt chunks of 1 to 2,048 tokens: whatever tiles and row groups
+    the kernels pick for a chunk's rows, every token's logits and K/V are the same bits."""
+    m = ours_from_hf(make_hf_model(num_heads=4, num_kv_heads=2, max_position_embeddings=2048), quantize_to=kind)
+    ids = torch.randint(0, m.config.vocab_size, (2048,), generator=torch.Generator().manual_seed(7))
+    whole, whole_cache = forward_in_chunks(m, ids, [2048])
+    for sizes in ([1, 7, 64, 500, 3, 1000], [9] * 40 + [2048], [513, 1, 1534]):
+        logits, cache = forward_in_chunks(m, ids, sizes)
+        assert torch.equal(logits, whole), f"chunks {sizes[:6]}"
+        assert torch.equal(cache.k, whole_cache.k) and torch.equal(cache.v, whole_cache.v)
