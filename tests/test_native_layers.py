@@ -173,7 +173,8 @@ def forward_in_chunks(model: LlamaModel, ids: torch.Tensor, sizes: list[int]) ->
 def test_a_2048_token_prompt_gives_the_same_bits_in_any_chunking(kind: str) -> None:
     """Issue 25's proof for prompt chunks of 1 to 2,048 tokens: whatever tiles and row groups
     the kernels pick for a chunk's rows, every token's logits and K/V are the same bits."""
-    m = ours_from_hf(make_hf_model(num_heads=4, num_kv_heads=2, max_position_embeddings=2048), quantize_to=kind)
+    hf = make_hf_model(num_heads=4, num_kv_heads=2, max_position_embeddings=2048)
+    m = ours_from_hf(hf, quantize_to=kind)
     ids = torch.randint(0, m.config.vocab_size, (2048,), generator=torch.Generator().manual_seed(7))
     whole, whole_cache = forward_in_chunks(m, ids, [2048])
     for sizes in ([1, 7, 64, 500, 3, 1000], [9] * 40 + [2048], [513, 1, 1534]):
