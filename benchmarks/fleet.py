@@ -67,10 +67,12 @@ from benchmarks.fleet_stats import (  # noqa: E402
     Errors,
     PointResult,
     StreamCheck,
+    command_calls,
     cpu_busy,
     evaluate_targets,
     format_table,
     headline,
+    print_command_calls,
     redis_counters,
 )
 from benchmarks.results import add_record_arg, emit  # noqa: E402
@@ -219,20 +221,6 @@ async def drive(fleet: Fleet, client: redis.Redis, result: PointResult, args: ar
         print_command_calls(start["calls"], end["calls"], load.num_tokens)
     if load.num_refused:
         print(f"  {load.num_refused} calls failed, the last: {load.last_refusal}", file=sys.stderr)
-
-
-def command_calls(info: dict[str, Any]) -> dict[str, int]:
-    """Calls per command (scripts' inner commands included) from `INFO all`'s commandstats."""
-    return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in info.items()
-            if k.startswith("cmdstat_") and isinstance(v, dict)}
-
-
-def print_command_calls(start: dict[str, int], end: dict[str, int], num_tokens: int) -> None:
-    """--commands: each command's calls per token over the window, most frequent first."""
-    delta = {k: n - start.get(k, 0) for k, n in end.items() if n > start.get(k, 0)}
-    top = sorted(delta.items(), key=lambda kv: -kv[1])
-    print("  calls per token: " + ", ".join(f"{k} {n / max(num_tokens, 1):.4f}" for k, n in top),
-          file=sys.stderr)
 
 
 def reset_redis(client: redis.Redis) -> None:

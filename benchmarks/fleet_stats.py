@@ -6,6 +6,7 @@ the per-point row, the headline figures, the targets and the table. No processes
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,6 +98,20 @@ def redis_counters(info: dict[str, Any]) -> dict[str, float]:
         "commands": float(info["total_commands_processed"]),
         "calls": float(commandstats),
     }
+
+
+def command_calls(info: dict[str, Any]) -> dict[str, int]:
+    """Calls per command (scripts' inner commands included) from `INFO all`'s commandstats."""
+    return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in info.items()
+            if k.startswith("cmdstat_") and isinstance(v, dict)}
+
+
+def print_command_calls(start: dict[str, int], end: dict[str, int], num_tokens: int) -> None:
+    """--commands: each command's calls per token over the window, most frequent first."""
+    delta = {k: n - start.get(k, 0) for k, n in end.items() if n > start.get(k, 0)}
+    top = sorted(delta.items(), key=lambda kv: -kv[1])
+    print("  calls per token: " + ", ".join(f"{k} {n / max(num_tokens, 1):.4f}" for k, n in top),
+          file=sys.stderr)
 
 
 def cpu_busy(start: Sequence[int], end: Sequence[int]) -> float:

@@ -255,6 +255,24 @@ def int8_peak(repeats: int) -> dict[str, float]:
     return out
 
 
+def machine_use(model: LlamaModel, decode_tok_s: float, prefill_tok_s: float, prefill_len: int,
+                threads: int) -> dict[str, float]:
+    """For a run that timed the engine (benchmarks/llamacpp.py), measured right after it in the
+    same process: the weight bytes a batch-1 decode at decode_tok_s reads per second (layers
+    and LM head as stored) and a 1 GiB streaming read, the prefill's weight dot-product GOP/s
+    and the int16 dot peak, both measured as this benchmark measures them."""
+    layer_bytes, head_bytes = weight_bytes(model)
+    layer_params, head_params = weight_params(model)
+    src = torch.ones(GiB // 4, dtype=torch.float32)  # (2^28,)
+    read = read_bandwidth(src, 5)["machine_read_bytes_per_s"]
+    del src
+    peak = max(int16_peak(model, threads, 3).values(), default=float("nan"))
+    prefill_ops = 2 * (layer_params * prefill_len + head_params)  # only the last token gets logits
+    return {"b1_decode_bytes_per_s": (layer_bytes + head_bytes) * decode_tok_s,
+            "machine_read_bytes_per_s": read,
+            "prefill_gops": prefill_ops * prefill_tok_s / prefill_len / 1e9, "int16_peak_gops": peak}
+
+
 def kernel_row(kernel: str, rows: int, nbytes: int, warm_s: float, cold_s: float,
                read: float) -> dict[str, Any]:
     return {"kernel": kernel, "rows": rows, "weight_bytes": nbytes,

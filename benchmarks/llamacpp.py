@@ -102,6 +102,7 @@ def cpu() -> str:
 
 # -- our engine ---------------------------------------------------------------
 def run_ours(args: argparse.Namespace) -> dict[str, Any]:
+    from benchmarks.kernel_limits import machine_use
     from protos.params import SamplingParams
     from worker.engine.config import EngineConfig
     from worker.engine.core import EngineCore
@@ -150,27 +151,7 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
     concurrent = n / (time.perf_counter() - t0)
     return {"decode": decode, "prefill": prefill, "concurrent16": concurrent, "peak_rss_mb": peak_rss_mb(),
             "format": None if summary is None else str(summary() if callable(summary) else summary),
-            **machine_use(model, decode, prefill, args)}
-
-
-def machine_use(model: Any, decode: float, prefill: float, args: argparse.Namespace) -> dict[str, float]:
-    """Issue 25's yardsticks, measured in this side's process right after its timings: the
-    weight bytes a batch-1 decode reads per second (layers and LM head as stored) against a
-    1 GiB streaming read with the same threads, and the prefill's weight dot-product GOP/s
-    against the int16 dot peak (benchmarks/kernel_limits.py measures both the same way)."""
-    import torch
-
-    from benchmarks.kernel_limits import GiB, int16_peak, read_bandwidth, weight_bytes, weight_params
-
-    layer_bytes, head_bytes = weight_bytes(model)
-    layer_params, head_params = weight_params(model)
-    src = torch.ones(GiB // 4, dtype=torch.float32)  # (2^28,)
-    read = read_bandwidth(src, 5)["machine_read_bytes_per_s"]
-    del src
-    peak = max(int16_peak(model, args.threads, 3).values(), default=float("nan"))
-    prefill_ops = 2 * (layer_params * args.prefill_len + head_params)  # only the last token gets logits
-    return {"b1_decode_bytes_per_s": (layer_bytes + head_bytes) * decode, "machine_read_bytes_per_s": read,
-            "prefill_gops": prefill_ops * prefill / args.prefill_len / 1e9, "int16_peak_gops": peak}
+            **machine_use(model, decode, prefill, args.prefill_len, args.threads)}
 
 
 # -- llama.cpp ----------------------------------------------------------------

@@ -75,6 +75,7 @@ class Claimer:
         self._own = client.register_script(OWN)
         # The order of claims: per class (highest first) this worker's own stream, then the shared one.
         self._streams = config.keys.claim_streams(config.consumer_name)
+        self._order = {name: i for i, name in enumerate(self._streams)}
 
     def take(self, count: int, *, is_idle: bool, max_block_ms: int | None = None,
              held: Collection[str] = ()) -> list[Claimed]:
@@ -166,8 +167,7 @@ class Claimer:
             if len(entries) >= count:
                 break
             entries += self._xreadgroup({own: ">", shared: ">"}, count - len(entries), block_ms=None)
-        order = {name: i for i, name in enumerate(self._streams)}
-        return sorted(entries, key=lambda c: order[c.stream])  # stable: a stream's entries keep their order
+        return sorted(entries, key=lambda c: self._order[c.stream])  # stable: each stream's order kept
 
     def _wait(self, block_ms: int) -> list[Claimed]:
         """Block until an entry arrives in any class's stream (or block_ms passed)."""
@@ -186,8 +186,7 @@ class Claimer:
             self._has_group = False  # Redis restarted without our group: recreate it next round
             return []
         by_stream: list[tuple[Any, list[tuple[bytes, dict[bytes, bytes]]]]] = cast(Any, reply) or []
-        order = {name: i for i, name in enumerate(self._streams)}
-        by_stream = sorted(by_stream, key=lambda s: order.get(_text(s[0]), len(order)))
+        by_stream = sorted(by_stream, key=lambda s: self._order.get(_text(s[0]), len(self._order)))
         return [Claimed(_text(stream), entry_id, parse_entry(entry_id, fields))
                 for stream, entries in by_stream for entry_id, fields in entries]
 

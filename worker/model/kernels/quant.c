@@ -109,7 +109,7 @@ void quantize_rows_body(const float *x, int64_t x_stride, int64_t T, int64_t C, 
  * vpaddd (AVX2). Returns the multiply-adds one thread did. */
 #define PEAK_ACC 12
 #ifdef HAVE_X86_VARIANTS
-#define PEAK_LOOP(vec, zero, set1, dot, lanes)                                                   \
+#define PEAK_LOOP(vec, zero, set1, dot, add, lanes)                                              \
     vec acc[PEAK_ACC];                                                                       \
     const vec w = set1(3), a = set1(5);                                                      \
     for (int j = 0; j < PEAK_ACC; ++j) acc[j] = zero();                                      \
@@ -125,17 +125,13 @@ void quantize_rows_body(const float *x, int64_t x_stride, int64_t T, int64_t C, 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")
 static int64_t peak_avx512vnni(int64_t iters) {
-#define add _mm512_add_epi32
-    PEAK_LOOP(__m512i, _mm512_setzero_si512, _mm512_set1_epi16, _mm512_dpwssd_epi32, 16)
-#undef add
+    PEAK_LOOP(__m512i, _mm512_setzero_si512, _mm512_set1_epi16, _mm512_dpwssd_epi32, _mm512_add_epi32, 16)
 }
 #pragma GCC pop_options
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,avxvnni")
 static int64_t peak_avxvnni(int64_t iters) {
-#define add _mm256_add_epi32
-    PEAK_LOOP(__m256i, _mm256_setzero_si256, _mm256_set1_epi16, _mm256_dpwssd_avx_epi32, 8)
-#undef add
+    PEAK_LOOP(__m256i, _mm256_setzero_si256, _mm256_set1_epi16, _mm256_dpwssd_avx_epi32, _mm256_add_epi32, 8)
 }
 #pragma GCC pop_options
 #pragma GCC push_options
@@ -144,9 +140,7 @@ static inline __m256i madd_add(__m256i acc, __m256i w, __m256i a) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(w, a));
 }
 static int64_t peak_avx2(int64_t iters) {
-#define add _mm256_add_epi32
-    PEAK_LOOP(__m256i, _mm256_setzero_si256, _mm256_set1_epi16, madd_add, 8)
-#undef add
+    PEAK_LOOP(__m256i, _mm256_setzero_si256, _mm256_set1_epi16, madd_add, _mm256_add_epi32, 8)
 }
 #pragma GCC pop_options
 #undef PEAK_LOOP
