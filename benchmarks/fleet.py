@@ -62,6 +62,7 @@ import redis  # noqa: E402
 
 from benchmarks.fleet_floor import grpc_floor  # noqa: E402
 from benchmarks.fleet_procs import ChildDied, Fleet  # noqa: E402
+from benchmarks.fleet_report import print_report, rounded  # noqa: E402
 from benchmarks.fleet_shed import shedding_test  # noqa: E402
 from benchmarks.fleet_stats import (  # noqa: E402
     Errors,
@@ -70,7 +71,6 @@ from benchmarks.fleet_stats import (  # noqa: E402
     command_calls,
     cpu_busy,
     evaluate_targets,
-    format_table,
     headline,
     print_command_calls,
     redis_counters,
@@ -259,42 +259,6 @@ def run_point(redis_url: str, client: redis.Redis, is_own_redis: bool, num_worke
     return result
 
 
-# -- report ------------------------------------------------------------------------------------------
-
-def write_plot(rows: list[dict[str, Any]], path: Path, floor_cpu: float | None = None) -> bool:
-    """Gateway and Redis CPU per 1k tokens against S; floor_cpu: the gRPC floor (CPU s per 1k
-    messages), drawn across the gateway's panel."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
-        return False
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, key, title in ((axes[0], "gateway_cpu_s_per_1k_tokens", "gateway CPU s / 1k tokens"),
-                           (axes[1], "redis_cpu_s_per_1k_tokens", "Redis CPU s / 1k tokens")):
-        for output_len in sorted({r["output_len"] for r in rows}):
-            points = sorted((r["streams"], r[key]) for r in rows
-                            if r["output_len"] == output_len and r[key] is not None)
-            if points:
-                ax.plot(*zip(*points, strict=True), marker="o", label=f"{output_len}-token outputs")
-        if key.startswith("gateway") and floor_cpu is not None:
-            ax.axhline(floor_cpu, linestyle="--", color="grey",
-                       label="gRPC floor: no-op grpc.aio server, largest S")
-        ax.legend(loc="lower left")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrent streams S")
-        ax.set_title(title)
-        ax.set_ylim(bottom=0)
-    fig.suptitle("tokenrelay fleet: cost per 1,000 tokens at one offered load (compare within a run)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
-
-
 def parse_points(text: str) -> list[tuple[int, int]]:
     try:
         points = [(int(w), int(s)) for w, s in (p.split("x") for p in text.split(","))]
@@ -367,16 +331,6 @@ def summarize(rows: list[dict[str, Any]], shed: dict[str, Any], floor: dict[str,
     return summary
 
 
-def rounded(value: Any) -> Any:
-    if isinstance(value, float):
-        return round(value, 6)
-    if isinstance(value, dict):
-        return {k: rounded(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [rounded(v) for v in value]
-    return value
-
-
 def measure_floor(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     """The gRPC floor (benchmarks/fleet_floor.py) at the largest point's streams and token rate."""
     num_workers, num_streams = max(args.points, key=lambda p: p[1])
@@ -423,23 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         if server is not None:
             server.stop()
     summary = summarize(rows, shed, floor, args)
-    print(format_table(rows))
-    if floor.get("cpu_s_per_1k_messages") is not None:
-        print(f"gRPC floor: a no-op grpc.aio server streaming one message per token to {floor['streams']} "
-              f"calls costs {floor['cpu_s_per_1k_messages']:.4f} CPU s per 1k messages; the gateway "
-              f"{summary['gateway_cpu_over_grpc_floor']:.2f}x that (tokenrelay sends one message per token)")
-    if shed.get("error"):
-        print(f"CRASHED shedding test: {shed['error']}")
-    elif shed["reject_p99_ms"] is not None:
-        print(f"shedding, {shed['burst']} calls at once at a full queue: {shed['outcomes']}; refused in "
-              f"p50 {shed['reject_p50_ms']:.1f} ms, p99 {shed['reject_p99_ms']:.1f} ms (no-op gRPC server, "
-              f"same burst: p50 {shed['floor_reject_p50_ms']:.1f}, p99 {shed['floor_reject_p99_ms']:.1f})")
-    else:
-        print(f"shedding: {shed['outcomes']}, nothing refused")
-    if write_plot(rows, args.plot, summary.get("grpc_floor_cpu_s_per_1k_messages")):
-        print(f"plot: {args.plot}")
-    print(f"machine busy is all of this machine's CPUs ({os.cpu_count()}): every process shares them, "
-          "so compare points within one run")
+    print_report(rows, summary, shed, floor, args.plot)
     is_crashed = any(r["error"] for r in rows) or bool(shed.get("error"))
     if is_crashed or args.keep_logs:
         print(f"logs: {log_dir}")

@@ -166,8 +166,12 @@ Routing (protos/routing.py; the gateway's --routing prefix)
 Fencing: a zombie's writes fail
   A worker is alive while its score in ``{p}:registry`` (its heartbeat's expiry, on Redis's
   clock) is in the future; the heartbeat has its own thread, so a publisher waiting for
-  Redis never stops it. Every worker sweeps the group about once a second: the RECLAIM
-  script takes the consumers not alive in the registry and, atomically, fences each (the
+  Redis never stops it. Every worker sweeps about once a second: the registry's members
+  past their expiry (a worker is in it from its first heartbeat, before its first claim, until
+  nothing of it is left: one that drains and hands requests over scores itself 0 as it leaves),
+  and at every tenth sweep the group's consumers too (XINFO CONSUMERS: a consumer the registry
+  lost with the last second of an AOF). The RECLAIM script takes the candidates not alive in
+  the registry and, atomically, fences each (the
   member ``*`` in its ``{p}:revoked:{consumer}``, and its name in ``{p}:fenced`` for
   operators), scores it 0 in the registry (dead; it leaves once nothing of it is left,
   its routed streams included) and XCLAIMs its pending entries to the sweeper. A fenced
@@ -243,7 +247,10 @@ Worker heartbeat
   Each worker's HEARTBEAT script, about every half second and whenever its load changes
   (at most 10 times a second), renews its registry score and its hash (fields: `Heartbeat`
   below) in one HSET, so the fields a gateway reads always come from one moment; the
-  hash expires when the worker stops heart-beating.
+  hash expires when the worker stops heart-beating. Its model (``{p}:consumer-models``) is
+  written when the registry did not have it (first beat, or a Redis that lost it), and its
+  log's TTL every 10 s (worker/io/redis_io.py LOG_RENEW_S, with that much slack): a steady beat
+  is six commands.
 """
 
 from __future__ import annotations

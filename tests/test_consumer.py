@@ -345,6 +345,7 @@ def test_on_shutdown_unfinished_requests_are_handed_to_another_live_worker(
     leaving.stop()
     pending = client.xpending_range(keys.requests, keys.group, min="-", max="+", count=10)
     assert [p["consumer"] for p in pending] == [leaving.config.consumer_name.encode()]  # not acked
+    assert client.zscore(keys.registry, leaving.config.consumer_name) == 0  # dead: any sweep finds it
     client.zrem(keys.registry, "other")
     config = WorkerConfig(redis_url=redis_url, key_prefix=prefix, worker_id="taker", claim_block_ms=100,
                           **FAST_SWEEP)  # type: ignore[arg-type]

@@ -21,8 +21,8 @@ from tests.service import GatewayThread, WorkerProcess, WorkerThread, stub_for, 
 from worker.config import DEFAULT_MODEL_NAME, WorkerConfig
 from worker.engine.sim import SimConfig, SimEngine, sim_token_ids
 from worker.io.claim import Claimer
-from worker.io.reclaim import reconcile
-from worker.io.redis_io import Outbox, Publisher
+from worker.io.reclaim import CONSUMER_LIST_EVERY, reconcile
+from worker.io.redis_io import LOG_RENEW_S, Heartbeat, Outbox, Publisher
 from worker.io.scripts import OWN, RECLAIM, STEP
 
 
@@ -292,3 +292,51 @@ def test_after_a_redis_outage_the_sweep_waits_a_heartbeat_ttl(client: redis.Redi
     time.sleep(0.6)
     assert [c.request.request_id for c in claimer.take(4, is_idle=False) if c.request] == ["r"]
     assert client.smembers(keys.fenced) == {b"silent"}
+
+
+def test_sweeps_find_the_dead_in_the_registry_and_list_the_groups_consumers_every_tenth(
+        client: redis.Redis, redis_url: str, prefix: str) -> None:
+    """A dead worker still in the registry is fenced at the next sweep; one the registry lost (a
+    Redis back without its last second) only at a sweep that lists the group's consumers."""
+    config = WorkerConfig(redis_url=redis_url, key_prefix=prefix, worker_id="w", sweep_interval_s=0.001)
+    keys = config.keys
+    client.xgroup_create(keys.requests, keys.group, id="0", mkstream=True)
+    claimer = Claimer(client, config)
+    assert claimer.take(4, is_idle=False) == []  # sweep 0 lists the consumers: nothing to find
+    for name in ("gone", "lost"):
+        enqueue(client, keys, name)
+        client.xreadgroup(keys.group, name, {keys.requests: ">"}, count=1)
+    client.zadd(keys.registry, {"gone": (time.time() - 5) * 1000})  # "lost" is in no registry
+    taken: list[list[str]] = []
+    for _ in range(CONSUMER_LIST_EVERY):  # sweeps 1 .. 10
+        time.sleep(0.002)
+        taken.append([c.request.request_id for c in claimer.take(4, is_idle=False) if c.request])
+    assert taken[0] == ["gone"] and taken[-1] == ["lost"] and not any(taken[1:-1])
+    assert client.smembers(keys.fenced) == {b"gone", b"lost"}
+
+
+def test_a_steady_heartbeat_writes_the_model_and_the_logs_ttl_only_when_needed(
+        client: redis.Redis, redis_url: str, prefix: str) -> None:
+    config = WorkerConfig(redis_url=redis_url, key_prefix=prefix, worker_id="w")
+    keys, me = config.keys, config.consumer_name
+    heartbeat = Heartbeat(client, config)
+    heartbeat.log_ttl_ms = 60_000
+    client.hset(keys.log(me), "x", "1")
+    assert heartbeat.beat()  # the first: the model, the log's TTL
+    assert client.hget(keys.consumer_models, me) == keys.model.encode()
+    assert 60_000 < client.pttl(keys.log(me)) <= 60_000 + 5_000 + LOG_RENEW_S * 1000
+    client.hdel(keys.consumer_models, me)
+    client.persist(keys.log(me))
+    assert heartbeat.beat()  # steady: neither is written again ...
+    assert client.hget(keys.consumer_models, me) is None and client.pttl(keys.log(me)) == -1
+    heartbeat.log_ttl_ms = 120_000
+    assert heartbeat.beat()  # ... but a longer result TTL renews the log's at once
+    assert client.pttl(keys.log(me)) > 120_000
+    client.persist(keys.log(me))
+    client.zrem(keys.registry, me)  # a Redis that came back without this worker
+    assert heartbeat.beat()
+    assert client.hget(keys.consumer_models, me) == keys.model.encode()
+    assert client.pttl(keys.log(me)) > 120_000
+    heartbeat.close(left_pending=True)  # handed over: stays in the registry, dead
+    assert client.zscore(keys.registry, me) == 0 and client.hget(keys.consumer_models, me)
+    assert not client.exists(keys.worker(me))

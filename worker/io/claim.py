@@ -27,7 +27,7 @@ from protos.keys import PREFIX_INDEX_TTL_S
 from protos.routing import CHUNK_CHARS, prefix_hashes
 from protos.tokenrelay.v1 import queue_pb2
 from worker.config import WorkerConfig
-from worker.io.reclaim import Claimed, parse_entry, reclaim_dead_workers, reconcile
+from worker.io.reclaim import CONSUMER_LIST_EVERY, Claimed, parse_entry, reclaim_dead_workers, reconcile
 from worker.io.scripts import OWN
 
 log = logging.getLogger(__name__)
@@ -70,6 +70,7 @@ class Claimer:
         self.client, self.config = client, config
         self._has_group = False
         self._next_sweep_at = 0.0  # the first sweep runs at once: an earlier run may have left work
+        self._num_sweeps = 0
         self._next_reconcile_at = time.monotonic() + config.reconcile_interval_s
         self._suspects: set[str] = set()  # Claimed.key pending here but not held, at the last look
         self._own = client.register_script(OWN)
@@ -84,7 +85,9 @@ class Claimer:
         entries: list[Claimed] = []
         if time.monotonic() >= self._next_sweep_at:
             self._next_sweep_at = time.monotonic() + self.config.sweep_interval_s
-            entries = reclaim_dead_workers(self.client, self.config, count)
+            list_consumers = self._num_sweeps % CONSUMER_LIST_EVERY == 0
+            self._num_sweeps += 1
+            entries = reclaim_dead_workers(self.client, self.config, count, list_consumers)
         if time.monotonic() >= self._next_reconcile_at and count > len(entries):
             self._next_reconcile_at = time.monotonic() + self.config.reconcile_interval_s
             # Forgotten = seen pending and not held at two looks in a row: an entry whose XACK is

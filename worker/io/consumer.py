@@ -97,6 +97,7 @@ class Consumer:
         self._parked = ParkingLot(config.reattach_grace_s, config.max_parked)
         self._outbox = Outbox()
         self._stopping = threading.Event()
+        self._handed_over = False  # the drain left requests pending for another worker
         self._backoff = Backoff(config.max_backoff_s)
         self._claimer = Claimer(self._client, config)
         self._retry_claim_at = 0.0
@@ -153,7 +154,7 @@ class Consumer:
         finally:
             self._aborts.close()
             self._publisher.close()
-            self._heartbeat.close()
+            self._heartbeat.close(left_pending=self.is_fenced or self._handed_over)
             self._metrics_server.stop()
             self.tracing.shutdown()
         log.info("worker %s stopped after %d requests", self.config.worker_id, self.num_finished)
@@ -197,6 +198,7 @@ class Consumer:
         while self.engine.has_unfinished() and time.monotonic() < deadline and not self.is_fenced:
             self._run_once(can_claim=False)
         handoff = bool(self._running or len(self._parked)) and other_workers_alive(self._client, self.config)
+        self._handed_over = handoff
         if self._running:
             log.warning("drain timeout: %s %d running requests", "handing over" if handoff else "failing",
                         len(self._running))

@@ -1,8 +1,9 @@
 """Re-claiming the requests of workers that died, and reconciling this worker's own pending list
 (protos/keys.py, "Fencing" and "Reconciliation").
 
-`reclaim_dead_workers`: the group's consumers (XINFO CONSUMERS, one call per priority stream)
-go to the RECLAIM script, which skips those alive in the registry and, atomically, fences the
+`reclaim_dead_workers`: the registry's expired members, and at every CONSUMER_LIST_EVERY-th
+sweep the group's consumers too (XINFO CONSUMERS, one call per priority stream), go to the
+RECLAIM script, which skips those alive in the registry and, atomically, fences the
 others and XCLAIMs their entries: a zombie that wakes up later finds every write refused.
 `reconcile`: entries pending under this consumer that it does not hold; those found at two
 looks in a row (an XACK or XDEL lost with the last second of an AOF) are taken again
@@ -27,6 +28,14 @@ from worker.io.scripts import RECLAIM
 
 log = logging.getLogger(__name__)
 
+# Every worker sweeps about once a second. A dead consumer is in the registry (its heartbeat
+# registered it before its first claim; RECLAIM scores it 0 and keeps it while anything of it is
+# left), so the registry finds it. Only a consumer the registry lost (Redis came back without the
+# last second of its AOF) needs the group's consumer lists: read at every 10th sweep, they were
+# 3 of the 4 commands of a sweep (8 workers: 24 XINFO a second, 0.008 commands per token at
+# bench-fleet's 8 x 256 point).
+CONSUMER_LIST_EVERY = 10
+
 
 @dataclass
 class Claimed:
@@ -43,16 +52,19 @@ class Claimed:
         return f"{self.stream}/{self.entry_id.decode()}"
 
 
-def reclaim_dead_workers(client: redis.Redis, config: WorkerConfig, count: int) -> list[Claimed]:
-    """Fence every consumer of the group that is not alive in the registry and take up to `count`
-    of their entries, the highest priority class first."""
+def reclaim_dead_workers(client: redis.Redis, config: WorkerConfig, count: int,
+                         list_consumers: bool = True) -> list[Claimed]:
+    """Fence every consumer that is not alive in the registry (the registry's expired members, and
+    with list_consumers the group's consumers too) and take up to `count` of their entries, the
+    highest priority class first."""
     keys, me = config.keys, config.consumer_name
     pipe = client.pipeline(transaction=False)
-    for stream in keys.request_streams:
-        pipe.xinfo_consumers(stream, keys.group)
-    # and the registry's expired members: a worker that only ever claimed from its own routed
-    # streams is a consumer of no shared stream. By this clock, a second late: RECLAIM judges
-    # each candidate again on Redis's clock, so a skewed clock finds the dead later, never a live
+    if list_consumers:
+        for stream in keys.request_streams:
+            pipe.xinfo_consumers(stream, keys.group)
+    # The registry's expired members: a worker that only ever claimed from its own routed streams
+    # is a consumer of no shared stream. By this clock, a second late: RECLAIM judges each
+    # candidate again on Redis's clock, so a skewed clock finds the dead later, never a live
     # worker dead.
     pipe.zrangebyscore(keys.registry, "-inf", int(time.time() * 1000) - 1000)
     names: set[str] = set()

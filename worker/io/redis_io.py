@@ -35,6 +35,7 @@ from worker.io.scripts import HEARTBEAT, STEP
 
 log = logging.getLogger(__name__)
 
+LOG_RENEW_S = 10.0  # how often a heartbeat renews the log's TTL (see Heartbeat)
 CLOSE_FLUSH_TIMEOUT_S = 5.0  # how long a stopping worker keeps trying to publish its last events
 
 
@@ -282,6 +283,11 @@ class Heartbeat:
         self._script_keys = [self._keys.registry, self._keys.revoked(name), self._keys.worker(name),
                              self._keys.log(name), self._keys.consumer_models]
         self.log_ttl_ms = 0  # how long the log must outlive this worker: its longest result TTL
+        # The log's TTL is renewed every LOG_RENEW_S (and at once when log_ttl_ms grows), not at
+        # every beat, with that much slack added, so it never expires sooner than one heartbeat
+        # TTL plus log_ttl_ms after this worker's last beat.
+        self._log_ttl_set = -1  # log_ttl_ms at the last renewal
+        self._log_renew_at = 0.0
         self._clock_offset_s = 0.0  # Redis TIME - time.time(), from the last heartbeat
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
@@ -306,13 +312,17 @@ class Heartbeat:
             fields += [name, value]
         ttl_ms = int(self._config.heartbeat_ttl_s * 1000)
         sent_at = time.time()
+        log_ttl_ms = self.log_ttl_ms
+        renew_log = log_ttl_ms != self._log_ttl_set or time.monotonic() >= self._log_renew_at
         try:
-            redis_ms = self._script(keys=self._script_keys, args=[self._config.consumer_name, ttl_ms,
-                                                                  ttl_ms + self.log_ttl_ms, self._keys.model,
-                                                                  *fields])
+            redis_ms = self._script(keys=self._script_keys, args=[
+                self._config.consumer_name, ttl_ms, ttl_ms + log_ttl_ms + int(LOG_RENEW_S * 1000),
+                self._keys.model, "1" if renew_log else "0", *fields])
         except redis.RedisError as e:
             log.warning("heartbeat failed: %s", e)
             return False
+        if renew_log:
+            self._log_ttl_set, self._log_renew_at = log_ttl_ms, time.monotonic() + LOG_RENEW_S
         alive = int(redis_ms) > 0
         if alive:  # Redis read its clock about halfway through the round trip
             self._clock_offset_s = int(redis_ms) / 1000 - (sent_at + time.time()) / 2
@@ -321,16 +331,23 @@ class Heartbeat:
             self._on_fenced()
         return True
 
-    def close(self) -> None:
-        """Stop beating and leave the registry: other workers may re-claim at once."""
+    def close(self, left_pending: bool = False) -> None:
+        """Stop beating and leave the registry: other workers may re-claim at once.
+        left_pending: entries stay pending under this consumer (handed over at a drain, or taken
+        over after a fence); it stays in the registry, scored dead (0), so the next sweep by any
+        worker of its model finds it there, and RECLAIM removes it once nothing of it is left."""
         self._closed.set()
         self._changed.set()
-        self._thread.join()
+        if self._thread.is_alive():  # never started: closed right after a failed start
+            self._thread.join()
         name = self._config.consumer_name
         try:
             pipe = self._client.pipeline(transaction=False)
-            pipe.zrem(self._keys.registry, name)
-            pipe.hdel(self._keys.consumer_models, name)
+            if left_pending:
+                pipe.zadd(self._keys.registry, {name: 0}, xx=True)
+            else:
+                pipe.zrem(self._keys.registry, name)
+                pipe.hdel(self._keys.consumer_models, name)
             pipe.delete(self._keys.worker(name))
             pipe.execute()
         except redis.RedisError as e:
