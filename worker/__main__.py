@@ -28,7 +28,15 @@ from protos.metrics import DEFAULT_WORKER_PORT
 from protos.observability import add_observability_args
 from protos.redis_conn import DEFAULT_REDIS_URL
 from worker.config import WorkerConfig
-from worker.engine.config import DTYPES, ENGINE_KINDS, QUANTIZATIONS, SPECULATIVE, EngineConfig, SimConfig
+from worker.engine.config import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    ENGINE_KINDS,
+    QUANTIZATIONS,
+    SPECULATIVE,
+    EngineConfig,
+    SimConfig,
+)
 
 if TYPE_CHECKING:
     from worker.io.consumer import TextEngineProtocol
@@ -96,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "[env TOKENRELAY_SERVED_MODEL_NAME]")
     p.add_argument("--device", default=_env("TOKENRELAY_DEVICE", "cpu"),
                    help="cpu, cuda, cuda:1, ... [env TOKENRELAY_DEVICE]")
+    p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS,
+                   default=_env("TOKENRELAY_ATTENTION_BACKEND", "auto"),
+                   help="auto: cpu with the C kernels, flashinfer on CUDA when installed, else torch "
+                        "[env TOKENRELAY_ATTENTION_BACKEND]")
     p.add_argument("--dtype", choices=DTYPES, default=_env("TOKENRELAY_DTYPE", "float32"),
                    help="weight/activation dtype (use float32 on CPU) [env TOKENRELAY_DTYPE]")
     p.add_argument("--max-num-seqs", type=int, default=_env("TOKENRELAY_MAX_NUM_SEQS", 128),
@@ -199,7 +211,7 @@ def config_from_args(argv: list[str] | None = None) -> tuple[WorkerConfig, str]:
         engine = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                               kv_cache_memory_mb=args.kv_cache_memory_mb, block_size=args.block_size,
-                              kv_cache_dtype=args.kv_cache_dtype,
+                              kv_cache_dtype=args.kv_cache_dtype, attention_backend=args.attention_backend,
                               max_prefill_tokens=args.max_prefill_tokens, num_threads=args.num_threads,
                               enable_prefix_caching=args.prefix_caching,
                               enable_native_kernels=args.native_kernels, quantization=args.quantization,

@@ -54,7 +54,7 @@ def build_model(config: EngineConfig) -> LlamaModel:
         model_config, weights = load_model(path, dtype=dtype,
                                            quantize_to=quantize_to(config, path, device, dtype, kernels))
         model = LlamaModel(model_config, weights, dtype=dtype, device=device, kernels=kernels,
-                           enable_lora=config.is_lora_enabled)
+                           enable_lora=config.is_lora_enabled, attention=config.attention_backend)
         del weights
     log.info("model %s: %s", path.name, model.quantization_summary)
     return model
@@ -100,7 +100,7 @@ def build_text_engine(config: EngineConfig) -> TextEngine:
         if draft.config.max_position_embeddings < plan.max_model_len:
             raise ValueError(f"draft model context ({draft.config.max_position_embeddings}) is shorter than "
                              f"max_model_len ({plan.max_model_len})")
-        draft_cache = KVCache(draft.config, plan.num_blocks, plan.block_size, plan.dtype, device)
+        draft_cache = draft.new_cache(plan.num_blocks, plan.block_size, plan.dtype)
         proposer = DraftProposer(draft, draft_cache,
                                  KVCacheManager(plan.num_blocks, plan.block_size, plan.max_model_len,
                                                 enable_prefix_caching=False), config.max_prefill_tokens)
@@ -194,7 +194,7 @@ def _warm_up(llama: LlamaModel, block_size: int, num_tokens: int = 512) -> None:
 
     n = min(num_tokens, llama.config.max_position_embeddings)
     num_blocks = -(-n // block_size)
-    cache = KVCache(llama.config, num_blocks, block_size, llama.dtype, llama.device)
+    cache = llama.new_cache(num_blocks, block_size)
     dev = llama.device
     batch = ForwardBatch(
         input_ids=torch.zeros(n, dtype=torch.int64, device=dev), positions=torch.arange(n, device=dev),

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0")
 SPECULATIVE = ("none", "ngram", "draft")
+ATTENTION_BACKENDS = ("auto", "cpu", "torch", "flashinfer")  # worker/model/attn_backends.py
 ENGINE_KINDS = ("model", "sim")  # sim: worker/engine/sim.py, no model and no torch
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")  # a LoRA adapter's name (requests and metrics use it)
 MAX_LORA_RANK_LIMIT = 512
@@ -52,6 +53,9 @@ class EngineConfig:
     # GGUF types become Q8_0) and runs the C kernels on them; a safetensors model stays fp32.
     # "q8_0"/"q4_0" quantize any model's linears at load; "none" is the fp32 path.
     quantization: str = "auto"
+    # The attention backend (worker/model/attn_backends.py): auto = cpu with the C kernels,
+    # flashinfer on CUDA where flashinfer-python is installed, else torch.
+    attention_backend: str = "auto"
     # Speculative decoding: "ngram" proposes the tokens that followed the latest earlier
     # occurrence of the last 1-4 tokens (prompt lookup) and verifies them in the running
     # batch; the output is token for token that of plain decoding (worker/engine/speculative.py).
@@ -87,6 +91,9 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, "
                              f"got {self.quantization!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
         if self.speculative not in SPECULATIVE:
             raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE)}, got {self.speculative!r}")
         if (self.speculative == "draft") != (self.draft_model is not None):

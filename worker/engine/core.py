@@ -49,7 +49,7 @@ from worker.engine.sequence import Sequence, sampled_sequences
 from worker.engine.spec_policy import SpeculationPolicy
 from worker.engine.speculative import NgramProposer, Proposer, num_accepted
 from worker.engine.stopping import StoppingCriteria
-from worker.model.llama import KVCache, LlamaModel
+from worker.model.llama import LlamaModel
 from worker.model.lora import DEFAULT_MAX_LORA_RANK
 
 # How long an idle engine waits for a compiling format before its caller's loop goes on.
@@ -78,7 +78,7 @@ class EngineCore:
         self.model = model
         self.max_len = max_model_len
         self.eos_token_ids = eos_token_ids
-        cache = KVCache(model.config, num_blocks, block_size, kv_cache_dtype or model.dtype, model.device)
+        cache = model.new_cache(num_blocks, block_size, kv_cache_dtype)
         self.kv = KVCacheManager(num_blocks, block_size, max_model_len, enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_prefill_tokens, max_adapters or None)
         # None: LoRA off, and a request naming an adapter is refused

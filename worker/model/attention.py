@@ -1,6 +1,6 @@
 """The paged KV cache, a step's attention metadata (`ForwardBatch`) and attention over them in torch.
 
-The C kernels' decode attention is worker/model/native.py's; llama.py picks. Shapes: T new
+The attention backends (worker/model/attn_backends.py) run attention over them. Shapes: T new
 tokens in the step, S sequences, H query heads, K kv heads, D head dim, N cache blocks of Bs
 tokens, M blocks per block table.
 """
@@ -44,8 +44,14 @@ class ForwardBatch:
 
 
 
+KNBD = "KNBD"  # each layer's K (and V): (K, N, Bs, D), the C kernels' and torch's layout
+NKBD = "NKBD"  # block-major, (N, K, Bs, D): FlashInfer's HND
+
+
 class KVCache:
-    """K and V of every layer in blocks, allocated once: each (num_layers, K, N, Bs, D).
+    """K and V of every layer in blocks, allocated once: each (num_layers, K, N, Bs, D), or
+    (num_layers, N, K, Bs, D) in the block-major layout an attention backend may ask for
+    (worker/model/attn_backends.py: the backend owns the layout).
 
     A block holds Bs consecutive positions of one sequence, all kv heads; each
     (kv head, block) is Bs * D contiguous values, and blocks with consecutive ids
@@ -55,8 +61,8 @@ class KVCache:
     SmolLM2 batch-16 step's attention took ~20% longer).
     On CPU the memory comes from an anonymous mmap: pages cost RAM only once
     written, so a large budget does not take the memory up front (whatever a
-    never-written or stale slot holds, no kernel reads it for a row: the C
-    kernel reads [0, len), the torch path zeroes what is past a row's end).
+    never-written or stale slot holds, no backend reads it for a row: each reads
+    exactly [0, len) of a row's own blocks).
     Its pages are 4 KB, not huge: numpy's zeros (the allocator here before)
     asks for 2 MB pages, so the first block written in each (layer, kv head)
     region took 2 MB, and SmolLM2's first request made
@@ -66,10 +72,14 @@ class KVCache:
     """
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        shape = (config.num_layers, config.num_kv_heads, num_blocks, block_size, config.head_dim)
-        self.k = _zeros(shape, dtype, device)  # (L, K, N, Bs, D)
-        self.v = _zeros(shape, dtype, device)  # (L, K, N, Bs, D)
+                 dtype: torch.dtype, device: torch.device, layout: str = KNBD) -> None:
+        if layout not in (KNBD, NKBD):
+            raise ValueError(f"KV cache layout must be {KNBD} or {NKBD}, got {layout!r}")
+        K, N = config.num_kv_heads, num_blocks
+        shape = (config.num_layers, *((K, N) if layout == KNBD else (N, K)), block_size, config.head_dim)
+        self.k = _zeros(shape, dtype, device)  # (L, K, N, Bs, D) or (L, N, K, Bs, D)
+        self.v = _zeros(shape, dtype, device)
+        self.layout = layout
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
@@ -87,32 +97,6 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     if hasattr(mmap, "MADV_NOHUGEPAGE"):  # Linux; elsewhere pages are small anyway
         buf.madvise(mmap.MADV_NOHUGEPAGE)
     return torch.frombuffer(buf, dtype=torch.uint8)[:num_bytes].view(dtype).view(shape)
-
-
-
-def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                     bias: torch.Tensor | None) -> torch.Tensor:
-    """Attention of one new token per row: (B, H, 1, D) queries over (B, K, L, D) keys/values.
-
-    The G = H / K query heads sharing a kv head are the rows of one small matmul,
-    so each key and value is read from memory once per step (the CPU kernels of
-    scaled_dot_product_attention take ~1.5x longer here: measured 53 vs 34 ms
-    per SmolLM2 step at batch 16). bias: (B * K, 1, L), 0 or -inf, or None.
-    """
-    B, H, _, D = q.shape
-    K, L = keys.shape[1], keys.shape[2]
-    qg = q.reshape(B * K, H // K, D) * D ** -0.5  # (B * K, G, D): heads h = k * G + g
-    keys, values = keys.reshape(B * K, L, D), values.reshape(B * K, L, D)
-    if bias is not None:
-        # Positions past a row's end are the padding block and slots other requests left: they
-        # may hold NaN or inf (an fp16 cache that overflowed), and NaN + (-inf) is NaN, as is
-        # 0 * NaN in the weighted sum. Zeroed, they weigh exactly 0 and no row reads another's.
-        stale = (bias != 0).transpose(1, 2)  # (B * K, L, 1)
-        keys, values = keys.masked_fill(stale, 0.0), values.masked_fill(stale, 0.0)
-    kt = keys.transpose(1, 2)  # (B * K, D, L)
-    scores = torch.bmm(qg, kt) if bias is None else torch.baddbmm(bias, qg, kt)  # (B * K, G, L)
-    out = torch.bmm(torch.softmax(scores, dim=-1), values)  # (B * K, G, D)
-    return out.view(B, H, 1, D)
 
 
 
@@ -159,34 +143,6 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: 
             out = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, enable_gqa=gqa)
         outs.append(out[0].transpose(0, 1))  # (n, H, D)
     return outs
-
-
-def torch_decode_attention(q: torch.Tensor, cache: KVCache, i: int, batch: ForwardBatch,
-                           bias: torch.Tensor) -> torch.Tensor:
-    """One token per sequence over its whole context, in torch (the CUDA path): q (B, H, D) ->
-    (B, H, D); bias from `decode_bias`."""
-    p = batch.num_prefills
-    m = bias.shape[-1] // cache.block_size
-    tables = batch.block_tables[p:, :m]  # (B, m)
-    keys = gather_blocks(cache.k[i], tables, q.dtype)  # (B, K, m * Bs, D)
-    values = gather_blocks(cache.v[i], tables, q.dtype)
-    return decode_attention(q[:, :, None], keys, values, bias)[:, :, 0]  # (B, H, D)
-
-
-def decode_bias(batch: ForwardBatch, block_size: int, num_kv_heads: int,
-                dtype: torch.dtype) -> torch.Tensor | None:
-    """For the torch decode path: 0 for each row's positions, -inf past its end:
-    (B * K, 1, m * Bs), m the longest row's block count. None without decodes."""
-    lens = batch.context_lens[batch.num_prefills:]  # (B,)
-    if lens.shape[0] == 0:
-        return None
-    m = -(-max(batch.context_lens_host[batch.num_prefills:]) // block_size)
-    key_pos = torch.arange(m * block_size, device=lens.device)  # (m * Bs,)
-    bias = torch.zeros(lens.shape[0], m * block_size, dtype=dtype, device=lens.device)
-    bias.masked_fill_(key_pos[None, :] >= lens[:, None], float("-inf"))  # (B, m * Bs)
-    K = num_kv_heads
-    bias = bias[:, None, None, :].expand(-1, K, 1, -1)  # (B, K, 1, m * Bs)
-    return bias.reshape(-1, 1, m * block_size)  # (B * K, 1, m * Bs)
 
 
 def gather_blocks(cache: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -21,14 +21,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from worker.model.attention import (
-    ForwardBatch,
-    KVCache,
-    decode_bias,
-    prefill_attention,
-    rows_as_decodes,
-    torch_decode_attention,
-)
+from worker.model.attention import ForwardBatch, KVCache, rows_as_decodes
+from worker.model.attn_backends import StepPlan, make_backend
 from worker.model.config import ModelConfig
 from worker.model.linear import Linears, Weight
 from worker.model.lora import LoraRows
@@ -44,14 +38,9 @@ __all__ = ["ForwardBatch", "KVCache", "LayerWeights", "LlamaModel", "rms_norm"]
 class _Step:
     """What every layer of one per-op forward reads besides its weights."""
 
-    batch: ForwardBatch
     cos: torch.Tensor  # (T, 1, D)
     sin: torch.Tensor  # (T, 1, D)
-    write_index: tuple[torch.Tensor, ...]  # where each new K/V goes in a layer's cache (forward says)
-    decode_bias: torch.Tensor | None  # the torch decode path's (attention.decode_bias)
-    # With LoRA on the C kernels: every token as a decode row, (T, M) block tables and (T,) lens
-    # (attention.rows_as_decodes), as the fused layers run them
-    decode_rows: tuple[torch.Tensor, torch.Tensor] | None
+    attention: StepPlan  # the attention backend's metadata, built once per step
     lora: LoraRows | None  # the step's adapted rows
 
 
@@ -80,16 +69,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor | QuantWeight],
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", *,
-                 kernels: NativeKernels | None = None, enable_lora: bool = False) -> None:
+                 kernels: NativeKernels | None = None, enable_lora: bool = False,
+                 attention: str = "auto") -> None:
         """`kernels`: the C kernels (worker/model/native.py) for CPU decode attention,
         RMSNorm and quantized weights, built by the caller; None keeps the torch path
-        (CUDA, half precision), which cannot run QuantWeights. `enable_lora`: see enable_lora()."""
+        (CUDA, half precision), which cannot run QuantWeights. `enable_lora`: see enable_lora().
+        `attention`: the attention backend (attn_backends.make_backend: cpu, torch, flashinfer
+        or auto)."""
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
         if kernels is not None and (self.device.type != "cpu" or dtype != torch.float32):
             raise ValueError(f"the C kernels run fp32 on CPU, not {dtype} on {self.device}")
         self.kernels = kernels
+        self.attention = make_backend(attention, kernels, self.device, config.num_heads, dtype)
         self.rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = (
             kernels.rms_norm if kernels is not None else rms_norm)
         self.linear = Linears(self.device, dtype, kernels.quant if kernels is not None else None)
@@ -110,7 +103,6 @@ class LlamaModel:
         # half-precision activations are not promoted to fp32 by the rotation
         cos, sin = rope_tables(config, config.max_position_embeddings, self.device)  # (P, D)
         self.cos, self.sin = cos.to(dtype), sin.to(dtype)
-        self.kv_head_index = torch.arange(config.num_kv_heads, device=self.device)[None, :]  # (1, K)
         self.decode_layers = self._fused_decode_layers()
         self.is_lora_enabled = False
         if enable_lora:
@@ -135,13 +127,19 @@ class LlamaModel:
         weight is quantized and the shapes are ones the C code takes; else None (per op)."""
         cfg = self.config
         weights = [w for layer in self.layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
-        if (self.kernels is None or not all(isinstance(w, QuantWeight) for w in weights)
+        if (self.kernels is None or self.attention.name != "cpu"
+                or not all(isinstance(w, QuantWeight) for w in weights)
                 or cfg.head_dim > 512 or (cfg.num_heads * cfg.head_dim) % 32):
             return None
         return self.kernels.decode_layers(self.layers, hidden=cfg.hidden_size, heads=cfg.num_heads,
                                           kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                                           ffn=cfg.intermediate_size, eps=cfg.rms_norm_eps, cos=self.cos,
                                           sin=self.sin)
+
+    def new_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None) -> KVCache:
+        """A KV cache in the layout this model's attention backend reads."""
+        return KVCache(self.config, num_blocks, block_size, dtype or self.dtype, self.device,
+                       self.attention.cache_layout)
 
     def _to_device(self, w: torch.Tensor | QuantWeight) -> Any:
         return w if isinstance(w, QuantWeight) else w.to(self.device, self.dtype)
@@ -187,19 +185,13 @@ class LlamaModel:
         x = self._embed(batch.input_ids)  # (T, C)
         if batch.adapters and not self.is_lora_enabled:
             raise ValueError("a batch with LoRA adapters needs a model with enable_lora")
-        if self.decode_layers is not None and not self.is_lora_enabled:
+        if self.decode_layers is not None and not self.is_lora_enabled:  # the cpu backend, fused
             tables, lens = rows_as_decodes(batch)
             self.decode_layers(x, batch.positions, batch.slot_mapping, tables, lens, cache.k, cache.v)
             return self._logits(x, batch)  # x was updated in place
-        bs = cache.block_size
         step = _Step(
-            batch, cos=self.cos[batch.positions].unsqueeze(1), sin=self.sin[batch.positions].unsqueeze(1),
-            # new K/V go to cache[layer, kv head, block, offset]: index tensors broadcast to (T, K)
-            write_index=(self.kv_head_index, (batch.slot_mapping // bs)[:, None],  # (1, K), (T, 1)
-                         (batch.slot_mapping % bs)[:, None]),  # (T, 1)
-            decode_bias=(decode_bias(batch, bs, self.config.num_kv_heads, self.dtype)
-                         if self.kernels is None else None),
-            decode_rows=rows_as_decodes(batch) if self.is_lora_enabled and self.kernels else None,
+            cos=self.cos[batch.positions].unsqueeze(1), sin=self.sin[batch.positions].unsqueeze(1),
+            attention=self.attention.plan(batch, cache, all_rows_as_decodes=self.is_lora_enabled),
             lora=(LoraRows(batch.lora_slots, batch.adapters, self.kernels.lora if self.kernels else None)
                   if batch.lora_slots is not None else None))
         for i, layer in enumerate(self.layers):
@@ -221,7 +213,7 @@ class LlamaModel:
 
     def _attention(self, h: torch.Tensor, layer: LayerWeights, cache: KVCache, i: int,
                    step: _Step) -> torch.Tensor:
-        cfg, batch = self.config, step.batch
+        cfg = self.config
         T = h.shape[0]
         H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv = self.linear(h, layer.wqkv, layer.bqkv)  # (T, (H + 2K) * D)
@@ -230,32 +222,14 @@ class LlamaModel:
         qk, v = qkv.split(((H + K) * D, K * D), dim=-1)
         qk = apply_rope(qk.view(T, H + K, D), step.cos, step.sin)  # (T, H + K, D): one rotation for both
         q, k = qk[:, :H], qk[:, H:]  # (T, H, D), (T, K, D)
-        cache.k[i].index_put_(step.write_index, k.to(cache.dtype))
-        cache.v[i].index_put_(step.write_index, v.view(T, K, D).to(cache.dtype))
-        if step.decode_rows is not None:  # all K/V of the step are written: causal for prompt rows too
-            assert self.kernels is not None
-            out = self.kernels.paged_decode_attention(q, cache.k[i], cache.v[i], *step.decode_rows)
-        else:
-            outs = prefill_attention(q, k, v.view(T, K, D), cache, i, batch)
-            first_decode = batch.query_start_loc[batch.num_prefills]
-            if first_decode < T:
-                outs.append(self._decode_attention(q[first_decode:], cache, i, batch, step.decode_bias))
-            out = outs[0] if len(outs) == 1 else torch.cat(outs)  # (T, H, D)
+        v = v.view(T, K, D)
+        self.attention.write(cache, i, k, v, step.attention)  # all of the step's, before any row attends
+        out = self.attention.forward(i, q, k, v, cache, step.attention)  # (T, H, D)
         attn = out.reshape(T, H * D)  # (T, H * D)
         y = self.linear(attn, layer.wo, layer.bo)  # (T, C)
         if step.lora is not None:
             step.lora.add(i, "o", attn, y)
         return y
-
-    def _decode_attention(self, q: torch.Tensor, cache: KVCache, i: int, batch: ForwardBatch,
-                          bias: torch.Tensor | None) -> torch.Tensor:
-        """One token per sequence over its whole context: q (B, H, D) -> (B, H, D)."""
-        if self.kernels is None:
-            assert bias is not None, "the torch decode path needs its bias (attention.decode_bias)"
-            return torch_decode_attention(q, cache, i, batch, bias)
-        p = batch.num_prefills  # the C kernel reads exactly each row's own positions through its table
-        return self.kernels.paged_decode_attention(q, cache.k[i], cache.v[i], batch.block_tables[p:],
-                                                   batch.context_lens[p:])
 
     def _mlp(self, h: torch.Tensor, layer: LayerWeights, i: int, lora: LoraRows | None) -> torch.Tensor:
         if not self.is_lora_enabled:
