@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from worker.model.attention import KNBD, NKBD, ForwardBatch, KVCache
-from worker.model.attn_backends import AttentionBackend, CpuBackend, TorchBackend, make_backend
+from worker.model.attn_backends import AttentionBackend, CpuBackend, TorchBackend
+from worker.model.attn_choice import make_backend
 from worker.model.config import ModelConfig
 from worker.model.flashinfer_backend import paged_kv_metadata
 from worker.model.native import NativeKernels, load_native_kernels

@@ -108,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
                    default=_env("TOKENRELAY_ATTENTION_BACKEND", "auto"),
                    help="auto: cpu with the C kernels, flashinfer on CUDA when installed, else torch "
                         "[env TOKENRELAY_ATTENTION_BACKEND]")
+    p.add_argument("--gpu-memory-utilization", type=float,
+                   default=_env("TOKENRELAY_GPU_MEMORY_UTILIZATION", 0.9),
+                   help="CUDA: the share of the GPU's memory for weights, the worst step and the KV cache "
+                        "[env TOKENRELAY_GPU_MEMORY_UTILIZATION]")
     p.add_argument("--dtype", choices=DTYPES, default=_env("TOKENRELAY_DTYPE", "float32"),
                    help="weight/activation dtype (use float32 on CPU) [env TOKENRELAY_DTYPE]")
     p.add_argument("--max-num-seqs", type=int, default=_env("TOKENRELAY_MAX_NUM_SEQS", 128),
@@ -212,6 +216,7 @@ def config_from_args(argv: list[str] | None = None) -> tuple[WorkerConfig, str]:
                               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                               kv_cache_memory_mb=args.kv_cache_memory_mb, block_size=args.block_size,
                               kv_cache_dtype=args.kv_cache_dtype, attention_backend=args.attention_backend,
+                              gpu_memory_utilization=args.gpu_memory_utilization,
                               max_prefill_tokens=args.max_prefill_tokens, num_threads=args.num_threads,
                               enable_prefix_caching=args.prefix_caching,
                               enable_native_kernels=args.native_kernels, quantization=args.quantization,

@@ -15,6 +15,7 @@ from worker.engine.draft import DraftProposer
 from worker.engine.grammar import GrammarCompiler, xgr
 from worker.engine.kv_manager import KVCacheManager
 from worker.engine.text_engine import TextEngine
+from worker.memory_plan import MemoryBudget, WorstStep, kv_blocks, measure_peak_bytes
 from worker.model.config import ModelConfig
 from worker.model.llama import KVCache, LlamaModel
 from worker.model.loader import default_model_path, load_model
@@ -31,7 +32,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # the worker takes at start-up. 10% of a 24 GB host is 2.4 GB: ~3,300 blocks of 16
 # tokens for SmolLM2 in fp32, ~53k tokens.
 DEFAULT_CPU_KV_SHARE = 0.10
-DEFAULT_CUDA_MEMORY_UTILIZATION = 0.90  # share of the GPU memory free after a warm-up forward
 
 
 @dataclass(frozen=True)
@@ -172,36 +172,26 @@ def plan_kv_cache(config: EngineConfig, model: ModelConfig, device: torch.device
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory_mb ({config.kv_cache_memory_mb}) cannot hold one KV block "
                              f"of {bs} tokens ({block_bytes / 2**20:.2f} MB)")
+    elif device.type == "cuda" and llama is not None:
+        num_blocks = _plan_by_worst_step(config, llama, max_len, block_bytes, blocks_per_seq)
     else:
-        budget = _default_budget_bytes(device, llama, bs)
+        budget = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * DEFAULT_CPU_KV_SHARE)
         num_blocks = max(blocks_per_seq, min(budget // block_bytes, config.max_num_seqs * blocks_per_seq))
     return CachePlan(max_len, bs, num_blocks, dtype)
 
 
-def _default_budget_bytes(device: torch.device, llama: LlamaModel | None, block_size: int) -> int:
-    if device.type == "cuda":
-        if llama is not None:
-            _warm_up(llama, block_size)
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * DEFAULT_CUDA_MEMORY_UTILIZATION)
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * DEFAULT_CPU_KV_SHARE)
-
-
-def _warm_up(llama: LlamaModel, block_size: int, num_tokens: int = 512) -> None:
-    """One prompt-sized forward on a one-sequence cache, so the memory its activations
-    need is taken (and held by the caching allocator) before the free memory is measured."""
-    from worker.model.llama import ForwardBatch
-
-    n = min(num_tokens, llama.config.max_position_embeddings)
-    num_blocks = -(-n // block_size)
-    cache = llama.new_cache(num_blocks, block_size)
-    dev = llama.device
-    batch = ForwardBatch(
-        input_ids=torch.zeros(n, dtype=torch.int64, device=dev), positions=torch.arange(n, device=dev),
-        slot_mapping=torch.arange(n, device=dev),
-        block_tables=torch.arange(num_blocks, dtype=torch.int32, device=dev)[None],
-        context_lens=torch.tensor([n], dtype=torch.int32, device=dev), query_start_loc=(0, n),
-        context_lens_host=(n,), num_prefills=1, logits_indices=torch.tensor([n - 1], device=dev))
-    llama.forward(batch, cache)
-    del cache
-    torch.cuda.synchronize(dev)
+def _plan_by_worst_step(config: EngineConfig, llama: LlamaModel, max_len: int, block_bytes: int,
+                        blocks_per_seq: int) -> int:
+    """CUDA: run the worst step, then size the pool beside it (worker/memory_plan.py)."""
+    device = llama.device
+    free, total = torch.cuda.mem_get_info(device)
+    rows_per_seq = 1 + (config.num_speculative_tokens if config.speculative != "none" else 0)
+    step = WorstStep(config.max_num_seqs * rows_per_seq, max_len, config.max_prefill_tokens,
+                     config.block_size)
+    peak = measure_peak_bytes(llama, step)
+    budget = MemoryBudget(total, total - free, peak, config.gpu_memory_utilization)
+    num_blocks = kv_blocks(budget, block_bytes, blocks_per_seq, config.max_num_seqs)
+    log.info("worst step (%d decode rows at %d tokens + %d prefill tokens) peaks at %.0f MB; %d KV blocks "
+             "fit in %.0f%% of %.0f MB", step.num_decodes, max_len, step.num_prefill_tokens, peak / 2**20,
+             num_blocks, config.gpu_memory_utilization * 100, total / 2**20)
+    return num_blocks

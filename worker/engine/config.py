@@ -25,10 +25,11 @@ class EngineConfig:
     max_num_seqs: int = 128
     max_model_len: int | None = None  # tokens per sequence; None = min(model context, 2048)
     # Size of the KV block pool, allocated once. None: on CPU 10% of physical RAM
-    # (DEFAULT_CPU_KV_SHARE), on CUDA 90% of the memory left free after loading
-    # the weights and a warm-up forward; never more than max_num_seqs full-length
-    # sequences need, never less than one.
+    # (DEFAULT_CPU_KV_SHARE), on CUDA what gpu_memory_utilization of the device leaves
+    # beside the weights and the worst step's activations (worker/memory_plan.py); never
+    # more than max_num_seqs full-length sequences need, never less than one.
     kv_cache_memory_mb: int | None = None
+    gpu_memory_utilization: float = 0.9  # the share of the GPU this worker may use
     # Tokens per KV block. 16 on every device: small enough that the last,
     # partly filled block of a sequence wastes little, large enough that a block
     # (16 positions x head dim, per kv head) is a few KB of contiguous reads for
@@ -91,6 +92,8 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, "
                              f"got {self.quantization!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")

@@ -151,29 +151,4 @@ def read_context(cache: KVCache, layer: torch.Tensor, blocks: torch.Tensor, cont
     return rows.reshape(1, K, -1, D)[:, :, :context].to(dtype)
 
 
-BACKENDS = ("cpu", "torch", "flashinfer")
-
-
-def make_backend(name: str, kernels: NativeKernels | None, device: torch.device, num_heads: int,
-                 dtype: torch.dtype) -> AttentionBackend:
-    """`name` one of BACKENDS, or "auto": cpu with the C kernels, flashinfer on CUDA when it is
-    installed, else torch."""
-    if name == "auto":
-        if kernels is not None:
-            name = "cpu"
-        else:
-            from worker.model.flashinfer_backend import is_available
-            name = "flashinfer" if device.type == "cuda" and is_available() else "torch"
-    if name == "cpu":
-        if kernels is None:
-            raise ValueError("the cpu attention backend needs the C kernels (fp32 on CPU)")
-        return CpuBackend(kernels)
-    if name == "torch":
-        return TorchBackend()
-    if name == "flashinfer":
-        from worker.model.flashinfer_backend import FlashInferBackend
-        return FlashInferBackend(device, num_heads, dtype)
-    raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)} or auto, got {name!r}")
-
-
-__all__ = ["BACKENDS", "NKBD", "AttentionBackend", "CpuBackend", "StepPlan", "TorchBackend", "make_backend"]
+__all__ = ["NKBD", "AttentionBackend", "CpuBackend", "StepPlan", "TorchBackend"]

@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from worker.model.attention import ForwardBatch, KVCache, rows_as_decodes
-from worker.model.attn_backends import StepPlan, make_backend
+from worker.model.attn_backends import StepPlan
+from worker.model.attn_choice import make_backend
 from worker.model.config import ModelConfig
 from worker.model.linear import Linears, Weight
 from worker.model.lora import LoraRows
