@@ -76,14 +76,15 @@ def _rope_scaling(c: Any) -> dict[str, Any] | None:
 def make_engine(model: LlamaModel | None = None, num_seqs: int = 4, max_len: int = 128,
                 max_prefill_tokens: int = 512, eos: frozenset[int] = frozenset(), *,
                 num_blocks: int | None = None, block_size: int = 4, enable_prefix_caching: bool = True,
-                kv_cache_dtype: torch.dtype | None = None, num_speculative_tokens: int = 0) -> EngineCore:
+                kv_cache_dtype: torch.dtype | None = None, num_speculative_tokens: int = 0,
+                static_decode: bool = False) -> EngineCore:
     """An engine over a tiny random Llama; the pool holds num_seqs full sequences unless num_blocks says."""
     return EngineCore(model or ours_from_hf(make_hf_model()),
                       num_blocks=num_blocks or num_seqs * -(-max_len // block_size), block_size=block_size,
                       max_model_len=max_len, max_num_seqs=num_seqs, max_prefill_tokens=max_prefill_tokens,
                       eos_token_ids=eos, kv_cache_dtype=kv_cache_dtype,
                       enable_prefix_caching=enable_prefix_caching,
-                      num_speculative_tokens=num_speculative_tokens)
+                      num_speculative_tokens=num_speculative_tokens, static_decode=static_decode)
 
 
 def make_prompts(n: int, lengths: tuple[int, ...] = (3, 9, 17, 30), seed: int = 0) -> list[list[int]]:

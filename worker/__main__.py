@@ -138,6 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="share the KV blocks of a common prompt prefix between requests, running or "
                         "finished (shared system prompts, the next turn of a chat) "
                         "[env TOKENRELAY_PREFIX_CACHING=0 to disable]")
+    graphs = _env("TOKENRELAY_CUDA_GRAPHS")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction,
+                   default=None if graphs is None else graphs not in ("0", "false", "no"),
+                   help="CUDA: capture decode steps as CUDA graphs per batch-size bucket at start-up "
+                        "(default on for CUDA, except with --attention-backend flashinfer or LoRA) "
+                        "[env TOKENRELAY_CUDA_GRAPHS]")
     p.add_argument("--native-kernels", action=argparse.BooleanOptionalAction,
                    default=_env("TOKENRELAY_NATIVE_KERNELS", "1") not in ("0", "false", "no"),
                    help="on CPU fp32, run decode attention and RMSNorm in C kernels built on first use "
@@ -217,6 +223,7 @@ def config_from_args(argv: list[str] | None = None) -> tuple[WorkerConfig, str]:
                               kv_cache_memory_mb=args.kv_cache_memory_mb, block_size=args.block_size,
                               kv_cache_dtype=args.kv_cache_dtype, attention_backend=args.attention_backend,
                               gpu_memory_utilization=args.gpu_memory_utilization,
+                              cuda_graphs=args.cuda_graphs,
                               max_prefill_tokens=args.max_prefill_tokens, num_threads=args.num_threads,
                               enable_prefix_caching=args.prefix_caching,
                               enable_native_kernels=args.native_kernels, quantization=args.quantization,

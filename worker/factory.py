@@ -111,13 +111,20 @@ def build_text_engine(config: EngineConfig) -> TextEngine:
                         num_speculative_tokens=num_spec, proposer=proposer,
                         grammar=build_grammar_compiler(tokenizer, model_config.vocab_size, eos),
                         max_adapters=config.max_adapters if config.is_lora_enabled else 0,
-                        max_lora_rank=config.max_lora_rank)
+                        max_lora_rank=config.max_lora_rank, cuda_graphs=use_cuda_graphs(config, model))
     if engine.adapters is not None:
         for name, adapter_path in config.adapters:
             engine.adapters.load(name, adapter_path)
     weights = model.quantization_summary + (f"; draft {draft.quantization_summary}" if draft else "")
     return TextEngine(engine, tokenizer, model_name=path.stem if path.is_file() else path.name,
                       weights=weights)
+
+
+def use_cuda_graphs(config: EngineConfig, model: LlamaModel) -> bool:
+    """EngineConfig.cuda_graphs, or its default: on for CUDA where static decode steps can run."""
+    if config.cuda_graphs is not None:
+        return config.cuda_graphs
+    return model.device.type == "cuda" and model.attention.name != "flashinfer" and not model.is_lora_enabled
 
 
 def build_grammar_compiler(tokenizer: Tokenizer, vocab_size: int,

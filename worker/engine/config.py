@@ -30,6 +30,9 @@ class EngineConfig:
     # more than max_num_seqs full-length sequences need, never less than one.
     kv_cache_memory_mb: int | None = None
     gpu_memory_utilization: float = 0.9  # the share of the GPU this worker may use
+    # Decode steps as CUDA graphs per batch-size bucket (worker/model/static_decode.py). None: on
+    # for CUDA unless the attention backend is flashinfer (its graph plan is not built) or LoRA is on.
+    cuda_graphs: bool | None = None
     # Tokens per KV block. 16 on every device: small enough that the last,
     # partly filled block of a sequence wastes little, large enough that a block
     # (16 positions x head dim, per kv head) is a few KB of contiguous reads for
@@ -92,6 +95,8 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, "
                              f"got {self.quantization!r}")
+        if self.cuda_graphs and not self.device.startswith("cuda"):
+            raise ValueError(f"cuda_graphs needs a CUDA device, got {self.device!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.attention_backend not in ATTENTION_BACKENDS:

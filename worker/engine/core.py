@@ -51,6 +51,7 @@ from worker.engine.speculative import NgramProposer, Proposer, num_accepted
 from worker.engine.stopping import StoppingCriteria
 from worker.model.llama import LlamaModel
 from worker.model.lora import DEFAULT_MAX_LORA_RANK
+from worker.model.static_decode import StaticDecode
 
 # How long an idle engine waits for a compiling format before its caller's loop goes on.
 COMPILE_WAIT_S = 0.05
@@ -72,18 +73,25 @@ class EngineCore:
                  kv_cache_dtype: torch.dtype | None = None, enable_prefix_caching: bool = True,
                  num_speculative_tokens: int = 0, proposer: Proposer | None = None,
                  grammar: GrammarCompiler | None = None, max_adapters: int = 0,
-                 max_lora_rank: int = DEFAULT_MAX_LORA_RANK) -> None:
+                 max_lora_rank: int = DEFAULT_MAX_LORA_RANK, static_decode: bool = False,
+                 cuda_graphs: bool = False) -> None:
         """max_adapters: most distinct LoRA adapters per step; 0 = LoRA off (the model must have
-        enable_lora otherwise)."""
+        enable_lora otherwise). static_decode: decode-only steps through buffers allocated once
+        (worker/model/static_decode.py), with a CUDA graph per bucket when cuda_graphs; the cache
+        then has one more block than the pool, the padding rows' scratch."""
         self.model = model
         self.max_len = max_model_len
         self.eos_token_ids = eos_token_ids
-        cache = model.new_cache(num_blocks, block_size, kv_cache_dtype)
+        static_decode = static_decode or cuda_graphs
+        cache = model.new_cache(num_blocks + int(static_decode), block_size, kv_cache_dtype)
         self.kv = KVCacheManager(num_blocks, block_size, max_model_len, enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_prefill_tokens, max_adapters or None)
         # None: LoRA off, and a request naming an adapter is refused
         self.adapters = AdapterRegistry(model, max_adapters, max_lora_rank) if max_adapters > 0 else None
-        self.runner = ModelRunner(model, cache, self.kv, self.adapters)
+        static = (StaticDecode(model, cache, max_num_seqs * (1 + num_speculative_tokens),
+                               -(-max_model_len // block_size), capture=cuda_graphs)
+                  if static_decode else None)
+        self.runner = ModelRunner(model, cache, self.kv, self.adapters, static)
         self.num_step_prefill_tokens = self.num_step_decode_tokens = 0  # what the last step computed
         # None: no speculation. Counts since start: verified runs, proposed and accepted tokens.
         self.spec = SpeculationPolicy(num_speculative_tokens) if num_speculative_tokens > 0 else None

@@ -38,6 +38,7 @@ from worker.engine.sampling import Sampler, SamplerOutput, SamplingRow, build_sa
 from worker.engine.sequence import PrefillChunk, Sequence, sampled_sequences
 from worker.model.llama import ForwardBatch, KVCache, LlamaModel
 from worker.model.lora import LoraAdapter
+from worker.model.static_decode import StaticDecode
 
 
 @dataclass
@@ -50,9 +51,11 @@ class SampledToken:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, cache: KVCache, kv: KVCacheManager,
-                 adapters: AdapterRegistry | None = None) -> None:
+                 adapters: AdapterRegistry | None = None, static: StaticDecode | None = None) -> None:
+        """static: decode-only steps through its buffers (CUDA graphs), else every step dynamic."""
         self.model = model
         self.cache = cache
+        self.static = static
         self.kv = kv
         self.adapters = adapters  # None: LoRA is off
         self.device = model.device
@@ -69,7 +72,7 @@ class ModelRunner:
         seqs = sampled_sequences(prefills, decodes)
         drafts: list[list[int]] = [[] for c in prefills if c.is_last] + [s.spec.draft_ids for s in decodes]
         masks = self._fill_masks(seqs, drafts)  # on the mask thread while the model computes
-        logits = self.model.forward(self.prepare(prefills, decodes), self.cache)  # (R, V)
+        logits = self._forward(prefills, decodes)  # (R, V)
         if not seqs:
             return []  # only partial prompt chunks ran
         rows = [SamplingRow(params=s.params, seed=s.seed, prompt_token_ids=s.prompt_ids,
@@ -109,9 +112,20 @@ class ModelRunner:
             return masks
         return self._mask_thread.submit(fill)
 
+    def _forward(self, prefills: list[PrefillChunk], decodes: list[Sequence]) -> torch.Tensor:
+        batch, adapters = self._rows(prefills, decodes)
+        if self.static is not None and not prefills and not adapters:
+            return self.static.run(batch.ids, batch.positions, batch.slots, batch.tables, batch.context_lens)
+        return self.model.forward(batch.build(num_prefills=len(prefills), adapters=adapters), self.cache)
+
     def prepare(self, prefills: list[PrefillChunk], decodes: list[Sequence]) -> ForwardBatch:
         """The flattened batch: every chunk's tokens, then each decode's last token and its
         proposals, one row each."""
+        batch, adapters = self._rows(prefills, decodes)
+        return batch.build(num_prefills=len(prefills), adapters=adapters)
+
+    def _rows(self, prefills: list[PrefillChunk], decodes: list[Sequence],
+              ) -> tuple[BatchBuilder, tuple[LoraAdapter, ...]]:
         batch = BatchBuilder(self.kv.block_size, self.device)
         slots: dict[str, int] = {}  # adapter name -> its slot in this step
 
@@ -128,7 +142,7 @@ class ModelRunner:
         if slots and self.adapters is None:
             raise ValueError("a sequence names a LoRA adapter but this engine has LoRA off")
         adapters = tuple(self.adapters.get(name) for name in slots) if self.adapters else ()
-        return batch.build(num_prefills=len(prefills), adapters=adapters)
+        return batch, adapters
 
     @staticmethod
     def _to_host(out: SamplerOutput) -> list[SampledToken]:

@@ -41,6 +41,10 @@ class ForwardBatch:
     # None when no token has an adapter
     lora_slots: torch.Tensor | None = None  # (T,) int64
     adapters: tuple[LoraAdapter, ...] = ()
+    # A static step (worker/model/static_decode.py: decode rows only, in buffers a CUDA graph
+    # replays): query_start_loc and context_lens_host describe the capture, not this step, so
+    # attention must read the device tensors only
+    is_static: bool = False
 
 
 

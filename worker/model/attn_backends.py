@@ -110,6 +110,8 @@ class TorchBackend(AttentionBackend):
     name = "torch"
 
     def plan(self, batch: ForwardBatch, cache: KVCache, *, all_rows_as_decodes: bool = False) -> StepPlan:
+        if batch.is_static:  # shapes fixed by the buffers: see static_decode_attention
+            return StepPlan(batch, write_index(batch, cache), None)
         bs, starts = cache.block_size, batch.query_start_loc
         spans = [_Span(a, b, context, batch.block_tables[s, :-(-context // bs)])
                  for s, (a, b, context) in enumerate(zip(starts, starts[1:], batch.context_lens_host,
@@ -118,6 +120,8 @@ class TorchBackend(AttentionBackend):
 
     def forward(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
                 plan: StepPlan) -> torch.Tensor:
+        if plan.extra is None:
+            return static_decode_attention(q, cache, i, plan.batch.block_tables, plan.batch.context_lens)
         gqa = q.shape[1] != k.shape[1]
         outs = []
         for span in plan.extra:
@@ -137,6 +141,30 @@ class TorchBackend(AttentionBackend):
                 out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=gqa)
             outs.append(out[0].transpose(0, 1))  # (n, H, D)
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def static_decode_attention(q: torch.Tensor, cache: KVCache, i: int, tables: torch.Tensor,
+                            lens: torch.Tensor) -> torch.Tensor:
+    """One query per row over its context, with shapes that do not depend on the step (what a
+    CUDA graph can replay): q (B, H, D), tables (B, M), lens (B,) -> (B, H, D). Every row reads
+    all M blocks of its table, the price of a fixed shape; what lies past a row's end is zeroed
+    and masked (never added to: NaN + -inf is NaN), so no stale value reaches it."""
+    B, H, D = q.shape
+    if cache.layout == KNBD:  # (K, N, Bs, D) -> (K, B, M, Bs, D)
+        K = cache.k.shape[1]
+        keys, values = (part[i][:, tables.long()].transpose(0, 1) for part in (cache.k, cache.v))
+    else:  # (N, K, Bs, D) -> (B, M, K, Bs, D)
+        K = cache.k.shape[2]
+        keys, values = (part[i][tables.long()].transpose(1, 2) for part in (cache.k, cache.v))
+    keys, values = keys.reshape(B, K, -1, D), values.reshape(B, K, -1, D)  # (B, K, M * Bs, D)
+    L = keys.shape[2]
+    stale = torch.arange(L, device=q.device)[None, :] >= lens[:, None]  # (B, L)
+    keys = keys.to(q.dtype).masked_fill(stale[:, None, :, None], 0.0)
+    values = values.to(q.dtype).masked_fill(stale[:, None, :, None], 0.0)
+    qg = q.view(B, K, H // K, D) * D ** -0.5  # (B, K, G, D): heads h = k * G + g
+    scores = qg @ keys.transpose(2, 3)  # (B, K, G, L)
+    scores = scores.masked_fill(stale[:, None, None, :], float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ values).reshape(B, H, D)
 
 
 def read_context(cache: KVCache, layer: torch.Tensor, blocks: torch.Tensor, context: int,

@@ -75,6 +75,8 @@ class FlashInferBackend(AttentionBackend):
         self.device, self._num_heads, self._q_dtype = device, num_heads, dtype
 
     def plan(self, batch: ForwardBatch, cache: KVCache, *, all_rows_as_decodes: bool = False) -> StepPlan:
+        if batch.is_static:
+            raise NotImplementedError("FlashInfer's CUDA-graph plan is not built (static_decode.py)")
         meta = paged_kv_metadata(batch, cache.block_size)
         _, num_kv_heads, bs, head_dim = cache.k.shape[1:]
         self._wrapper.plan(meta.qo_indptr.to(self.device), meta.indptr.to(self.device),
