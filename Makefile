@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= What is the capital of France? Answer in one sentence.
 
-.PHONY: demo serve test lint deploy-check bench-engine bench-kv bench-e2e bench-fleet bench-llamacpp bench-speculative bench-batch-invariance bench-structured bench-routing bench-lora bench-kernel-limits docs chaos protos clean
+.PHONY: demo serve test lint deploy-check bench-engine bench-kv bench-e2e bench-fleet bench-llamacpp bench-speculative bench-batch-invariance bench-structured bench-routing bench-lora bench-kernel-limits bench-gpu docs chaos protos clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -49,6 +49,9 @@ deploy-check: $(STAMP)  ## validate deploy/ offline (k8s overlays, KEDA/ServiceM
 
 bench-engine: $(STAMP)
 	$(BIN)/python benchmarks/engine.py --record
+
+bench-gpu: $(STAMP)  ## the GPU worker on a lent GPU (never run yet): parity, decode with/without CUDA graphs, prefill
+	$(BIN)/python benchmarks/gpu.py --record
 
 bench-kv: $(STAMP)  ## paged KV cache: 48 chats with one system prompt, prefix caching on vs off
 	$(BIN)/python benchmarks/kv.py --record
