@@ -33,14 +33,16 @@ def model(request: pytest.FixtureRequest) -> LlamaModel:
 
 
 def random_rows(rng: random.Random, n: int, num_blocks: int) -> BatchBuilder:
-    """n decode rows of random lengths over distinct random blocks of the pool."""
+    """Decode sequences of 1 to 3 tokens (a last token and the proposals it verifies), n tokens in
+    all, of random lengths over distinct random blocks of the pool."""
     free = list(range(num_blocks))
     rng.shuffle(free)
     rows = BatchBuilder(BLOCK, torch.device("cpu"))
-    for _ in range(n):
-        length = rng.randint(1, MAX_LEN)
+    while len(rows.ids) < n:
+        k = rng.randint(1, min(3, n - len(rows.ids)))
+        length = rng.randint(k, MAX_LEN)
         table = [free.pop() for _ in range(-(-length // BLOCK))]
-        rows.add(table, [rng.randrange(64)], length - 1, 1)
+        rows.add(table, [rng.randrange(64) for _ in range(k)], length - k, k)
     return rows
 
 
@@ -58,12 +60,12 @@ def test_a_padded_static_step_equals_the_dynamic_step_for_every_bucket(model: Ll
     cache.v.copy_(torch.randn(cache.v.shape, generator=g))
     static = StaticDecode(model, cache, MAX_ROWS, -(-MAX_LEN // BLOCK), capture=False)
     is_exact = model.attention.name == "cpu"
-    for n in range(1, MAX_ROWS + 1):  # buckets 1, 2, 4, 8: each exactly, and padded from below
+    for n in range(1, MAX_ROWS + 1):  # rows; buckets 1, 2, 4, 8: each exactly, and padded from below
         rows = random_rows(rng, n, num_blocks)
         before = cache.k.clone()
         want = model.forward(rows.build(num_prefills=0), cache)  # (n, V), writes the rows' K/V
         cache.k.copy_(before)
-        got = static.run(rows.ids, rows.positions, rows.slots, rows.tables, rows.context_lens)
+        got = static.run(rows.ids, rows.positions, rows.slots, rows.row_tables())
         assert got.shape == want.shape
         if is_exact:
             assert torch.equal(got, want), f"{n} rows in bucket {static.bucket(n)}"

@@ -6,13 +6,14 @@ tokens with vLLM-style attention metadata (`ForwardBatch`), so the weights are
 read once per step. Then one sampler call over the rows that get a token
 (completed prompts and decodes) and one host sync for the token ids.
 
-A decode with k proposals runs as k + 1 decode rows (its last token, then each
-proposal) that share its block table, row j attending over the context up to
-its own position. Every layer writes all new K/V before any row attends, so
-that is causal chunk attention, on the batched decode path (the fused C layers
-on CPU) that plain decodes take. Row j's sampling history is the output plus
-the proposals before it: it draws the target's own output token
-len(output) + j with that index's noise and penalties.
+A decode with k proposals is one sequence of k + 1 tokens (its last token, then each
+proposal), as a prompt chunk is: the scheduler's num_scheduled_tokens, one query over its
+context (FlashInfer and the torch backend take it whole). Every layer writes all new K/V
+before any row attends, so that is causal attention; the C kernels run each of its tokens
+as a decode row (attention.rows_as_decodes), the path plain decodes take, so a verified token
+is computed bit for bit as plain decoding computes it. Token j's sampling history is the
+output plus the proposals before it: it draws the target's own output token len(output) + j
+with that index's noise and penalties.
 
 A sequence with a LoRA adapter gives each of its rows the adapter's slot in the step: the
 step's distinct adapters in order of first appearance (`ForwardBatch.adapters`), at most the
@@ -115,7 +116,7 @@ class ModelRunner:
     def _forward(self, prefills: list[PrefillChunk], decodes: list[Sequence]) -> torch.Tensor:
         batch, adapters = self._rows(prefills, decodes)
         if self.static is not None and not prefills and not adapters:
-            return self.static.run(batch.ids, batch.positions, batch.slots, batch.tables, batch.context_lens)
+            return self.static.run(batch.ids, batch.positions, batch.slots, batch.row_tables())
         return self.model.forward(batch.build(num_prefills=len(prefills), adapters=adapters), self.cache)
 
     def prepare(self, prefills: list[PrefillChunk], decodes: list[Sequence]) -> ForwardBatch:
@@ -135,10 +136,9 @@ class ModelRunner:
         for c in prefills:
             chunk = c.seq.prefill_ids[c.start:c.start + c.num_tokens]
             batch.add(self.kv.block_table(c.seq.request_id), chunk, c.start, int(c.is_last), slot(c.seq))
-        for s in decodes:  # the last token, then the proposals (if any)
-            table = self.kv.block_table(s.request_id)
-            for j, token_id in enumerate(s.output_ids[-1:] + s.spec.draft_ids):
-                batch.add(table, [token_id], s.num_tokens - 1 + j, 1, slot(s))
+        for s in decodes:  # one query: the last token, then the proposals it verifies (if any)
+            tokens = s.output_ids[-1:] + s.spec.draft_ids
+            batch.add(self.kv.block_table(s.request_id), tokens, s.num_tokens - 1, len(tokens), slot(s))
         if slots and self.adapters is None:
             raise ValueError("a sequence names a LoRA adapter but this engine has LoRA off")
         adapters = tuple(self.adapters.get(name) for name in slots) if self.adapters else ()
@@ -189,8 +189,13 @@ class BatchBuilder:
         self.query_start.append(self.query_start[-1] + len(token_ids))
         self.logits_indices.extend(range(self.query_start[-1] - num_logits, self.query_start[-1]))
 
+    def row_tables(self) -> list[list[int]]:
+        """Each token's sequence's block table (a static step's rows, one per token)."""
+        starts = self.query_start
+        return [t for t, a, b in zip(self.tables, starts, starts[1:], strict=False) for _ in range(b - a)]
+
     def build(self, num_prefills: int, adapters: tuple[LoraAdapter, ...] = ()) -> ForwardBatch:
-        """The first num_prefills sequences are prompt chunks, the rest one-token decode rows;
+        """The first num_prefills sequences are prompt chunks, the rest decodes (1 + k tokens);
         `adapters`: the LoRA adapters the rows' adapter slots index."""
         width = max(map(len, self.tables))
         padded = [t + [0] * (width - len(t)) for t in self.tables]

@@ -22,10 +22,11 @@ from worker.model.lora import LoraAdapter
 class ForwardBatch:
     """One step's new tokens and where their K/V are read and written.
 
-    Sequence s owns tokens [query_start_loc[s], query_start_loc[s + 1]); the first
-    `num_prefills` sequences are prompt chunks, the rest decode one token each. A
-    sequence's tokens are the last ones of its context: positions
-    [context_lens[s] - n, context_lens[s]).
+    Sequence s computes tokens [query_start_loc[s], query_start_loc[s + 1]) this step
+    (vLLM v1's num_scheduled_tokens); the first `num_prefills` sequences are prompt chunks,
+    the rest decodes: each its last token and the k proposals it verifies, one query of
+    1 + k tokens over its context. A sequence's tokens are the last ones of its context:
+    positions [context_lens[s] - n, context_lens[s]).
     """
 
     input_ids: torch.Tensor  # (T,)
@@ -104,9 +105,11 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 
-def rows_as_decodes(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every new token as a decode row of the fused layers: its sequence's block table and
-    its own position + 1 as its length, (T, M) int32 and (T,) int32. Its K/V and those of
+def rows_as_decodes(batch: ForwardBatch, first_seq: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every new token (of the sequences from first_seq on) as a decode row of the C kernels:
+    its sequence's block table and its own position + 1 as its length, (T', M) int32 and (T',)
+    int32. A verified proposal is such a row too, so speculation computes exactly what plain
+    decoding computes. Its K/V and those of
     the step's earlier tokens of its sequence are written before any row attends, so a
     prompt chunk attends causally, through the same kernel and in the same order as a
     decode would: a token's hidden states do not depend on how its sequence was batched
@@ -114,12 +117,14 @@ def rows_as_decodes(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
     It costs prefill speed: SDPA plus, from 64 rows on, dequantized weights in oneDNN
     fp32 ran a 512-token SmolLM2 prefill at 421-458 tok/s, this at 269-285 (2 threads,
     AVX2 EPYC), but the former changed a seeded answer's tokens after a resume.)"""
-    if batch.num_prefills == 0:
-        return batch.block_tables, batch.context_lens
-    starts = batch.query_start_loc
-    counts = torch.tensor([b - a for a, b in zip(starts, starts[1:], strict=False)])  # (S,)
-    rows = torch.repeat_interleave(torch.arange(len(counts)), counts)  # (T,) each token's sequence
-    return batch.block_tables[rows].contiguous(), (batch.positions + 1).to(torch.int32)
+    starts = batch.query_start_loc[first_seq:]
+    counts = [b - a for a, b in zip(starts, starts[1:], strict=False)]  # (S',) on the host
+    if all(n == 1 for n in counts):  # one token a sequence: its context is its length
+        return batch.block_tables[first_seq:], batch.context_lens[first_seq:]
+    rows = torch.repeat_interleave(torch.arange(first_seq, first_seq + len(counts)),
+                                   torch.tensor(counts)).to(batch.block_tables.device)  # (T',) its sequence
+    return (batch.block_tables[rows].contiguous(),
+            (batch.positions[starts[0]:] + 1).to(torch.int32))
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, i: int,

@@ -79,20 +79,22 @@ class CpuBackend(AttentionBackend):
         self.kernels = kernels
 
     def plan(self, batch: ForwardBatch, cache: KVCache, *, all_rows_as_decodes: bool = False) -> StepPlan:
-        rows = rows_as_decodes(batch) if all_rows_as_decodes else None  # (T, M), (T,)
-        return StepPlan(batch, write_index(batch, cache), rows)
+        """extra: (tables, lens) of the tokens the C kernel runs as decode rows: every token
+        with all_rows_as_decodes, else the decodes' (a verify's 1 + k tokens are k + 1 rows)."""
+        rows = rows_as_decodes(batch, 0 if all_rows_as_decodes else batch.num_prefills)  # (T', M), (T',)
+        return StepPlan(batch, write_index(batch, cache), (all_rows_as_decodes, rows))
 
     def forward(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
                 plan: StepPlan) -> torch.Tensor:
-        if plan.extra is not None:  # every row a decode row: the step's K/V are all written
-            return self.kernels.paged_decode_attention(q, cache.k[i], cache.v[i], *plan.extra)
+        every_row, (tables, lens) = plan.extra
+        if every_row:  # the step's K/V are all written: prompt rows attend causally too
+            return self.kernels.paged_decode_attention(q, cache.k[i], cache.v[i], tables, lens)
         batch = plan.batch
         outs = prefill_attention(q, k, v, cache, i, batch)
         first_decode = batch.query_start_loc[batch.num_prefills]
         if first_decode < q.shape[0]:  # the kernel reads exactly each row's own positions
-            p = batch.num_prefills
-            outs.append(self.kernels.paged_decode_attention(q[first_decode:], cache.k[i], cache.v[i],
-                                                            batch.block_tables[p:], batch.context_lens[p:]))
+            q_decodes = q[first_decode:]
+            outs.append(self.kernels.paged_decode_attention(q_decodes, cache.k[i], cache.v[i], tables, lens))
         return outs[0] if len(outs) == 1 else torch.cat(outs)  # (T, H, D)
 
 

@@ -83,9 +83,12 @@ class StaticDecode:
         return next(b for b in self.buckets if b >= rows)
 
     def run(self, ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
-            tables: Sequence[Sequence[int]], lens: Sequence[int]) -> torch.Tensor:
-        """Logits (B, V) of one decode-only step of B rows (the batch builder's lists)."""
+            tables: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Logits (B, V) of one decode-only step of B rows, one per token (a verify's 1 + k tokens
+        are k + 1 rows, each of length its position + 1): the batch builder's lists, `tables` per
+        row. Every row's logits are returned."""
         n = len(ids)
+        lens = [p + 1 for p in positions]
         b = self.bucket(n)
         self.num_steps += 1
         h_ids, h_positions, h_slots, h_tables, h_lens = (host.numpy() for _, host in self._pairs)
