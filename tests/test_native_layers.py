@@ -95,8 +95,8 @@ def test_every_instruction_set_gives_the_same_step(model: LlamaModel) -> None:
         model.decode_layers(x, b.positions, b.slot_mapping, b.block_tables, b.context_lens, cache.k, cache.v,
                             isa=isa)
         outs[isa] = x
-    for isa, x in outs.items():
-        torch.testing.assert_close(x, outs["scalar"], rtol=1e-5, atol=1e-5, msg=f"{isa} vs scalar")
+    for isa, x in outs.items():  # the same floats in the same order on every path (quant.c)
+        assert torch.equal(x, outs["scalar"]), f"{isa} vs scalar"
 
 
 @pytest.mark.parametrize("breakage, message", [

@@ -139,30 +139,31 @@ def test_every_instruction_set_matches_scalar_and_the_reference(quant: QuantKern
     got = quant.linear(x, w, isa=isa)
     assert got.shape == (T, 39) and got.dtype == torch.float32
     assert_close_to_max(got, linear_reference(w, x.numpy()))
-    assert_close_to_max(got, quant.linear(x, w, isa="scalar"))
-
-
-SIMD_ISAS = ("avx512vnni", "avxvnni", "avx2")  # the same code but for the dot primitive (quant.c)
+    assert torch.equal(got, quant.linear(x, w, isa="scalar"))
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_the_simd_instruction_sets_agree_bit_for_bit(quant: QuantKernels, kind: str) -> None:
-    """quant.c: the SIMD paths sum the same integers in the same order, so they give the same floats
-    (the scalar C path may differ in the last bits: the test above holds it to a tolerance)."""
-    simd = [isa for isa in SIMD_ISAS if isa in quant.supported_isas]
-    if len(simd) < 2:
-        pytest.skip(f"bit-equality among SIMD paths needs two of {', '.join(SIMD_ISAS)}; this CPU has "
-                    f"{', '.join(simd) or 'none'}")
-    w = make_weight(kind, 39, 8 * QK)
-    bias = torch.randn(39, generator=torch.Generator().manual_seed(4))
+def test_every_instruction_set_gives_the_portable_c_paths_bits(quant: QuantKernels, kind: str) -> None:
+    """quant.c: every path sums each block's integers whole (exact) and then does the same float
+    operations in the same order, so AMX, the SIMD paths and portable C give the same bits, in
+    every tile shape: 64 weight rows and 70 input rows run AMX tiles (16 x 16) for 64 of them and
+    VNNI tiles for the rest; 39 weight rows end in a task AMX does not take."""
+    bias = torch.randn(64, generator=torch.Generator().manual_seed(4))
     gate_up = interleave_rows(make_weight(kind, 38, 8 * QK, seed=1), make_weight(kind, 38, 8 * QK, seed=2))
-    for T in (1, 6, 70):
-        x = make_inputs(T, 8 * QK)
-        first = quant.linear(x, w, bias, isa=simd[0]), quant.linear(x, gate_up, mode="silu_mul", isa=simd[0])
-        for isa in simd[1:]:
-            assert torch.equal(quant.linear(x, w, bias, isa=isa), first[0]), f"{isa} vs {simd[0]}, T = {T}"
-            assert torch.equal(quant.linear(x, gate_up, mode="silu_mul", isa=isa), first[1]), \
-                f"{isa} vs {simd[0]}, silu_mul, T = {T}"
+    for N in (39, 64):
+        w = make_weight(kind, N, 8 * QK)
+        for T in (1, 6, 16, 33, 70, 300):
+            x = make_inputs(T, 8 * QK)
+            residual = torch.randn(T, N, generator=torch.Generator().manual_seed(T))
+
+            def run(isa: str) -> tuple[torch.Tensor, ...]:
+                return (quant.linear(x, w, bias[:N], isa=isa),  # noqa: B023
+                        quant.linear(x, w, bias[:N], mode="add", out=residual.clone(), isa=isa),  # noqa: B023
+                        quant.linear(x, gate_up, mode="silu_mul", isa=isa))  # noqa: B023
+            want = run("scalar")
+            for isa in quant.supported_isas:
+                for mode, got, expected in zip(("store", "add", "silu_mul"), run(isa), want, strict=True):
+                    assert torch.equal(got, expected), f"{isa}, {mode}, N = {N}, T = {T}"
 
 
 def test_an_instruction_set_this_cpu_lacks_is_refused(quant: QuantKernels) -> None:
@@ -336,7 +337,7 @@ def test_silu_mul_with_an_odd_number_of_rows_is_refused(quant: QuantKernels) -> 
 
 
 @pytest.mark.parametrize(("isa", "mode", "message"), [
-    ("neon", "store", "isa must be one of avx512vnni, avxvnni, avx2, scalar, got 'neon'"),
+    ("neon", "store", "isa must be one of amx, avx512vnni, avxvnni, avx2, scalar, got 'neon'"),
     (None, "gelu", "mode must be one of store, add, silu_mul, got 'gelu'")], ids=["isa", "mode"])
 def test_unknown_isa_or_mode_names_raise_value_error(quant: QuantKernels, isa: str | None, mode: str,
                                                      message: str) -> None:
@@ -357,5 +358,5 @@ def test_shapes_and_types_the_blocks_cannot_hold_are_refused() -> None:
 
 def test_the_int16_peak_loop_counts_its_multiply_adds_on_every_isa(quant: QuantKernels, isa: str) -> None:
     """bench-kernel-limits divides by this count: 12 accumulators x (2 x s32 lanes) a round."""
-    lanes = {"avx512vnni": 16, "avxvnni": 8, "avx2": 8, "scalar": 0}[isa]
+    lanes = {"amx": 0, "avx512vnni": 16, "avxvnni": 8, "avx2": 8, "scalar": 0}[isa]  # amx: no int16 loop
     assert quant.int16_peak_macs(isa, 1000, 2) == 2 * 1000 * 12 * 2 * lanes

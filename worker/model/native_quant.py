@@ -10,7 +10,7 @@ import torch
 from worker.model.quant import QK, QuantWeight
 
 # Instruction sets, best first; the numbers are quant.h's QUANT_ISA_*.
-ISAS = {"avx512vnni": 3, "avxvnni": 2, "avx2": 1, "scalar": 0}
+ISAS = {"amx": 4, "avx512vnni": 3, "avxvnni": 2, "avx2": 1, "scalar": 0}
 FORMATS = {"q4": 0, "q8": 1}
 MODES = {"store": 0, "add": 1, "silu_mul": 2}
 

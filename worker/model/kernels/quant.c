@@ -21,29 +21,33 @@
  * (vpmaddwd takes s16 pairs as vpmaddubsw + vpmaddwd take u8 x s8 quads; the weights are
  * widened once per block and shared by every input row.)
  *
- * The integer dot products come from one of three instruction sets, chosen at run time
- * (quant_isa_supported): AVX-512 VNNI / AVX-VNNI `vpdpwssd` (s16 x s16 pairs accumulated
- * into s32 in one instruction), AVX2 `vpmaddwd` + `vpaddd`, and portable C. The SIMD
- * ones are the same code (quant_simd.h, compiled once per target) but for that primitive,
- * so they sum the same integers in the same order and give the same floats; the C path
- * sums each block's integers whole, then scales them, and differs from them in the last
- * bits only. No sum can overflow: |u| <= 15 (q8: 128) times |qa| <= 32767, 32 per block,
- * is below 2^31. The VNNI paths are untested on the AVX2-only machines; the test that
- * compares every supported path with C runs them wherever the CPU has them.
+ * The integer dot products come from one of four instruction sets, chosen at run time
+ * (quant_isa_supported): AMX int8 tiles (quant_amx.h: prefill-sized steps on Sapphire Rapids
+ * and later), AVX-512 VNNI / AVX-VNNI `vpdpwssd` (s16 x s16 pairs accumulated into s32 in one
+ * instruction), AVX2 `vpmaddwd` + `vpaddd`, and portable C. Every path sums each block's 32
+ * products into one int32 (exact: |u| <= 15, q8 128, times |qa| <= 32767, 32 per block, is
+ * below 2^31) and then does the same float operations in the same order: per (weight row,
+ * input row) one fma chain over the blocks, acc = fma(dot_b, dw_b * da_b, acc), then the Q4
+ * offset term's own chain. So every path, every tile shape and the C code give the same bits
+ * (tested), and AMX can take the steps it is fast at without changing an answer. (Until
+ * 2026-12-06 each SIMD lane kept its own chain and the lanes were summed at the end, 10-18%
+ * less work at batch 1, but no other tile shape, AMX's included, could give those floats.)
  *
- * Tiling: a task owns 16 output rows and up to 64 input rows. Its input rows go in
- * groups of up to 8 (9 rows: 5 + 4), each group one pass over the task's weight rows
- * in tiles of 4, 2 or 1 weight rows x the whole group (quant_simd.h has the table and
- * its measurements): one input row (decode at batch 1) runs 4 weight rows at a time, so
- * 4 independent accumulators hide the dot product's latency, and each weight block is
- * unpacked once per group. A task's 16 weight rows (~5 KB for SmolLM2) stay in L1 while
- * all its input rows pass: a batched decode reads each weight from memory once per step
- * for all rows. Every (weight row, input row) pair is the same float operations in the
- * same order whatever tile computes it, so a row's result does not depend on the others
- * in its call (a speculative step's verify rows, a prompt chunk's tokens).
+ * Tiling: a task owns 16 output rows and up to 64 input rows (AMX: 256). Its input rows go
+ * in groups of up to 8 (9 rows: 5 + 4), each group one pass over the task's weight rows
+ * (quant_simd.h has the tiles and their measurements); one input row (decode at batch 1) runs
+ * 8 weight rows at a time, one lane each. A task's 16 weight rows (~5 KB for SmolLM2) stay in
+ * L1 while all its input rows pass: a batched decode reads each weight from memory once per
+ * step for all rows. A row's result does not depend on the others in its call (a speculative
+ * step's verify rows, a prompt chunk's tokens) nor on the path that computed it.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
@@ -53,6 +57,7 @@
 #define QBLOCK 32
 #define TASK_ROWS_OUT 16
 #define TASK_ROWS_IN 64
+#define TASK_ROWS_IN_AMX 256
 
 /* ---- activations ----------------------------------------------------------------------- */
 
@@ -95,12 +100,27 @@ void quantize_rows_body(const float *x, int64_t x_stride, int64_t T, int64_t C, 
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")
 #define SUFFIX avx512vnni
 #define DOT_S16(acc, w, a) _mm256_dpwssd_epi32(acc, w, a)
-#define TILE_WIDE_REGS 1
 #include "quant_simd.h"
-#undef TILE_WIDE_REGS
 #undef SUFFIX
 #undef DOT_S16
 #pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")
+#include "quant_amx.h"
+#pragma GCC pop_options
+
+/* Linux gives a process AMX's 8 KiB of tile state only once asked (arch_prctl), for all its
+ * threads; 1 when it did. */
+static int amx_permitted(void) {
+#if defined(__linux__) && defined(SYS_arch_prctl)
+    static int permitted = -1;
+    if (permitted < 0) permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return permitted;
+#else
+    return 0;
+#endif
+}
 #endif
 
 /* ---- the machine's int16 dot-product peak (bench-kernel-limits' yardstick) ---------------------
@@ -179,6 +199,9 @@ int quant_isa_supported(int isa) {
         return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
                __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
                __builtin_cpu_supports("avx512vnni");
+    case QUANT_ISA_AMX:
+        return quant_isa_supported(QUANT_ISA_AVX512VNNI) && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8") && amx_permitted();
 #endif
     default:
         return 0;
@@ -194,12 +217,14 @@ int quant_isa_supported(int isa) {
  * parallel region. */
 void quant_matmul_body(int isa, quant_weight w, q16_act a, int64_t T, float *out, int64_t out_stride,
                        const float *bias, int mode) {
+    /* an AMX task repacks its weight rows once for all its input rows (quant_amx.h) */
+    const int64_t rows_in = isa == QUANT_ISA_AMX ? TASK_ROWS_IN_AMX : TASK_ROWS_IN;
     const int64_t n_tasks = (w.N + TASK_ROWS_OUT - 1) / TASK_ROWS_OUT;
-    const int64_t t_tasks = (T + TASK_ROWS_IN - 1) / TASK_ROWS_IN;
+    const int64_t t_tasks = (T + rows_in - 1) / rows_in;
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < n_tasks * t_tasks; ++task) {
-        const int64_t t0 = (task / n_tasks) * TASK_ROWS_IN, n0 = (task % n_tasks) * TASK_ROWS_OUT;
-        const int64_t t1 = t0 + TASK_ROWS_IN < T ? t0 + TASK_ROWS_IN : T;
+        const int64_t t0 = (task / n_tasks) * rows_in, n0 = (task % n_tasks) * TASK_ROWS_OUT;
+        const int64_t t1 = t0 + rows_in < T ? t0 + rows_in : T;
         const int64_t n1 = n0 + TASK_ROWS_OUT < w.N ? n0 + TASK_ROWS_OUT : w.N;
         switch (isa) {
 #ifdef HAVE_X86_VARIANTS
@@ -211,6 +236,9 @@ void quant_matmul_body(int isa, quant_weight w, q16_act a, int64_t T, float *out
             break;
         case QUANT_ISA_AVX512VNNI:
             quant_task_avx512vnni(w, a, n0, n1, t0, t1, out, out_stride, bias, mode);
+            break;
+        case QUANT_ISA_AMX:
+            amx_task(w, a, n0, n1, t0, t1, out, out_stride, bias, mode);
             break;
 #endif
         default:

@@ -5,7 +5,7 @@
 
 #include "half.h"
 
-enum { QUANT_ISA_SCALAR = 0, QUANT_ISA_AVX2 = 1, QUANT_ISA_AVXVNNI = 2, QUANT_ISA_AVX512VNNI = 3 };
+enum { QUANT_ISA_SCALAR = 0, QUANT_ISA_AVX2 = 1, QUANT_ISA_AVXVNNI = 2, QUANT_ISA_AVX512VNNI = 3, QUANT_ISA_AMX = 4 };
 enum { QUANT_Q4 = 0, QUANT_Q8 = 1 };                       /* runtime weight formats */
 enum { QUANT_STORE = 0, QUANT_ADD = 1, QUANT_SILU_MUL = 2 }; /* how a matmul writes out */
 

@@ -2,38 +2,36 @@
  * SUFFIX set (and DOT_S16(acc, w, a): acc plus the 8 s32 sums of 2 s16 x s16 products each,
  * for the x86 ones). Without DOT_S16 it is portable C. */
 /* A tile is RW weight rows x RA input rows; a group of up to TILE_MAX_RA input rows is one
- * pass over a task's weight rows, with RW = TILE_RW(RA): RW x RA accumulators plus one weight
- * row's lo, hi and scale fit the 16 ymm registers (2 x 7 and 2 x 8 measured no faster than
- * 1 x 7 and 1 x 8, and RW must be even or 1 for QUANT_SILU_MUL's row pairs). Measured on the
- * AVX2 EPYC, 2 threads, SmolLM2's gate/up (3072 x 576 Q4), us for 1..8 input rows: 73 119
- * 158 197 244 278 345 412; with groups of 4 run as 2 x 4 tiles and the rest as 2 x 1 tiles
- * row by row (so 5 rows took two passes, 3 rows three) it was 85 182 270 228 319 415 509 456. */
-/* With AVX-512 the ymm registers are 32 (ymm16-31 through AVX-512VL), so groups of 4 to 8
- * rows run as 2 weight rows x the group: the group's activations, loaded once per block, serve
- * 2 weight rows instead of 1 (measured on the 2-core AVX-512 Xeon, 2 threads, us, 1 x 8 tiles
- * then 2 x 8: gate/up at 512 rows 13,657 -> 12,705, at 16 rows 440 -> 395; down (576 x 1536)
- * 6,930 -> 6,351 and 220 -> 203; wqkv Q8_0 (960 x 576) 3,898 -> 3,588 and 136 -> 130; 1 row
- * unchanged). 4 x 6 tiles of 6-row groups measured the same as 2 x 8. Each pair's float
- * operations do not depend on the tile, so this changes no result. */
+ * pass over a task's weight rows. One input row: 8 weight rows a tile, their 8 pairs in the 8
+ * lanes of one accumulator. A group: 2 weight rows a tile, each with its own accumulator whose
+ * lanes are the group's input rows (2 x 8 measured 5-10% faster than 1 x 8 on the AVX-512 Xeon
+ * when lanes held partial sums). RW must be even or 1 for QUANT_SILU_MUL's row pairs.
+ * Whole-block sums against per-lane chains (2-core Xeon, 2 threads, us, SmolLM2's gate/up,
+ * down, wqkv, LM head): 1 row 67 -> 74, 40 -> 46, 31 -> 35, 663 -> 785; 16 rows 467 -> 421,
+ * 230 -> 214, 154 -> 139; 512 rows 14,299 -> 12,563, 6,586 -> 5,808, 4,074 -> 3,435 (then AMX:
+ * quant_amx.h). */
 #undef TILE_RW
-#ifdef TILE_WIDE_REGS
-#define TILE_RW(RA) ((RA) <= 3 ? 4 : 2)
-#else
-#define TILE_RW(RA) ((RA) <= 3 ? 4 : (RA) <= 6 ? 2 : 1)
-#endif
+#define TILE_RW(RA) ((RA) == 1 ? 8 : 2)
 #ifndef TILE_MAX_RA
 #define TILE_MAX_RA 8
-#define TILE_MAX_RW 4
+#define TILE_MAX_RW 8
 #endif
 #define CAT_(a, b) a##_##b
 #define CAT(a, b) CAT_(a, b)
 
 #ifdef DOT_S16
-static inline float CAT(hsum, SUFFIX)(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+/* Lane i = the sum of d[i]'s 8 lanes: 8 blocks' integer dots, each whole, in one vector (the
+ * missing ones zero). Integer sums: exact, whatever the order. A blend, not a shuffle, where
+ * one does: shuffles share one port (10 here; 14 with vphaddd, ~8% slower at batch 1). */
+static inline __m256i CAT(reduce8, SUFFIX)(const __m256i *d) {
+    __m256i t[4], u[2];
+    #pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) /* [d_k's 4 halves summed | d_{k+4}'s] */
+        t[k] = _mm256_add_epi32(_mm256_blend_epi32(d[k], d[k + 4], 0xF0), _mm256_permute2x128_si256(d[k], d[k + 4], 0x21));
+    #pragma GCC unroll 2
+    for (int k = 0; k < 2; ++k) /* per 128-bit half: [t_2k 0+2, t_2k+1 0+2, t_2k 1+3, t_2k+1 1+3] */
+        u[k] = _mm256_add_epi32(_mm256_unpacklo_epi32(t[2 * k], t[2 * k + 1]), _mm256_unpackhi_epi32(t[2 * k], t[2 * k + 1]));
+    return _mm256_add_epi32(_mm256_unpacklo_epi64(u[0], u[1]), _mm256_unpackhi_epi64(u[0], u[1]));
 }
 #endif
 
@@ -47,23 +45,25 @@ static inline void CAT(widen, SUFFIX)(const uint16_t *h, float *f, int64_t n) {
     for (; i < n; ++i) f[i] = half_to_float(h[i]);
 }
 
-/* res[r * RA + c] = row n + r of the weight . input row t + c, for r < RW, c < RA. Inlined
- * with constant FMT, RW and RA, so the RW x RA accumulators live in registers (the loops over
- * them unrolled early, or GCC keeps the accumulator array in memory: 2 stores a pair a block).
- * Q4's offset term, sum over blocks of m * (da * sa), is done after the blocks (in the block
- * loop its scalar maths took ~20% of a tile's time) as one fma chain per pair in block order,
- * so any tile gives the same floats: vectorised over the group's input rows (ds_t: their
- * da * sa transposed, (nb, TILE_MAX_RA)), or, for one input row, over RW scalar chains. As a
- * dot product vectorised over blocks, one per pair, it took ~30% of an 8-row step (gate/up,
- * 1 thread: 867 us, 613 without it). */
+/* res[r * RA + c] = row n + r of the weight . input row t + c, for r < RW, c < RA. Every pair's
+ * float maths is one fma chain in block order, the same whatever computes it (any tile, any
+ * instruction set, the portable C path, a future AMX tile):
+ *     acc = fma((float)dot_b, dw_b * da_b, acc)   for each block b, dot_b its whole integer dot
+ * then, for Q4, + the offset term sum_b m_b * (da_b * sa_b), its own fma chain in block order
+ * (in the block loop its scalar maths took ~20% of a tile's time). The SIMD tiles put pairs in
+ * lanes: one input row runs 8 weight rows, lane r = row r; a group of input rows runs each
+ * weight row against the whole group, lane c = input row c. A block's 8 (or RA) dot vectors are
+ * summed into one vector of whole dots (reduce8), so converts, scales and fmas are one vector op
+ * per 8 pairs. (Before, each lane kept its own chain over its 4 products of every block and the
+ * lanes were summed at the end: those floats depended on the vector width, so no other tile shape
+ * could give the same bits. Measured on the 2-core Xeon: docs/kernels.md.) Inlined with constant
+ * FMT, RW and RA, so the accumulators live in registers. */
 static inline __attribute__((always_inline)) void CAT(tile, SUFFIX)(
     quant_weight w, q16_act a, const float *ds_t, const float *da_t, int64_t n, int64_t t, const int FMT,
     const int RW, const int RA, float *res) {
     const int64_t nb = w.C / 32;
 #ifdef DOT_S16
-    /* Rows are adjacent: one base pointer per operand, row r at r * stride. Indexing
-     * (n + r) * row bytes + b * 16 in the loop made the 4 x 1 tile 74 instructions a block,
-     * a third of them address arithmetic; a pointer per row spilled them to the stack. */
+    /* Rows are adjacent: one base pointer per operand, row r at r * stride. */
     const int64_t row_bytes = FMT == QUANT_Q4 ? w.C / 2 : w.C, block_bytes = FMT == QUANT_Q4 ? 16 : 32;
     const uint8_t *wq = (const uint8_t *)w.qs + n * row_bytes;
     float wd[TILE_MAX_RW * nb], wm[FMT == QUANT_Q4 ? TILE_MAX_RW * nb : 1]; /* rows n.. are adjacent */
@@ -71,19 +71,22 @@ static inline __attribute__((always_inline)) void CAT(tile, SUFFIX)(
     if (FMT == QUANT_Q4) CAT(widen, SUFFIX)(w.m + n * nb, wm, RW * nb);
     const float *ad = a.d + t * nb;
     const int16_t *aq = a.qs + t * a.C;
-    __m256 acc[TILE_MAX_RW][TILE_MAX_RA];
+    __m256 acc[TILE_MAX_RW];
     #pragma GCC unroll 8
-    for (int r = 0; r < RW; ++r)
-        #pragma GCC unroll 8
-        for (int c = 0; c < RA; ++c) acc[r][c] = _mm256_setzero_ps();
+    for (int r = 0; r < RW; ++r) acc[r] = _mm256_setzero_ps();
+    /* one input row: the tile's dw transposed, (nb, 8), so a block's 8 are one load (8 scalar
+     * stores and a vector load per block stall store forwarding) */
+    float dw_t[RA == 1 ? 8 * nb : 1] __attribute__((aligned(32)));
+    if (RA == 1)
+        for (int64_t b = 0; b < nb; ++b)
+            #pragma GCC unroll 8
+            for (int r = 0; r < 8; ++r) dw_t[b * 8 + r] = r < RW ? wd[r * nb + b] : 0.0f;
     for (int64_t b = 0; b < nb; ++b) {
-        /* one weight row at a time, its block read against every input row straight from L1:
-         * only that row's lo, hi and scale take registers, the rest go to accumulators */
+        __m256i dots[8];
         #pragma GCC unroll 8
         for (int r = 0; r < RW; ++r) {
             /* the next tile's rows: ~40% off a one-row LM head (49152 x 576 Q8_0, 5.9 -> 3.5 ms) */
             _mm_prefetch((const char *)(wq + (RW + r) * row_bytes + b * block_bytes), _MM_HINT_T0);
-            const __m256 dw = _mm256_broadcast_ss(wd + r * nb + b);
             const __m128i p = _mm_loadu_si128((const __m128i *)(wq + r * row_bytes + b * block_bytes));
             __m256i lo, hi; /* the block's weights 0..15 and 16..31 as s16 */
             if (FMT == QUANT_Q4) { /* byte j = u_j | u_{j+16} << 4, zero-extended to 16 bits */
@@ -95,26 +98,38 @@ static inline __attribute__((always_inline)) void CAT(tile, SUFFIX)(
                 hi = _mm256_cvtepi8_epi16(
                     _mm_loadu_si128((const __m128i *)(wq + r * row_bytes + b * block_bytes + 16)));
             }
-            /* dw * da of every input row in one multiply, then broadcast from L1 per row: the
-             * same products as one multiply per row, one vector op instead of RA (an 8-row group
-             * does 4 rather than 5 per row and block: 2 dots, convert, fma) */
-            float scale[TILE_MAX_RA] __attribute__((aligned(32)));
-            if (RA > 1) _mm256_store_ps(scale, _mm256_mul_ps(dw, _mm256_loadu_ps(da_t + b * TILE_MAX_RA)));
+            if (RA == 1) {
+                const __m256i alo = _mm256_loadu_si256((const __m256i *)(aq + b * 32));
+                const __m256i ahi = _mm256_loadu_si256((const __m256i *)(aq + b * 32 + 16));
+                dots[r] = DOT_S16(DOT_S16(_mm256_setzero_si256(), lo, alo), hi, ahi);
+                continue;
+            }
             #pragma GCC unroll 8
-            for (int c = 0; c < RA; ++c) {
+            for (int c = 0; c < 8; ++c) {
+                if (c >= RA) { dots[c] = _mm256_setzero_si256(); continue; }
                 const __m256i alo = _mm256_loadu_si256((const __m256i *)(aq + c * a.C + b * 32));
                 const __m256i ahi = _mm256_loadu_si256((const __m256i *)(aq + c * a.C + b * 32 + 16));
-                const __m256 s = RA > 1 ? _mm256_broadcast_ss(scale + c)
-                                        : _mm256_mul_ps(dw, _mm256_broadcast_ss(ad + c * nb + b));
-                const __m256i dot = DOT_S16(DOT_S16(_mm256_setzero_si256(), lo, alo), hi, ahi);
-                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc[r][c]);
+                dots[c] = DOT_S16(DOT_S16(_mm256_setzero_si256(), lo, alo), hi, ahi);
             }
+            /* dw * da of every input row in one multiply (lanes past RA: da 0) */
+            const __m256 scale = _mm256_mul_ps(_mm256_broadcast_ss(wd + r * nb + b),
+                                               _mm256_loadu_ps(da_t + b * TILE_MAX_RA));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(CAT(reduce8, SUFFIX)(dots)), scale, acc[r]);
+        }
+        if (RA == 1) {
+            #pragma GCC unroll 8
+            for (int r = RW; r < 8; ++r) dots[r] = _mm256_setzero_si256();
+            const __m256 scale = _mm256_mul_ps(_mm256_load_ps(dw_t + b * 8), _mm256_broadcast_ss(ad + b));
+            acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(CAT(reduce8, SUFFIX)(dots)), scale, acc[0]);
         }
     }
+    float lanes[TILE_MAX_RW][8];
+    #pragma GCC unroll 8
+    for (int r = 0; r < RW; ++r) _mm256_storeu_ps(lanes[r], acc[r]);
     #pragma GCC unroll 8
     for (int r = 0; r < RW; ++r)
         #pragma GCC unroll 8
-        for (int c = 0; c < RA; ++c) res[r * RA + c] = CAT(hsum, SUFFIX)(acc[r][c]);
+        for (int c = 0; c < RA; ++c) res[r * RA + c] = RA == 1 ? lanes[0][r] : lanes[r][c];
     if (FMT == QUANT_Q4) { /* the offset term (above) */
         const float *m = wm;
         if (RA == 1) { /* ds_t is not built for one row: 1 of its 8 lanes would be used */
@@ -136,15 +151,14 @@ static inline __attribute__((always_inline)) void CAT(tile, SUFFIX)(
             }
             #pragma GCC unroll 8
             for (int r = 0; r < RW; ++r) {
-                float lanes[8];
-                _mm256_storeu_ps(lanes, sum[r]);
+                _mm256_storeu_ps(lanes[r], sum[r]);
                 #pragma GCC unroll 8
-                for (int c = 0; c < RA; ++c) res[r * RA + c] += lanes[c];
+                for (int c = 0; c < RA; ++c) res[r * RA + c] += lanes[r][c];
             }
         }
     }
 #else
-    (void)ds_t, (void)da_t; /* its offset term is a dot product per pair, as ever (the C path may differ) */
+    (void)ds_t, (void)da_t;
     for (int r = 0; r < RW; ++r)
         for (int c = 0; c < RA; ++c) {
             const int16_t *qa = a.qs + (t + c) * a.C;
@@ -159,20 +173,18 @@ static inline __attribute__((always_inline)) void CAT(tile, SUFFIX)(
                     const int8_t *q = (const int8_t *)w.qs + (n + r) * w.C + b * 32;
                     for (int j = 0; j < 32; ++j) dot += q[j] * qa[b * 32 + j];
                 }
-                acc += (float)dot * (half_to_float(w.d[(n + r) * nb + b]) * a.d[(t + c) * nb + b]);
+                const float scale = half_to_float(w.d[(n + r) * nb + b]) * a.d[(t + c) * nb + b];
+                acc = __builtin_fmaf((float)dot, scale, acc);
             }
-            res[r * RA + c] = acc;
-        }
-    if (FMT == QUANT_Q4)
-        for (int r = 0; r < RW; ++r)
-            for (int c = 0; c < RA; ++c) {
+            if (FMT == QUANT_Q4) {
                 const uint16_t *m = w.m + (n + r) * nb;
                 const float *ds = a.ds + (t + c) * nb;
                 float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-                for (int64_t b = 0; b < nb; ++b) sum += half_to_float(m[b]) * ds[b];
-                res[r * RA + c] += sum;
+                for (int64_t b = 0; b < nb; ++b) sum = __builtin_fmaf(half_to_float(m[b]), ds[b], sum);
+                acc += sum;
             }
+            res[r * RA + c] = acc;
+        }
 #endif
 }
 

@@ -1,0 +1,177 @@
+/* The AMX tile of the quantized matmul (Intel Sapphire Rapids and later), included by quant.c
+ * after the AVX-512 VNNI variant, whose tiles it uses for the rows that do not fill its own.
+ *
+ * AMX multiplies 8-bit integers only, and the activations are 16-bit (quant.c says why). A
+ * 16-bit q is hi * 256 + lo with lo = q & 0xFF (unsigned) and hi = q >> 8 (signed), and in
+ * memory a block of 32 q is 64 bytes, lo and hi interleaved (little-endian). So a block of 16
+ * input rows is one A tile loaded as it is (16 rows x 64 bytes, no copy), and two B tiles hold
+ * each weight w twice, as the 16-bit words w << 8 (bytes 0, w) and w & 0xFF (bytes w, 0):
+ *     C_hi += A . B_hi  (TDPBSSD: the lo bytes meet 0s, the hi bytes their w)   = sum w * hi
+ *     C_lo += A . B_lo  (TDPBUSD: A unsigned: each lo byte meets its w)          = sum w * lo
+ * and 256 * C_hi + C_lo is each (input row, weight row)'s whole integer dot of the block, exact
+ * (|sum| <= 32 * 128 * 32767 < 2^31). The floats that follow are those of every other path
+ * (quant_simd.h): per pair, fma(dot, dw * da, acc) in block order, then the Q4 offset term.
+ * So a row's result does not depend on whether AMX, AVX-512, AVX2 or C computed it.
+ *
+ * B tiles are VNNI-ordered (B[k][4n + j] = byte j of weight row n's dword k): a task repacks
+ * its 16 weight rows once, all blocks, and every 16 input rows of the task reuse them. */
+
+#define AMX_ROWS 16 /* a tile's rows: input rows (A, C) and weight rows (B's columns) */
+/* Fewer input rows go to the VNNI tiles: the repack costs about one 16-row tile (2-core Xeon,
+ * 2 threads, us, VNNI then AMX: SmolLM2's gate/up at 16 rows 442 vs 492, 32 rows 862 vs 715, 64
+ * rows 1,719 vs 1,228, 512 rows 13,437 vs 8,078; down 220/233, 418/384, 825/597, 6,136/3,555). */
+#define AMX_MIN_ROWS 32
+
+/* Tiles 0 (A), 1-2 (B hi, lo) and 3-4 (C hi, lo), all 16 rows of 64 bytes. */
+static void amx_configure(void) {
+    struct {
+        uint8_t palette_id, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } __attribute__((packed, aligned(64))) cfg = {0};
+    cfg.palette_id = 1;
+    for (int i = 0; i < 5; ++i) cfg.colsb[i] = 64, cfg.rows[i] = AMX_ROWS;
+    _tile_loadconfig(&cfg);
+}
+
+/* r[k] = column k of the 16 x 16 dwords r[0..15] (rows in, columns out): 64 shuffles. */
+static inline void amx_transpose16(__m512i *r) {
+    __m512i a[16], b[16];
+    for (int i = 0; i < 8; ++i) { /* per 128-bit lane: [x0 y0 x1 y1], [x2 y2 x3 y3] of rows 2i, 2i + 1 */
+        a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) { /* b[4i + c], lane L: column 4L + c of rows 4i..4i + 3 */
+        b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+    }
+    for (int c = 0; c < 4; ++c) { /* column 4L + c: lane L of b[c], b[4 + c], b[8 + c], b[12 + c] */
+        const __m512i e0 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0x44), e1 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0xEE);
+        const __m512i e2 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0x44);
+        const __m512i e3 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0xEE);
+        r[c] = _mm512_shuffle_i32x4(e0, e2, 0x88);
+        r[4 + c] = _mm512_shuffle_i32x4(e0, e2, 0xDD);
+        r[8 + c] = _mm512_shuffle_i32x4(e1, e3, 0x88);
+        r[12 + c] = _mm512_shuffle_i32x4(e1, e3, 0xDD);
+    }
+}
+
+/* Weight rows n0.. n0 + 15 as B tiles, two per block (hi then lo, 1 KiB each), and their scales
+ * (and Q4 offsets) transposed to (nb, 16) fp32. */
+static void amx_repack(quant_weight w, int64_t n0, const int FMT, int32_t *b_tiles, float *dw_t, float *m_t) {
+    const int64_t nb = w.C / 32, row_bytes = FMT == QUANT_Q4 ? w.C / 2 : w.C;
+    for (int64_t b = 0; b < nb; ++b) {
+        __m512i hi[AMX_ROWS], lo[AMX_ROWS]; /* row n: its block's 32 weights as s16 (dword k: 2k, 2k + 1) */
+        for (int n = 0; n < AMX_ROWS; ++n) {
+            const uint8_t *p = (const uint8_t *)w.qs + (n0 + n) * row_bytes + b * (FMT == QUANT_Q4 ? 16 : 32);
+            __m512i x;
+            if (FMT == QUANT_Q4) { /* byte j = u_j | u_{j+16} << 4 */
+                const __m256i u = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+                x = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(u, _mm256_set1_epi16(0x0F))),
+                                       _mm256_srli_epi16(u, 4), 1);
+            } else {
+                x = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p));
+            }
+            hi[n] = _mm512_slli_epi16(x, 8);
+            lo[n] = _mm512_and_si512(x, _mm512_set1_epi16(0xFF));
+            dw_t[b * AMX_ROWS + n] = half_to_float(w.d[(n0 + n) * nb + b]);
+            if (FMT == QUANT_Q4) m_t[b * AMX_ROWS + n] = half_to_float(w.m[(n0 + n) * nb + b]);
+        }
+        amx_transpose16(hi); /* B[k][n] = row n's dword k */
+        amx_transpose16(lo);
+        for (int k = 0; k < 16; ++k) {
+            _mm512_store_si512(b_tiles + b * 512 + k * 16, hi[k]);
+            _mm512_store_si512(b_tiles + b * 512 + 256 + k * 16, lo[k]);
+        }
+    }
+}
+
+/* Weight rows n0.. n0 + 15 . input rows t.. t + 15, as the other tiles compute them, written to out
+ * as `mode` says (as write_tile does). */
+static inline __attribute__((always_inline)) void amx_tile(quant_weight w, q16_act a, const int32_t *b_tiles,
+                                                           const float *dw_t, const float *m_t, int64_t n0,
+                                                           int64_t t, const int FMT, float *out, int64_t out_stride,
+                                                           const float *bias, int mode) {
+    const int64_t nb = w.C / 32;
+    int32_t c_hi[AMX_ROWS * AMX_ROWS] __attribute__((aligned(64))), c_lo[AMX_ROWS * AMX_ROWS] __attribute__((aligned(64)));
+    __m512 acc[AMX_ROWS]; /* acc[c]: lane r */
+    #pragma GCC unroll 16
+    for (int c = 0; c < AMX_ROWS; ++c) acc[c] = _mm512_setzero_ps();
+    const float *da = a.d + t * nb;
+    for (int64_t b = 0; b < nb; ++b) {
+        _tile_zero(3);
+        _tile_zero(4);
+        _tile_loadd(0, a.qs + t * a.C + b * 32, a.C * 2);
+        _tile_loadd(1, b_tiles + b * 512, 64);
+        _tile_loadd(2, b_tiles + b * 512 + 256, 64);
+        _tile_dpbssd(3, 0, 1);
+        _tile_dpbusd(4, 0, 2);
+        _tile_stored(3, c_hi, 64);
+        _tile_stored(4, c_lo, 64);
+        const __m512 dw = _mm512_loadu_ps(dw_t + b * AMX_ROWS);
+        #pragma GCC unroll 16
+        for (int c = 0; c < AMX_ROWS; ++c) {
+            const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(c_hi + c * AMX_ROWS), 8),
+                                                 _mm512_load_si512(c_lo + c * AMX_ROWS));
+            const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(da[c * nb + b]));
+            acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[c]);
+        }
+    }
+    if (FMT == QUANT_Q4) { /* the offset term: sum_b m * (da * sa), its own chain in block order */
+        const float *ds = a.ds + t * nb;
+        #pragma GCC unroll 16
+        for (int c = 0; c < AMX_ROWS; ++c) {
+            __m512 sum = _mm512_setzero_ps();
+            for (int64_t b = 0; b < nb; ++b)
+                sum = _mm512_fmadd_ps(_mm512_loadu_ps(m_t + b * AMX_ROWS), _mm512_set1_ps(ds[c * nb + b]), sum);
+            acc[c] = _mm512_add_ps(acc[c], sum);
+        }
+    }
+    if (mode != QUANT_SILU_MUL) { /* input row c's 16 outputs are adjacent: write_tile's adds, 16 at a time */
+        const __m512 bv = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
+        #pragma GCC unroll 16
+        for (int c = 0; c < AMX_ROWS; ++c) {
+            float *o = out + (t + c) * out_stride + n0;
+            const __m512 v = bias ? _mm512_add_ps(acc[c], bv) : acc[c];
+            _mm512_storeu_ps(o, mode == QUANT_ADD ? _mm512_add_ps(_mm512_loadu_ps(o), v) : v);
+        }
+        return;
+    }
+    float lanes[AMX_ROWS][AMX_ROWS], res[AMX_ROWS * AMX_ROWS];
+    #pragma GCC unroll 16
+    for (int c = 0; c < AMX_ROWS; ++c) _mm512_storeu_ps(lanes[c], acc[c]);
+    for (int r = 0; r < AMX_ROWS; ++r)
+        for (int c = 0; c < AMX_ROWS; ++c) res[r * AMX_ROWS + c] = lanes[c][r];
+    write_tile_avx512vnni(res, AMX_ROWS, AMX_ROWS, n0, t, out, out_stride, bias, mode);
+}
+
+/* A task of quant_matmul_body: output rows [n0, n1) x input rows [t0, t1). Full blocks of 16 x 16
+ * on AMX, the rest on the AVX-512 VNNI tiles (the same floats). */
+static void amx_task(quant_weight w, q16_act a, int64_t n0, int64_t n1, int64_t t0, int64_t t1, float *out,
+                     int64_t out_stride, const float *bias, int mode) {
+    const int64_t t_amx = t0 + (t1 - t0) / AMX_ROWS * AMX_ROWS;
+    if (n1 - n0 != AMX_ROWS || t_amx - t0 < AMX_MIN_ROWS) {
+        quant_task_avx512vnni(w, a, n0, n1, t0, t1, out, out_stride, bias, mode);
+        return;
+    }
+    const int64_t nb = w.C / 32;
+    int32_t *b_tiles = aligned_alloc(64, (size_t)nb * 512 * sizeof(int32_t));
+    float *dw_t = aligned_alloc(64, (size_t)nb * AMX_ROWS * sizeof(float) * 2), *m_t = dw_t + nb * AMX_ROWS;
+    if (b_tiles == NULL || dw_t == NULL) { /* no memory for the repack: the VNNI tiles need none */
+        free(b_tiles), free(dw_t);
+        quant_task_avx512vnni(w, a, n0, n1, t0, t1, out, out_stride, bias, mode);
+        return;
+    }
+    const int FMT = w.format;
+    amx_repack(w, n0, FMT, b_tiles, dw_t, m_t);
+    amx_configure();
+    for (int64_t t = t0; t < t_amx; t += AMX_ROWS) {
+        if (FMT == QUANT_Q4) amx_tile(w, a, b_tiles, dw_t, m_t, n0, t, QUANT_Q4, out, out_stride, bias, mode);
+        else amx_tile(w, a, b_tiles, dw_t, m_t, n0, t, QUANT_Q8, out, out_stride, bias, mode);
+    }
+    _tile_release();
+    free(b_tiles), free(dw_t);
+    if (t_amx < t1) quant_task_avx512vnni(w, a, n0, n1, t_amx, t1, out, out_stride, bias, mode);
+}
