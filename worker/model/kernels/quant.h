@@ -2,6 +2,7 @@
 #ifndef TOKENRELAY_QUANT_H
 #define TOKENRELAY_QUANT_H
 #include <stdint.h>
+#include <string.h>
 
 #include "half.h"
 
@@ -47,6 +48,31 @@ static inline void quantize_block(const float *x, int16_t *q, float *d, int32_t 
     *d = scale;
     *s = sum;
     *ds = scale * (float)sum;
+}
+
+/* silu(g) * u = g / (1 + e^-g) * u, e^x from Cephes' expf polynomial (~1 ulp) in explicit
+ * fmas: the same bits whether GCC vectorises a loop of it or not, so every path's SwiGLU
+ * agrees (libm's expf, called per element, cost ~0.4 ms of a 6.5 ms SmolLM2 batch-1 step:
+ * 30 layers x 1,536 calls). x is clamped to [-87, 88], where 2^n stays a normal float. */
+static inline float silu_mul(float g, float u) {
+    float x = -g;
+    x = x > 88.0f ? 88.0f : x;
+    x = x < -87.0f ? -87.0f : x;
+    const float n = __builtin_rintf(x * 1.44269504088896341f);
+    float r = __builtin_fmaf(n, -0.693359375f, x); /* x - n ln 2, in two parts */
+    r = __builtin_fmaf(n, 2.12194440e-4f, r);
+    float p = 1.9875691500e-4f;
+    p = __builtin_fmaf(p, r, 1.3981999507e-3f);
+    p = __builtin_fmaf(p, r, 8.3334519073e-3f);
+    p = __builtin_fmaf(p, r, 4.1665795894e-2f);
+    p = __builtin_fmaf(p, r, 1.6666665459e-1f);
+    p = __builtin_fmaf(p, r, 5.0000001201e-1f);
+    const float r2 = r * r;
+    p = __builtin_fmaf(p, r2, r) + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23; /* 2^n */
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return g / (1.0f + p * two_n) * u;
 }
 
 int quant_isa_supported(int isa);
