@@ -22,7 +22,7 @@
  * rows 1,719 vs 1,228, 512 rows 13,437 vs 8,078; down 220/233, 418/384, 825/597, 6,136/3,555). */
 #define AMX_MIN_ROWS 32
 
-/* Tiles 0 (A), 1-2 (B hi, lo) and 3-4 (C hi, lo), all 16 rows of 64 bytes. */
+/* Tiles 0 (A), 1-2 (B hi, lo), 3-4 and 5-6 (two blocks' C hi, lo), all 16 rows of 64 bytes. */
 static void amx_configure(void) {
     struct {
         uint8_t palette_id, start_row, reserved[14];
@@ -30,7 +30,7 @@ static void amx_configure(void) {
         uint8_t rows[16];
     } __attribute__((packed, aligned(64))) cfg = {0};
     cfg.palette_id = 1;
-    for (int i = 0; i < 5; ++i) cfg.colsb[i] = 64, cfg.rows[i] = AMX_ROWS;
+    for (int i = 0; i < 7; ++i) cfg.colsb[i] = 64, cfg.rows[i] = AMX_ROWS;
     _tile_loadconfig(&cfg);
 }
 
@@ -88,6 +88,18 @@ static void amx_repack(quant_weight w, int64_t n0, const int FMT, int32_t *b_til
     }
 }
 
+/* acc[c] = fma(dot, dw * da[c * nb], acc[c]) for one block, dot = 256 * c_hi + c_lo (exact). */
+static inline __attribute__((always_inline)) void amx_scale_into(__m512 *acc, const int32_t *c_hi, const int32_t *c_lo,
+                                                                 const float *dw_b, const float *da_b, int64_t nb) {
+    const __m512 dw = _mm512_loadu_ps(dw_b);
+    #pragma GCC unroll 16
+    for (int c = 0; c < AMX_ROWS; ++c) {
+        const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(c_hi + c * AMX_ROWS), 8),
+                                             _mm512_load_si512(c_lo + c * AMX_ROWS));
+        acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, _mm512_set1_ps(da_b[c * nb])), acc[c]);
+    }
+}
+
 /* Weight rows n0.. n0 + 15 . input rows t.. t + 15, as the other tiles compute them, written to out
  * as `mode` says (as write_tile does). */
 static inline __attribute__((always_inline)) void amx_tile(quant_weight w, q16_act a, const int32_t *b_tiles,
@@ -100,25 +112,43 @@ static inline __attribute__((always_inline)) void amx_tile(quant_weight w, q16_a
     #pragma GCC unroll 16
     for (int c = 0; c < AMX_ROWS; ++c) acc[c] = _mm512_setzero_ps();
     const float *da = a.d + t * nb;
-    for (int64_t b = 0; b < nb; ++b) {
-        _tile_zero(3);
-        _tile_zero(4);
-        _tile_loadd(0, a.qs + t * a.C + b * 32, a.C * 2);
-        _tile_loadd(1, b_tiles + b * 512, 64);
-        _tile_loadd(2, b_tiles + b * 512 + 256, 64);
-        _tile_dpbssd(3, 0, 1);
-        _tile_dpbusd(4, 0, 2);
-        _tile_stored(3, c_hi, 64);
-        _tile_stored(4, c_lo, 64);
-        const __m512 dw = _mm512_loadu_ps(dw_t + b * AMX_ROWS);
-        #pragma GCC unroll 16
-        for (int c = 0; c < AMX_ROWS; ++c) {
-            const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(c_hi + c * AMX_ROWS), 8),
-                                                 _mm512_load_si512(c_lo + c * AMX_ROWS));
-            const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(da[c * nb + b]));
-            acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[c]);
-        }
+    /* Block b's products go to tiles 3-4 (b even) or 5-6 (b odd), and block b - 1's are drained
+     * (stored, then scaled into acc) while the tile unit computes block b's: done one after the
+     * other, the vector code waited on each tilestored (perf: ~40% of the task's samples on the
+     * stores and the loads after them). */
+#define AMX_BLOCK(b, CHI, CLO)                                                   \
+    do {                                                                         \
+        _tile_loadd(0, a.qs + t * a.C + (b) * 32, a.C * 2);                      \
+        _tile_loadd(1, b_tiles + (b) * 512, 64);                                 \
+        _tile_loadd(2, b_tiles + (b) * 512 + 256, 64);                           \
+        _tile_zero(CHI);                                                         \
+        _tile_zero(CLO);                                                         \
+        _tile_dpbssd(CHI, 0, 1);                                                 \
+        _tile_dpbusd(CLO, 0, 2);                                                 \
+    } while (0)
+#define AMX_DRAIN(b, CHI, CLO)                                                   \
+    do {                                                                         \
+        _tile_stored(CHI, c_hi, 64);                                             \
+        _tile_stored(CLO, c_lo, 64);                                             \
+        amx_scale_into(acc, c_hi, c_lo, dw_t + (b) * AMX_ROWS, da + (b), nb);    \
+    } while (0)
+    int64_t b = 1;
+    AMX_BLOCK(0, 3, 4);
+    for (; b + 1 < nb; b += 2) {
+        AMX_BLOCK(b, 5, 6);
+        AMX_DRAIN(b - 1, 3, 4);
+        AMX_BLOCK(b + 1, 3, 4);
+        AMX_DRAIN(b, 5, 6);
     }
+    if (b < nb) {
+        AMX_BLOCK(b, 5, 6);
+        AMX_DRAIN(b - 1, 3, 4);
+        AMX_DRAIN(b, 5, 6);
+    } else {
+        AMX_DRAIN(b - 1, 3, 4);
+    }
+#undef AMX_BLOCK
+#undef AMX_DRAIN
     if (FMT == QUANT_Q4) { /* the offset term: sum_b m * (da * sa), its own chain in block order */
         const float *ds = a.ds + t * nb;
         #pragma GCC unroll 16
