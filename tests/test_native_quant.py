@@ -29,7 +29,7 @@ from tests.quant_factories import (
     make_weight,
     nmse,
 )
-from worker.model.native_quant import ISAS, QuantKernels
+from worker.model.native_quant import ISA_ENV, ISAS, QuantKernels
 from worker.model.quant import (
     ACT_MAX,
     QK,
@@ -164,6 +164,19 @@ def test_every_instruction_set_gives_the_portable_c_paths_bits(quant: QuantKerne
             for isa in quant.supported_isas:
                 for mode, got, expected in zip(("store", "add", "silu_mul"), run(isa), want, strict=True):
                     assert torch.equal(got, expected), f"{isa}, {mode}, N = {N}, T = {T}"
+
+
+def test_the_environment_can_name_the_instruction_set(quant: QuantKernels,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.model.native import load_native_kernels
+    load = load_native_kernels.__wrapped__  # the uncached loader: a fresh QuantKernels each call
+    monkeypatch.setenv(ISA_ENV, "scalar")
+    kernels = load()
+    assert kernels is not None and kernels.quant.isa == "scalar"
+    monkeypatch.setenv(ISA_ENV, "neon")
+    want = f"{ISA_ENV}='neon': this CPU runs {', '.join(quant.supported_isas)}"
+    with pytest.raises(ValueError, match=re.escape(want)):
+        load()
 
 
 def test_an_instruction_set_this_cpu_lacks_is_refused(quant: QuantKernels) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 from typing import Any
 
 import torch
@@ -11,6 +12,9 @@ from worker.model.quant import QK, QuantWeight
 
 # Instruction sets, best first; the numbers are quant.h's QUANT_ISA_*.
 ISAS = {"amx": 4, "avx512vnni": 3, "avxvnni": 2, "avx2": 1, "scalar": 0}
+# Names the instruction set to use instead of the best one (to compare paths on one host, or to
+# step around one a VM mishandles): every path gives the same bits, so only speed changes.
+ISA_ENV = "TOKENRELAY_KERNEL_ISA"
 FORMATS = {"q4": 0, "q8": 1}
 MODES = {"store": 0, "add": 1, "silu_mul": 2}
 
@@ -38,7 +42,9 @@ class QuantKernels:
         supported.restype = _i
         supported.argtypes = [_i]
         self.supported_isas = tuple(name for name, n in ISAS.items() if supported(n))
-        self.isa = self.supported_isas[0]
+        self.isa = os.environ.get(ISA_ENV) or self.supported_isas[0]
+        if self.isa not in self.supported_isas:
+            raise ValueError(f"{ISA_ENV}={self.isa!r}: this CPU runs {', '.join(self.supported_isas)}")
 
     def linear(self, x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, *,
                mode: str = "store", out: torch.Tensor | None = None, isa: str | None = None) -> torch.Tensor:
