@@ -82,7 +82,7 @@ bench-lora: $(STAMP)  ## 16 requests over 4 LoRA adapters vs the same on the bas
 
 # (kernel_limits.py, not kernels.py: a script's folder comes first on sys.path, and a kernels.py
 # there shadows the `kernels` package that transformers imports: bench-engine's hf side broke)
-bench-kernel-limits: $(STAMP)  ## C kernels vs this machine: decode bytes/s of read bandwidth, prefill of int8 peak, host overhead
+bench-kernel-limits: $(STAMP)  ## C kernels vs this machine: decode bytes/s of read bandwidth, prefill of the int16 dot peak, host overhead
 	$(BIN)/python benchmarks/kernel_limits.py --record
 
 # Each bench-* target above records its run in benchmarks/results/<name>.json (--record);
