@@ -54,7 +54,7 @@ def run_ours() -> dict[str, float]:
     import torch
 
     from protos.params import SamplingParams
-    from worker.engine.config import EngineConfig
+    from worker.engine.config import CPU_MAX_PREFILL_TOKENS, EngineConfig
     from worker.engine.core import EngineCore
     from worker.factory import native_kernels
     from worker.model.llama import LlamaModel
@@ -74,7 +74,7 @@ def run_ours() -> dict[str, float]:
     block_size = EngineConfig().block_size
     engine = EngineCore(model, num_blocks=NUM_CONCURRENT * -(-max_len // block_size), block_size=block_size,
                         max_model_len=max_len, max_num_seqs=NUM_CONCURRENT,
-                        max_prefill_tokens=EngineConfig().max_prefill_tokens, eos_token_ids=frozenset(),
+                        max_prefill_tokens=CPU_MAX_PREFILL_TOKENS, eos_token_ids=frozenset(),
                         enable_prefix_caching=False)
 
     def submit(batch: list[list[int]], max_tokens: int = NEW_TOKENS) -> float:

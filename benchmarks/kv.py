@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.results import add_record_arg, emit, target  # noqa: E402
 from protos.params import SamplingParams  # noqa: E402
-from worker.engine.config import EngineConfig  # noqa: E402
+from worker.engine.config import CPU_MAX_PREFILL_TOKENS, EngineConfig  # noqa: E402
 from worker.engine.core import EngineCore  # noqa: E402
 from worker.engine.scheduler import Scheduler, SchedulerOutput  # noqa: E402
 from worker.factory import native_kernels, plan_kv_cache  # noqa: E402
@@ -169,11 +169,11 @@ class RunResult:
 def new_engine(model: LlamaModel, num_blocks: int, enable_prefix_caching: bool) -> EngineCore:
     engine = EngineCore(model, num_blocks=num_blocks, block_size=EngineConfig().block_size,
                         max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
-                        max_prefill_tokens=EngineConfig().max_prefill_tokens,
+                        max_prefill_tokens=CPU_MAX_PREFILL_TOKENS,
                         eos_token_ids=frozenset(),  # every request ignores EOS
                         enable_prefix_caching=enable_prefix_caching)
     # the same scheduler, counting; swapped in before any request (only `step` uses it)
-    engine.scheduler = CountingScheduler(engine.kv, MAX_NUM_SEQS, EngineConfig().max_prefill_tokens)
+    engine.scheduler = CountingScheduler(engine.kv, MAX_NUM_SEQS, CPU_MAX_PREFILL_TOKENS)
     return engine
 
 

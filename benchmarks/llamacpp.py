@@ -104,7 +104,7 @@ def cpu() -> str:
 def run_ours(args: argparse.Namespace) -> dict[str, Any]:
     from benchmarks.kernel_limits import machine_use
     from protos.params import SamplingParams
-    from worker.engine.config import EngineConfig
+    from worker.engine.config import CPU_MAX_PREFILL_TOKENS, EngineConfig
     from worker.engine.core import EngineCore
     from worker.factory import build_model
 
@@ -117,7 +117,7 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
     block_size = EngineConfig().block_size
     engine = EngineCore(model, num_blocks=NUM_CONCURRENT * -(-max_len // block_size), block_size=block_size,
                         max_model_len=max_len, max_num_seqs=NUM_CONCURRENT,
-                        max_prefill_tokens=EngineConfig().max_prefill_tokens, eos_token_ids=frozenset(),
+                        max_prefill_tokens=CPU_MAX_PREFILL_TOKENS, eos_token_ids=frozenset(),
                         enable_prefix_caching=False)
 
     def submit(prompt_ids: list[list[int]], max_tokens: int = new) -> float:

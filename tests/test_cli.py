@@ -136,3 +136,29 @@ def test_bad_model_and_adapter_flags_are_clean_usage_errors(argv: list[str], mes
     proc = subprocess.run([sys.executable, "-m", "worker", "--engine", "sim", *argv], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(("argv", "env", "cpu", "cuda"), [
+    ([], {}, (512, None), (8192, 8192)),
+    (["--max-num-batched-tokens", "2048"], {}, (512, 2048), (2048, 2048)),
+    (["--max-prefill-tokens", "64"], {"TOKENRELAY_MAX_NUM_BATCHED_TOKENS": "1024"}, (64, 1024), (64, 1024)),
+])
+def test_worker_step_budgets_from_flags_env_and_device(argv: list[str], env: dict[str, str],
+                                                       cpu: tuple[int, int | None],
+                                                       cuda: tuple[int, int | None],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.__main__ import config_from_args
+
+    for name in ("TOKENRELAY_MAX_PREFILL_TOKENS", "TOKENRELAY_MAX_NUM_BATCHED_TOKENS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    engine = config_from_args(argv)[0].engine
+    assert (engine.step_budgets(is_cuda=False), engine.step_budgets(is_cuda=True)) == (cpu, cuda)
+
+
+def test_a_token_budget_below_max_num_seqs_is_refused() -> None:
+    from worker.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(8\) must be >= max_num_seqs \(16\)"):
+        EngineConfig(max_num_seqs=16, max_num_batched_tokens=8)

@@ -26,7 +26,8 @@ def test_a_configuration_that_cannot_hold_one_sequence_is_refused_naming_what_to
     with pytest.raises(ValueError) as refused:
         kv_blocks(budget, 2 * MIB, blocks_per_seq=2048, max_num_seqs=256)  # 4 GiB per sequence, 0 left
     message = str(refused.value)
-    for what in ("--max-num-seqs", "--max-prefill-tokens", "--max-model-len", "--gpu-memory-utilization",
+    for what in ("--max-num-seqs", "--max-num-batched-tokens", "--max-prefill-tokens", "--max-model-len",
+                 "--gpu-memory-utilization",
                  "2,048 MB for the worst step", "needs 2048"):
         assert what in message
     with pytest.raises(ValueError, match="gpu_memory_utilization"):

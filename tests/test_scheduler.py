@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import re
+
+import pytest
 
 from protos.params import FinishReason, SamplingParams
 from worker.engine.kv_manager import KVCacheManager
@@ -22,9 +25,10 @@ def make_seq(request_id: str, num_tokens: int, prompt: list[int] | None = None) 
 
 
 def make_scheduler(num_blocks: int = 1000, block_size: int = 4, max_num_seqs: int = 8,
-                   budget: int = 100) -> Scheduler:
+                   budget: int = 100, max_num_batched_tokens: int | None = None) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, max_model_len=1000)
-    return Scheduler(kv, max_num_seqs=max_num_seqs, max_prefill_tokens=budget)
+    return Scheduler(kv, max_num_seqs=max_num_seqs, max_prefill_tokens=budget,
+                     max_num_batched_tokens=max_num_batched_tokens)
 
 
 def run(s: Scheduler, out: SchedulerOutput, token: int = 1) -> None:
@@ -159,3 +163,57 @@ def test_a_prompt_whose_prefix_another_request_computes_now_waits_one_step_for_t
     out = s.schedule()
     assert chunks(out) == [("b", 40, 3)] and s.running["b"].num_cached_tokens == 40
     assert s.kv.block_table("a")[:10] == s.kv.block_table("b")[:10]
+
+
+# ---------------------------------------------------------------- the step's token budget
+
+
+def decoding(s: Scheduler, *lengths: int) -> list[Sequence]:
+    """Requests of these prompt lengths, prefilled and decoding."""
+    seqs = [make_seq(f"d{i}", n) for i, n in enumerate(lengths)]
+    for seq in seqs:
+        s.add(seq)
+    while any(not q.is_prefilled for q in seqs):
+        run(s, s.schedule())
+    return seqs
+
+
+def test_decodes_and_prompt_chunks_share_the_steps_token_budget() -> None:
+    s = make_scheduler(budget=100, max_num_batched_tokens=40)
+    decoding(s, 5, 5, 5)  # 3 decode tokens a step
+    long = make_seq("long", 90)
+    s.add(long)
+    sizes = []
+    while not long.is_prefilled:
+        out = s.schedule()
+        sizes.append((len(out.decodes), sum(c.num_tokens for c in out.prefills)))
+        run(s, out)
+    assert sizes == [(3, 37), (3, 37), (3, 16)]  # 40 - 3 decodes; without the budget: 90 in one step
+
+
+def test_proposals_take_what_the_decodes_and_due_prompts_leave_oldest_first() -> None:
+    s = make_scheduler(budget=100, max_num_batched_tokens=12)
+    a, b = decoding(s, 5, 5)
+    a.spec.draft_ids, b.spec.draft_ids = [7] * 6, [7] * 6
+    out = s.schedule()
+    assert (len(a.spec.draft_ids), len(b.spec.draft_ids)) == (6, 4) and out.num_decode_tokens == 12
+    run(s, out)
+    s.add(make_seq("new", 5))  # a prompt is due: proposals never starve it
+    a.spec.draft_ids, b.spec.draft_ids = [7] * 6, [7] * 6
+    out = s.schedule()
+    assert (len(a.spec.draft_ids), len(b.spec.draft_ids)) == (5, 0) and chunks(out) == [("new", 0, 5)]
+    assert out.num_decode_tokens + sum(c.num_tokens for c in out.prefills) == 12
+
+
+def test_without_a_budget_proposals_and_prompts_are_bounded_by_their_own_limits() -> None:
+    s = make_scheduler(budget=100)
+    a, = decoding(s, 5)
+    a.spec.draft_ids = [7] * 6
+    s.add(make_seq("long", 90))
+    out = s.schedule()
+    assert len(a.spec.draft_ids) == 6 and chunks(out) == [("long", 0, 90)]
+
+
+def test_a_budget_below_max_num_seqs_is_refused() -> None:
+    with pytest.raises(ValueError, match=re.escape("max_num_batched_tokens (4) must be >= max_num_seqs (8)")):
+        make_scheduler(max_num_seqs=8, max_num_batched_tokens=4)

@@ -129,10 +129,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", choices=DTYPES, default=_env("TOKENRELAY_KV_CACHE_DTYPE"),
                    help="K/V storage dtype; default the model's; float16/bfloat16 halve the cache, on CPU "
                         "too [env TOKENRELAY_KV_CACHE_DTYPE]")
-    p.add_argument("--max-prefill-tokens", type=int, default=_env("TOKENRELAY_MAX_PREFILL_TOKENS", 512),
+    p.add_argument("--max-prefill-tokens", type=int, default=_env("TOKENRELAY_MAX_PREFILL_TOKENS"),
                    help="prompt tokens computed per engine step; longer prompts are prefilled in chunks "
-                        "over several steps while running streams keep decoding "
-                        "[env TOKENRELAY_MAX_PREFILL_TOKENS]")
+                        "over several steps while running streams keep decoding; default 512 on CPU, "
+                        "the step's token budget on CUDA [env TOKENRELAY_MAX_PREFILL_TOKENS]")
+    p.add_argument("--max-num-batched-tokens", type=int, default=_env("TOKENRELAY_MAX_NUM_BATCHED_TOKENS"),
+                   help="all tokens one engine step computes: decodes (and their speculative proposals) "
+                        "first, prompt chunks in what is left; default none on CPU, 8192 on CUDA "
+                        "[env TOKENRELAY_MAX_NUM_BATCHED_TOKENS]")
     p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction,
                    default=_env("TOKENRELAY_PREFIX_CACHING", "1") not in ("0", "false", "no"),
                    help="share the KV blocks of a common prompt prefix between requests, running or "
@@ -224,7 +228,9 @@ def config_from_args(argv: list[str] | None = None) -> tuple[WorkerConfig, str]:
                               kv_cache_dtype=args.kv_cache_dtype, attention_backend=args.attention_backend,
                               gpu_memory_utilization=args.gpu_memory_utilization,
                               cuda_graphs=args.cuda_graphs,
-                              max_prefill_tokens=args.max_prefill_tokens, num_threads=args.num_threads,
+                              max_prefill_tokens=args.max_prefill_tokens,
+                              max_num_batched_tokens=args.max_num_batched_tokens,
+                              num_threads=args.num_threads,
                               enable_prefix_caching=args.prefix_caching,
                               enable_native_kernels=args.native_kernels, quantization=args.quantization,
                               speculative=args.speculative,

@@ -95,6 +95,7 @@ def build_text_engine(config: EngineConfig) -> TextEngine:
              plan.max_model_len, config.max_num_seqs)
     eos = frozenset(tokenizer.eos_token_ids) | frozenset(model_config.eos_token_ids)
     num_spec = config.num_speculative_tokens if config.speculative != "none" else 0
+    max_prefill, max_batched = config.step_budgets(model.device.type == "cuda")
     proposer = None
     if draft is not None:
         if draft.config.max_position_embeddings < plan.max_model_len:
@@ -103,10 +104,10 @@ def build_text_engine(config: EngineConfig) -> TextEngine:
         draft_cache = draft.new_cache(plan.num_blocks, plan.block_size, plan.dtype)
         proposer = DraftProposer(draft, draft_cache,
                                  KVCacheManager(plan.num_blocks, plan.block_size, plan.max_model_len,
-                                                enable_prefix_caching=False), config.max_prefill_tokens)
+                                                enable_prefix_caching=False), max_prefill)
     engine = EngineCore(model, num_blocks=plan.num_blocks, block_size=plan.block_size,
                         max_model_len=plan.max_model_len, max_num_seqs=config.max_num_seqs,
-                        max_prefill_tokens=config.max_prefill_tokens, eos_token_ids=eos,
+                        max_prefill_tokens=max_prefill, max_num_batched_tokens=max_batched, eos_token_ids=eos,
                         kv_cache_dtype=plan.dtype, enable_prefix_caching=config.enable_prefix_caching,
                         num_speculative_tokens=num_spec, proposer=proposer,
                         grammar=build_grammar_compiler(tokenizer, model_config.vocab_size, eos),
@@ -193,8 +194,11 @@ def _plan_by_worst_step(config: EngineConfig, llama: LlamaModel, max_len: int, b
     device = llama.device
     free, total = torch.cuda.mem_get_info(device)
     rows_per_seq = 1 + (config.num_speculative_tokens if config.speculative != "none" else 0)
-    step = WorstStep(config.max_num_seqs * rows_per_seq, max_len, config.max_prefill_tokens,
-                     config.block_size)
+    max_prefill, max_batched = config.step_budgets(is_cuda=True)
+    num_decodes = config.max_num_seqs * rows_per_seq  # each decode's token and proposals, as rows
+    if max_batched is not None:  # the shared budget bounds both
+        num_decodes, max_prefill = min(num_decodes, max_batched), min(max_prefill, max_batched)
+    step = WorstStep(num_decodes, max_len, max_prefill, config.block_size)
     peak = measure_peak_bytes(llama, step)
     budget = MemoryBudget(total, total - free, peak, config.gpu_memory_utilization)
     num_blocks = kv_blocks(budget, block_bytes, blocks_per_seq, config.max_num_seqs)

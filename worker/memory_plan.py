@@ -104,6 +104,7 @@ def kv_blocks(budget: MemoryBudget, block_bytes: int, blocks_per_seq: int, max_n
             f"{budget.peak_step_bytes / mb:,.0f} MB for the worst step's activations, leaves "
             f"{max(free, 0) / mb:,.0f} MB: {num_blocks} blocks, and one sequence of max_model_len needs "
             f"{blocks_per_seq} ({blocks_per_seq * block_bytes / mb:,.0f} MB). "
-            "Lower --max-num-seqs or --max-prefill-tokens (the worst step), or --max-model-len, "
+            "Lower --max-num-seqs, --max-num-batched-tokens or --max-prefill-tokens (the worst step), "
+            "or --max-model-len, "
             "or raise --gpu-memory-utilization")
     return min(num_blocks, max_num_seqs * blocks_per_seq)

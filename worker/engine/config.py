@@ -12,6 +12,8 @@ ATTENTION_BACKENDS = ("auto", "cpu", "torch", "flashinfer")  # worker/model/attn
 ENGINE_KINDS = ("model", "sim")  # sim: worker/engine/sim.py, no model and no torch
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")  # a LoRA adapter's name (requests and metrics use it)
 MAX_LORA_RANK_LIMIT = 512
+CPU_MAX_PREFILL_TOKENS = 512  # max_prefill_tokens' default on CPU
+CUDA_MAX_NUM_BATCHED_TOKENS = 8192  # max_num_batched_tokens' default on CUDA (vLLM's with chunked prefill)
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,12 @@ class EngineConfig:
     # Prompt tokens computed per step; longer prompts are prefilled in chunks over
     # several steps. Bounds how long prompts stall the running streams (~1 s for
     # 512 on a 2-core CPU); larger is a little more efficient for prefill.
-    max_prefill_tokens: int = 512
+    # None: CPU_MAX_PREFILL_TOKENS on CPU, the step's token budget on CUDA.
+    max_prefill_tokens: int | None = None
+    # All tokens one step computes (decodes with their proposals, then prompt chunks), vLLM's
+    # max_num_batched_tokens: bounds a step's time and activation memory whatever its mix.
+    # None: no budget shared with the decodes on CPU, CUDA_MAX_NUM_BATCHED_TOKENS on CUDA.
+    max_num_batched_tokens: int | None = None
     num_threads: int | None = None  # torch intra-op threads; None = torch's default
     # Share the K/V of full blocks whose prefix is the same (running requests with one
     # system prompt, the next turn of a chat); finished requests leave theirs cached.
@@ -80,6 +87,16 @@ class EngineConfig:
     # running adapters has no request left.
     max_adapters: int = 4
     max_lora_rank: int = 64  # adapters of a larger r are refused
+
+    def step_budgets(self, is_cuda: bool) -> tuple[int, int | None]:
+        """(max_prefill_tokens, max_num_batched_tokens) with the device's defaults for unset ones."""
+        batched = self.max_num_batched_tokens
+        if batched is None and is_cuda:
+            batched = max(CUDA_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
+        prefill = self.max_prefill_tokens
+        if prefill is None:
+            prefill = batched if is_cuda and batched is not None else CPU_MAX_PREFILL_TOKENS
+        return prefill, batched
 
     @property
     def is_lora_enabled(self) -> bool:
@@ -117,8 +134,12 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.kv_cache_memory_mb is not None and self.kv_cache_memory_mb < 1:
             raise ValueError(f"kv_cache_memory_mb must be >= 1, got {self.kv_cache_memory_mb}")
-        if self.max_prefill_tokens < 1:
+        if self.max_prefill_tokens is not None and self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                             f"max_num_seqs ({self.max_num_seqs}): every running request decodes a token "
+                             "each step")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
 

@@ -74,8 +74,10 @@ class EngineCore:
                  num_speculative_tokens: int = 0, proposer: Proposer | None = None,
                  grammar: GrammarCompiler | None = None, max_adapters: int = 0,
                  max_lora_rank: int = DEFAULT_MAX_LORA_RANK, static_decode: bool = False,
-                 cuda_graphs: bool = False) -> None:
-        """max_adapters: most distinct LoRA adapters per step; 0 = LoRA off (the model must have
+                 cuda_graphs: bool = False, max_num_batched_tokens: int | None = None) -> None:
+        """max_num_batched_tokens: all tokens a step computes (scheduler.py); None: prompt tokens
+        are bounded by max_prefill_tokens alone.
+        max_adapters: most distinct LoRA adapters per step; 0 = LoRA off (the model must have
         enable_lora otherwise). static_decode: decode-only steps through buffers allocated once
         (worker/model/static_decode.py), with a CUDA graph per bucket when cuda_graphs; the cache
         then has one more block than the pool, the padding rows' scratch."""
@@ -85,7 +87,8 @@ class EngineCore:
         static_decode = static_decode or cuda_graphs
         cache = model.new_cache(num_blocks + int(static_decode), block_size, kv_cache_dtype)
         self.kv = KVCacheManager(num_blocks, block_size, max_model_len, enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, max_num_seqs, max_prefill_tokens, max_adapters or None)
+        self.scheduler = Scheduler(self.kv, max_num_seqs, max_prefill_tokens, max_adapters or None,
+                                   max_num_batched_tokens)
         # None: LoRA off, and a request naming an adapter is refused
         self.adapters = AdapterRegistry(model, max_adapters, max_lora_rank) if max_adapters > 0 else None
         static = (StaticDecode(model, cache, max_num_seqs * (1 + num_speculative_tokens),

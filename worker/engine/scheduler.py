@@ -10,7 +10,9 @@ Each step, in this order:
    A preempted request goes back to the front of the queue and later
    recomputes prompt + generated tokens, mostly from the prefix cache, and
    goes on with the same seed: its stream only pauses.
-2. Up to `max_prefill_tokens` prompt tokens: first the next chunks of prompts
+2. Up to `max_prefill_tokens` prompt tokens (and, with `max_num_batched_tokens`, the
+   step's token budget shared with the decodes: vLLM's, so a GPU step's size is bounded
+   whatever mix it has): first the next chunks of prompts
    already being prefilled (older first), then the prompts of newly admitted
    requests, FIFO. A prompt longer than what is left of the budget is
    prefilled in chunks over several steps, next to the running decodes.
@@ -27,12 +29,16 @@ Each step, in this order:
 4. Speculation (after the decodes above, so it never preempts anyone): a
    decode with proposals also gets the blocks for its k proposal positions,
    or, when the pool has none to spare, drops its proposals and runs as a
-   plain decode. `commit` then counts only the accepted tokens as computed and
-   hands the blocks past them back (`KVCacheManager.trim`).
+   plain decode. Under a token budget, proposals get only what is left after
+   the decodes and the prompt tokens waiting for this step (they are optional
+   work: they never starve a prompt), the oldest decode's first. `commit`
+   then counts only the accepted tokens as computed and hands the blocks past
+   them back (`KVCacheManager.trim`).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import deque
@@ -55,16 +61,25 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.prefills and not self.decodes
 
+    @property
+    def num_decode_tokens(self) -> int:
+        """Tokens the decodes compute: each its last token and its proposals."""
+        return sum(1 + len(s.spec.draft_ids) for s in self.decodes)
+
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_prefill_tokens: int,
-                 max_adapters: int | None = None) -> None:
+                 max_adapters: int | None = None, max_num_batched_tokens: int | None = None) -> None:
         if max_num_seqs < 1 or max_prefill_tokens < 1:
             raise ValueError(f"max_num_seqs ({max_num_seqs}) and max_prefill_tokens "
                              f"({max_prefill_tokens}) must be >= 1")
+        if max_num_batched_tokens is not None and max_num_batched_tokens < max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({max_num_seqs}): every running request decodes a token each step")
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
+        self.max_num_batched_tokens = max_num_batched_tokens  # None: no budget shared with decodes
         self.max_adapters = max_adapters  # None: no limit
         self.waiting: deque[Sequence] = deque()
         self.running: dict[str, Sequence] = {}  # in admission order
@@ -91,6 +106,8 @@ class Scheduler:
         out = SchedulerOutput()
         self._schedule_decodes(out)
         budget = self.max_prefill_tokens
+        if self.max_num_batched_tokens is not None:
+            budget = min(budget, self.max_num_batched_tokens - out.num_decode_tokens)
         for seq in self.running.values():  # admission order: older prompts finish first
             if budget > 0 and not seq.is_prefilled:
                 budget -= self._add_chunk(out, seq, budget)
@@ -133,10 +150,27 @@ class Scheduler:
                     break
             else:
                 out.decodes.append(seq)
+        spare = None if self.max_num_batched_tokens is None else \
+            self.max_num_batched_tokens - len(out.decodes) - self._prompt_tokens_due()
         for seq in out.decodes:
+            if spare is not None:
+                seq.spec.draft_ids = seq.spec.draft_ids[:max(spare, 0)]
+                spare -= len(seq.spec.draft_ids)
             num_draft = len(seq.spec.draft_ids)
             if num_draft and not self.kv.grow(seq.request_id, seq.num_tokens + num_draft):
                 seq.spec.draft_ids = []
+
+    def _prompt_tokens_due(self) -> int:
+        """Prompt tokens this step would compute with room for them: the rest of running prompts,
+        then waiting ones while the batch has room (at most max_prefill_tokens)."""
+        due = sum(s.num_prefill_tokens - s.num_computed_tokens for s in self.running.values()
+                  if not s.is_prefilled)
+        room = self.max_num_seqs - len(self.running)
+        for seq in itertools.islice(self.waiting, max(room, 0)):
+            if due >= self.max_prefill_tokens:
+                break
+            due += seq.num_prefill_tokens
+        return min(due, self.max_prefill_tokens)
 
     def _victim(self) -> Sequence:
         """Who is preempted next: the lowest priority, the newest (last admitted) among equals."""
