@@ -105,6 +105,10 @@ void quantize_rows_body(const float *x, int64_t x_stride, int64_t T, int64_t C, 
 #undef DOT_S16
 #pragma GCC pop_options
 
+/* AMX needs GCC 12's intrinsics and __builtin_cpu_supports names (an older GCC builds the rest
+ * and never offers "amx"; a build error would have cost every kernel). */
+#if __GNUC__ >= 12
+#define HAVE_AMX 1
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")
 #include "quant_amx.h"
@@ -121,6 +125,7 @@ static int amx_permitted(void) {
     return 0;
 #endif
 }
+#endif
 #endif
 
 /* ---- the machine's int16 dot-product peak (bench-kernel-limits' yardstick) ---------------------
@@ -199,9 +204,11 @@ int quant_isa_supported(int isa) {
         return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
                __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
                __builtin_cpu_supports("avx512vnni");
+#ifdef HAVE_AMX
     case QUANT_ISA_AMX:
         return quant_isa_supported(QUANT_ISA_AVX512VNNI) && __builtin_cpu_supports("avx512bw") &&
                __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8") && amx_permitted();
+#endif
 #endif
     default:
         return 0;
@@ -237,9 +244,11 @@ void quant_matmul_body(int isa, quant_weight w, q16_act a, int64_t T, float *out
         case QUANT_ISA_AVX512VNNI:
             quant_task_avx512vnni(w, a, n0, n1, t0, t1, out, out_stride, bias, mode);
             break;
+#ifdef HAVE_AMX
         case QUANT_ISA_AMX:
             amx_task(w, a, n0, n1, t0, t1, out, out_stride, bias, mode);
             break;
+#endif
 #endif
         default:
             quant_task_scalar(w, a, n0, n1, t0, t1, out, out_stride, bias, mode);
