@@ -14,7 +14,7 @@ from worker.engine.outputs import Admitted, RequestOutput
 from worker.engine.text_engine import EngineStats
 from worker.model.config import ModelConfig
 from worker.model.llama import LlamaModel
-from worker.model.native import load_native_kernels
+from worker.model.native import NativeKernels, load_native_kernels
 from worker.model.quant import QuantWeight, quantize
 
 VOCAB = 128
@@ -43,9 +43,10 @@ def make_hf_model(num_heads: int = 4, num_kv_heads: int = 2, tie: bool = False,
 
 
 def ours_from_hf(hf: Any, dtype: torch.dtype = torch.float32, native: bool = True,
-                 quantize_to: str | None = None) -> LlamaModel:
+                 quantize_to: str | None = None, kernels: NativeKernels | None = None) -> LlamaModel:
     """Our model with hf's weights; native=False keeps decode attention in torch (the CUDA path);
-    quantize_to "q8_0"/"q4_0" quantizes every matmul weight and the embedding table."""
+    quantize_to "q8_0"/"q4_0" quantizes every matmul weight and the embedding table; `kernels`:
+    a build of the C kernels other than this machine's default."""
     c = hf.config
     config = ModelConfig(
         vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
@@ -62,7 +63,8 @@ def ours_from_hf(hf: Any, dtype: torch.dtype = torch.float32, native: bool = Tru
     if quantize_to is not None:
         weights = {k: quantize(v, quantize_to) if isinstance(v, torch.Tensor) and v.dim() == 2 else v
                    for k, v in weights.items()}
-    kernels = load_native_kernels() if native and dtype == torch.float32 else None
+    if kernels is None and native and dtype == torch.float32:
+        kernels = load_native_kernels()
     return LlamaModel(config, weights, dtype=dtype, kernels=kernels)
 
 

@@ -195,6 +195,24 @@ def test_the_portable_build_without_avx_or_f16c_is_correct(tmp_path: Path,
         assert (run(portable.paged_decode_attention, q, cache) - reference(q, cache)).abs().max() <= 1e-5
 
 
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="-mno-avx512f is an x86 flag")
+def test_an_avx2_build_gives_this_hosts_bits(kernel: PagedDecodeAttention, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Attention's floats have one order on every x86 host with FMA (per-key chains of 8 lanes,
+    fixed-order softmax sums): an AVX2-only build gives this host's bits."""
+    monkeypatch.setattr(native, "CFLAGS", (*native.CFLAGS, "-mno-avx512f"))
+    load_native_kernels.cache_clear()
+    try:
+        avx2 = load_native_kernels(tmp_path)
+    finally:
+        load_native_kernels.cache_clear()
+    assert avx2 is not None
+    for D, dtype in ((64, torch.float32), (128, torch.float16), (64, torch.bfloat16)):
+        cache = make_paged_cache(lengths_for(16), 16, 3, D, dtype)
+        q = make_queries(5, 9, 3, D)
+        assert torch.equal(run(avx2.paged_decode_attention, q, cache), run(kernel, q, cache)), (D, dtype)
+
+
 Change = Callable[[dict[str, torch.Tensor]], None]
 
 

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import platform
 import shutil
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 
 from tests.factories import make_hf_model, ours_from_hf
+from worker.model import native
 from worker.model.llama import ForwardBatch, KVCache, LlamaModel
 from worker.model.native import COMPILERS, load_native_kernels
+from worker.model.native_quant import ISA_ENV
 
 if not any(shutil.which(c) for c in COMPILERS):
     pytest.skip("no C compiler on this machine: the model uses its torch path", allow_module_level=True)
@@ -181,3 +185,28 @@ def test_a_2048_token_prompt_gives_the_same_bits_in_any_chunking(kind: str) -> N
         logits, cache = forward_in_chunks(m, ids, sizes)
         assert torch.equal(logits, whole), f"chunks {sizes[:6]}"
         assert torch.equal(cache.k, whole_cache.k) and torch.equal(cache.v, whole_cache.v)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="-mno-avx512f is an x86 flag")
+def test_an_avx2_host_computes_this_hosts_bits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every float of the quantized forward has one order on every x86 host with FMA: the linears'
+    whole-block sums (kernels/quant.c), attention's per-key chains and fixed-order softmax and
+    RMSNorm sums (kernels/attention.h). So a build for an AVX2-only CPU, on its AVX2 kernels,
+    gives this host's logits and K/V bit for bit, prompt chunks (AMX here where the CPU has it)
+    and decodes alike: a request resumed on another kind of worker goes on with the same tokens."""
+    monkeypatch.setattr(native, "CFLAGS", (*native.CFLAGS, "-mno-avx512f"))
+    monkeypatch.setenv(ISA_ENV, "avx2")
+    load_native_kernels.cache_clear()
+    try:
+        avx2 = load_native_kernels(tmp_path)
+    finally:
+        load_native_kernels.cache_clear()
+        monkeypatch.delenv(ISA_ENV)
+    assert avx2 is not None and avx2.quant.isa == "avx2"
+    hf = make_hf_model(num_heads=1, num_kv_heads=1, max_position_embeddings=512)  # head dim 64: the SIMD path
+    here, there = ours_from_hf(hf, quantize_to="q4_0"), ours_from_hf(hf, quantize_to="q4_0", kernels=avx2)
+    ids = torch.randint(0, here.config.vocab_size, (300,), generator=torch.Generator().manual_seed(3))
+    for sizes in ([300], [64, 1]):
+        (logits, cache), (logits_avx2, cache_avx2) = (forward_in_chunks(m, ids, sizes) for m in (here, there))
+        assert torch.equal(logits, logits_avx2), sizes
+        assert torch.equal(cache.k, cache_avx2.k) and torch.equal(cache.v, cache_avx2.v)

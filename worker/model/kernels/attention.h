@@ -33,6 +33,29 @@ static inline float exp_nonpositive(float x) {
     return p * two_n;
 }
 
+/* sum(v[0..n)) in one fixed order: value l into partial sum l % 8, then
+ * ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)). An `omp simd` reduction's order follows the vector
+ * width GCC picks, so an AVX2 host and an AVX-512 host summed a softmax or an RMSNorm into other
+ * last bits; this gives every x86 host with FMA the same ones (tests/test_native.py). */
+static inline float sum_fixed(const float *v, int64_t n) {
+    float acc[8] = {0};
+    int64_t l = 0;
+    for (; l + 8 <= n; l += 8)
+        for (int j = 0; j < 8; ++j) acc[j] += v[l + j];
+    for (int j = 0; l < n; ++l, ++j) acc[j] += v[l];
+    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+/* sum(x[0..n)^2) in sum_fixed's order. */
+static inline float sum_squares_fixed(const float *x, int64_t n) {
+    float acc[8] = {0};
+    int64_t l = 0;
+    for (; l + 8 <= n; l += 8)
+        for (int j = 0; j < 8; ++j) acc[j] += x[l + j] * x[l + j];
+    for (int j = 0; l < n; ++l, ++j) acc[j] += x[l] * x[l];
+    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
 /* A cache's values [index, index + count) as fp32: the cache itself for fp32,
  * else converted into scratch (count <= MAX_SPAN * D). */
 typedef const float *(*load_span_fn)(const void *cache, int64_t index, int64_t count, float *scratch);
@@ -224,14 +247,11 @@ static inline __attribute__((always_inline)) void attend(
     for (int64_t r = 0; r < R; ++r)
         for (int64_t g = 0; g < G; ++g) { /* softmax per row and query head, over its own keys */
             const int64_t nr = rows.lens[r];
-            float *sc = scores + (r * G + g) * n, max = sc[0], sum = 0.0f;
+            float *sc = scores + (r * G + g) * n, max = sc[0];
             for (int64_t l = 1; l < nr; ++l) max = sc[l] > max ? sc[l] : max;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t l = 0; l < nr; ++l) {
-                sc[l] = exp_nonpositive(sc[l] - max);
-                sum += sc[l];
-            }
-            const float inv = 1.0f / sum;
+#pragma omp simd
+            for (int64_t l = 0; l < nr; ++l) sc[l] = exp_nonpositive(sc[l] - max);
+            const float inv = 1.0f / sum_fixed(sc, nr);
 #pragma omp simd
             for (int64_t l = 0; l < nr; ++l) sc[l] *= inv;
         }
@@ -298,10 +318,7 @@ static __attribute__((noipa)) int attend_task(attend_rows rows, const void *k_ca
 
 /* RMSNorm of one row (cpu.c's rms_norm_f32 and layer.c's layers: the same rounding). */
 static inline void rms_norm_row(const float *x, const float *weight, float *out, int64_t cols, float eps) {
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t c = 0; c < cols; ++c) sum += x[c] * x[c];
-    const float inv = 1.0f / __builtin_sqrtf(sum / (float)cols + eps);
+    const float inv = 1.0f / __builtin_sqrtf(sum_squares_fixed(x, cols) / (float)cols + eps);
 #pragma omp simd
     for (int64_t c = 0; c < cols; ++c) out[c] = x[c] * inv * weight[c];
 }
