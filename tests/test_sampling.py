@@ -90,11 +90,25 @@ def test_top_k_keeps_the_k_largest(logits: list[float], k: int, expected: set[in
     assert filtered[0, sorted(expected)].tolist() == [logits[i] for i in sorted(expected)]
 
 
+@pytest.mark.parametrize("top_p", [1.0, 0.99])  # top-k alone (topk), and with top-p (one sort)
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
-def test_top_k_with_ties_keeps_exactly_k(k: int) -> None:
+def test_top_k_keeps_every_logit_tied_with_the_kth(k: int, top_p: float) -> None:
+    """An exact tie has no order to break it by that a CPU sort and a CUDA sort would agree on:
+    tokens tied with the k-th largest are all kept, so the result depends on the values alone."""
     logits = torch.tensor([[2.0, 5.0, 5.0, 5.0, 5.0, 1.0]])  # four-way tie at the top
-    filtered = apply_top_k_top_p(logits, make_batch([SamplingParams(top_k=k)], vocab_size=6))
-    assert len(kept(filtered[0])) == k and kept(filtered[0]) <= {1, 2, 3, 4}
+    filtered = apply_top_k_top_p(logits, make_batch([SamplingParams(top_k=k, top_p=top_p)], vocab_size=6))
+    assert kept(filtered[0]) == {1, 2, 3, 4}
+
+
+def test_top_k_alone_equals_the_sorting_path_on_untied_rows() -> None:
+    """topk of the batch's largest k and a threshold per row: rows with other k, off (0) or k >= V
+    keep what the sort keeps."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 50, generator=g)  # (B, V), no ties
+    params = [SamplingParams(top_k=k) for k in (1, 7, 0, 50, 99, 20)]
+    filtered = apply_top_k_top_p(logits, make_batch(params, vocab_size=50))
+    for row, k in enumerate((1, 7, 50, 50, 50, 20)):
+        assert kept(filtered[row]) == set(logits[row].topk(k).indices.tolist()), row
 
 
 @pytest.mark.parametrize(

@@ -65,6 +65,7 @@ class SamplingBatch:
     is_all_greedy: bool
     is_any_greedy: bool
     enable_top_k: bool
+    max_top_k: int  # the largest k of the rows with top-k on (0 < k < V), known on the host: no sync
     enable_top_p: bool
     enable_min_p: bool
     enable_penalties: bool
@@ -124,6 +125,7 @@ def build_sampling_batch(
         is_all_greedy=all(p.is_greedy for p in params),
         is_any_greedy=any(p.is_greedy for p in params),
         enable_top_k=any(0 < p.top_k < vocab_size for p in params),
+        max_top_k=max((p.top_k for p in params if 0 < p.top_k < vocab_size), default=0),
         enable_top_p=any(p.top_p < 1.0 for p in params),
         enable_min_p=any(p.min_p > 0.0 for p in params),
         enable_penalties=enable_penalties,
@@ -210,19 +212,26 @@ def apply_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
 
 
 def apply_top_k_top_p(logits: Tensor, batch: SamplingBatch) -> Tensor:
-    """Set logits outside each row's top-k, then outside its top-p nucleus, to -inf (one sort for both).
+    """Set logits outside each row's top-k, then outside its top-p nucleus, to -inf.
 
-    top-k keeps exactly k tokens (ties broken arbitrarily). top-p keeps the smallest prefix of the
-    sorted distribution whose mass reaches p, and always the most likely token.
+    top-k keeps the k largest logits and any tied with the k-th (a tie's order would otherwise
+    be arbitrary). top-p keeps the smallest prefix of the sorted distribution whose mass reaches
+    p, and always the most likely token. Top-k alone takes `topk` of the batch's largest k, not a
+    sort of the vocabulary (vLLM does the same): the rest of the row needs no order.
     """
     if not (batch.enable_top_k or batch.enable_top_p):
         return logits
     vocab_size = logits.shape[-1]
+    if not batch.enable_top_p:
+        is_on = (batch.top_k > 0) & (batch.top_k < vocab_size)  # (B,)
+        k = torch.where(is_on, batch.top_k, 1)  # (B,)
+        kth = logits.topk(batch.max_top_k, dim=-1).values.gather(-1, (k - 1)[:, None])  # (B, 1)
+        return logits.masked_fill((logits < kth) & is_on[:, None], float("-inf"))  # (B, V)
     sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)  # (B, V) each
-    if batch.enable_top_k:
-        k = torch.where(batch.top_k > 0, batch.top_k, vocab_size)  # (B,)
-        ranks = torch.arange(vocab_size, device=logits.device)  # (V,)
-        sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= k[:, None], float("-inf"))
+    if batch.enable_top_k:  # the k-th largest as the threshold, as above: ties with it kept
+        k = torch.where((batch.top_k > 0) & (batch.top_k < vocab_size), batch.top_k, vocab_size)  # (B,)
+        kth = sorted_logits.gather(-1, (k - 1)[:, None])  # (B, 1)
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
     if batch.enable_top_p:
         sorted_probs = sorted_logits.softmax(dim=-1)  # (B, V)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # (B, V), exactly 0 for rank 0
