@@ -24,7 +24,8 @@
  * The integer dot products come from one of four instruction sets, chosen at run time
  * (quant_isa_supported): AMX int8 tiles (quant_amx.h: prefill-sized steps on Sapphire Rapids
  * and later), AVX-512 VNNI / AVX-VNNI `vpdpwssd` (s16 x s16 pairs accumulated into s32 in one
- * instruction), AVX2 `vpmaddwd` + `vpaddd`, and portable C. Every path sums each block's 32
+ * instruction; with AVX-512, steps of 9 or more rows run quant_vnni.h's GEMM tile), AVX2
+ * `vpmaddwd` + `vpaddd`, and portable C. Every path sums each block's 32
  * products into one int32 (exact: |u| <= 15, q8 128, times |qa| <= 32767, 32 per block, is
  * below 2^31) and then does the same float operations in the same order: per (weight row,
  * input row) one fma chain over the blocks, acc = fma(dot_b, dw_b * da_b, acc), then the Q4
@@ -33,7 +34,8 @@
  * 2026-12-06 each SIMD lane kept its own chain and the lanes were summed at the end, 10-18%
  * less work at batch 1, but no other tile shape, AMX's included, could give those floats.)
  *
- * Tiling: a task owns 16 output rows and up to 64 input rows (AMX: 256). Its input rows go
+ * Tiling: a task owns 16 output rows and up to 64 input rows (AMX, AVX-512 VNNI: 256, which
+ * repack their 16 weight rows once per task). Otherwise its input rows go
  * in groups of up to 8 (9 rows: 5 + 4), each group one pass over the task's weight rows
  * (quant_simd.h has the tiles and their measurements); one input row (decode at batch 1) runs
  * 8 weight rows at a time, one lane each. A task's 16 weight rows (~5 KB for SmolLM2) stay in
@@ -57,7 +59,7 @@
 #define QBLOCK 32
 #define TASK_ROWS_OUT 16
 #define TASK_ROWS_IN 64
-#define TASK_ROWS_IN_AMX 256
+#define TASK_ROWS_IN_REPACKED 256
 
 /* ---- activations ----------------------------------------------------------------------- */
 
@@ -97,12 +99,13 @@ void quantize_rows_body(const float *x, int64_t x_stride, int64_t T, int64_t C, 
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
 #define SUFFIX avx512vnni
 #define DOT_S16(acc, w, a) _mm256_dpwssd_epi32(acc, w, a)
 #include "quant_simd.h"
 #undef SUFFIX
 #undef DOT_S16
+#include "quant_vnni.h"
 #pragma GCC pop_options
 
 /* AMX needs GCC 12's intrinsics and __builtin_cpu_supports names (an older GCC builds the rest
@@ -134,17 +137,24 @@ static int amx_permitted(void) {
  * vpaddd (AVX2). Returns the multiply-adds one thread did. */
 #define PEAK_ACC 12
 #ifdef HAVE_X86_VARIANTS
+/* Twelve named accumulators, each an operand of the empty asm: held in an array, GCC kept them
+ * on the stack and the loop ran at the store-to-load latency (until 2026-12-06 this peak read
+ * 105 GOP/s on a Zen 4 whose linears ran at 272). */
 #define PEAK_LOOP(vec, zero, set1, dot, add, lanes)                                              \
-    vec acc[PEAK_ACC];                                                                       \
-    const vec w = set1(3), a = set1(5);                                                      \
-    for (int j = 0; j < PEAK_ACC; ++j) acc[j] = zero();                                      \
+    vec a0 = zero(), a1 = zero(), a2 = zero(), a3 = zero(), a4 = zero(), a5 = zero();        \
+    vec a6 = zero(), a7 = zero(), a8 = zero(), a9 = zero(), a10 = zero(), a11 = zero();      \
+    const vec w = set1(3), x = set1(5);                                                      \
     for (int64_t i = 0; i < iters; ++i) {                                                    \
-        _Pragma("GCC unroll 12") for (int j = 0; j < PEAK_ACC; ++j) acc[j] = dot(acc[j], w, a); \
-        __asm__ volatile("" : "+x"(acc[0]), "+x"(acc[1]), "+x"(acc[2]), "+x"(acc[3]));          \
+        a0 = dot(a0, w, x), a1 = dot(a1, w, x), a2 = dot(a2, w, x), a3 = dot(a3, w, x);      \
+        a4 = dot(a4, w, x), a5 = dot(a5, w, x), a6 = dot(a6, w, x), a7 = dot(a7, w, x);      \
+        a8 = dot(a8, w, x), a9 = dot(a9, w, x), a10 = dot(a10, w, x), a11 = dot(a11, w, x);  \
+        __asm__ volatile("" : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5),   \
+                         "+v"(a6), "+v"(a7), "+v"(a8), "+v"(a9), "+v"(a10), "+v"(a11));      \
     }                                                                                        \
+    a0 = add(add(add(a0, a1), add(a2, a3)), add(add(a4, a5), add(a6, a7)));                  \
+    a0 = add(a0, add(add(a8, a9), add(a10, a11)));                                           \
     int32_t sink[lanes];                                                                     \
-    for (int j = 1; j < PEAK_ACC; ++j) acc[0] = add(acc[0], acc[j]);                         \
-    memcpy(sink, &acc[0], sizeof sink);                                                      \
+    memcpy(sink, &a0, sizeof sink);                                                          \
     return sink[0] == 42 ? 0 : iters * PEAK_ACC * 2 * lanes;
 
 #pragma GCC push_options
@@ -161,8 +171,12 @@ static int64_t peak_avxvnni(int64_t iters) {
 #pragma GCC pop_options
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
+/* The product takes the accumulator for its weights (the values do not matter): madd(w, a) of
+ * two constants would be hoisted out of the loop, leaving only the adds (which read 472 GOP/s on
+ * one Zen 4 core). */
 static inline __m256i madd_add(__m256i acc, __m256i w, __m256i a) {
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(w, a));
+    (void)w;
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(acc, a));
 }
 static int64_t peak_avx2(int64_t iters) {
     PEAK_LOOP(__m256i, _mm256_setzero_si256, _mm256_set1_epi16, madd_add, _mm256_add_epi32, 8)
@@ -202,12 +216,11 @@ int quant_isa_supported(int isa) {
                __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avxvnni");
     case QUANT_ISA_AVX512VNNI:
         return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
-               __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-               __builtin_cpu_supports("avx512vnni");
+               __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 #ifdef HAVE_AMX
     case QUANT_ISA_AMX:
-        return quant_isa_supported(QUANT_ISA_AVX512VNNI) && __builtin_cpu_supports("avx512bw") &&
-               __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8") && amx_permitted();
+        return quant_isa_supported(QUANT_ISA_AVX512VNNI) && __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8") && amx_permitted();
 #endif
 #endif
     default:
@@ -224,8 +237,9 @@ int quant_isa_supported(int isa) {
  * parallel region. */
 void quant_matmul_body(int isa, quant_weight w, q16_act a, int64_t T, float *out, int64_t out_stride,
                        const float *bias, int mode) {
-    /* an AMX task repacks its weight rows once for all its input rows (quant_amx.h) */
-    const int64_t rows_in = isa == QUANT_ISA_AMX ? TASK_ROWS_IN_AMX : TASK_ROWS_IN;
+    /* an AMX or AVX-512 VNNI task repacks its weight rows once for all its input rows
+     * (quant_amx.h, quant_vnni.h) */
+    const int64_t rows_in = isa == QUANT_ISA_AMX || isa == QUANT_ISA_AVX512VNNI ? TASK_ROWS_IN_REPACKED : TASK_ROWS_IN;
     const int64_t n_tasks = (w.N + TASK_ROWS_OUT - 1) / TASK_ROWS_OUT;
     const int64_t t_tasks = (T + rows_in - 1) / rows_in;
 #pragma omp for schedule(static)
@@ -242,7 +256,7 @@ void quant_matmul_body(int isa, quant_weight w, q16_act a, int64_t T, float *out
             quant_task_avxvnni(w, a, n0, n1, t0, t1, out, out_stride, bias, mode);
             break;
         case QUANT_ISA_AVX512VNNI:
-            quant_task_avx512vnni(w, a, n0, n1, t0, t1, out, out_stride, bias, mode);
+            vnni_task(w, a, n0, n1, t0, t1, out, out_stride, bias, mode);
             break;
 #ifdef HAVE_AMX
         case QUANT_ISA_AMX:

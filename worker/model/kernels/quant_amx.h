@@ -34,56 +34,15 @@ static void amx_configure(void) {
     _tile_loadconfig(&cfg);
 }
 
-/* r[k] = column k of the 16 x 16 dwords r[0..15] (rows in, columns out): 64 shuffles. */
-static inline void amx_transpose16(__m512i *r) {
-    __m512i a[16], b[16];
-    for (int i = 0; i < 8; ++i) { /* per 128-bit lane: [x0 y0 x1 y1], [x2 y2 x3 y3] of rows 2i, 2i + 1 */
-        a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; ++i) { /* b[4i + c], lane L: column 4L + c of rows 4i..4i + 3 */
-        b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
-        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
-        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
-        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
-    }
-    for (int c = 0; c < 4; ++c) { /* column 4L + c: lane L of b[c], b[4 + c], b[8 + c], b[12 + c] */
-        const __m512i e0 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0x44), e1 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0xEE);
-        const __m512i e2 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0x44);
-        const __m512i e3 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0xEE);
-        r[c] = _mm512_shuffle_i32x4(e0, e2, 0x88);
-        r[4 + c] = _mm512_shuffle_i32x4(e0, e2, 0xDD);
-        r[8 + c] = _mm512_shuffle_i32x4(e1, e3, 0x88);
-        r[12 + c] = _mm512_shuffle_i32x4(e1, e3, 0xDD);
-    }
-}
-
 /* Weight rows n0.. n0 + 15 as B tiles, two per block (hi then lo, 1 KiB each), and their scales
- * (and Q4 offsets) transposed to (nb, 16) fp32. */
+ * (and Q4 offsets) transposed to (nb, 16) fp32: quant_vnni.h's repack, each word split in two. */
 static void amx_repack(quant_weight w, int64_t n0, const int FMT, int32_t *b_tiles, float *dw_t, float *m_t) {
-    const int64_t nb = w.C / 32, row_bytes = FMT == QUANT_Q4 ? w.C / 2 : w.C;
-    for (int64_t b = 0; b < nb; ++b) {
-        __m512i hi[AMX_ROWS], lo[AMX_ROWS]; /* row n: its block's 32 weights as s16 (dword k: 2k, 2k + 1) */
-        for (int n = 0; n < AMX_ROWS; ++n) {
-            const uint8_t *p = (const uint8_t *)w.qs + (n0 + n) * row_bytes + b * (FMT == QUANT_Q4 ? 16 : 32);
-            __m512i x;
-            if (FMT == QUANT_Q4) { /* byte j = u_j | u_{j+16} << 4 */
-                const __m256i u = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
-                x = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(u, _mm256_set1_epi16(0x0F))),
-                                       _mm256_srli_epi16(u, 4), 1);
-            } else {
-                x = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p));
-            }
-            hi[n] = _mm512_slli_epi16(x, 8);
-            lo[n] = _mm512_and_si512(x, _mm512_set1_epi16(0xFF));
-            dw_t[b * AMX_ROWS + n] = half_to_float(w.d[(n0 + n) * nb + b]);
-            if (FMT == QUANT_Q4) m_t[b * AMX_ROWS + n] = half_to_float(w.m[(n0 + n) * nb + b]);
-        }
-        amx_transpose16(hi); /* B[k][n] = row n's dword k */
-        amx_transpose16(lo);
+    for (int64_t b = 0; b < w.C / 32; ++b) {
+        __m512i x[AMX_ROWS]; /* x[k] = dword k of every row: B[k][n] */
+        repack16_block(w, n0, b, FMT, x, dw_t + b * AMX_ROWS, m_t + b * AMX_ROWS);
         for (int k = 0; k < 16; ++k) {
-            _mm512_store_si512(b_tiles + b * 512 + k * 16, hi[k]);
-            _mm512_store_si512(b_tiles + b * 512 + 256 + k * 16, lo[k]);
+            _mm512_store_si512(b_tiles + b * 512 + k * 16, _mm512_slli_epi16(x[k], 8));
+            _mm512_store_si512(b_tiles + b * 512 + 256 + k * 16, _mm512_and_si512(x[k], _mm512_set1_epi16(0xFF)));
         }
     }
 }
@@ -149,32 +108,7 @@ static inline __attribute__((always_inline)) void amx_tile(quant_weight w, q16_a
     }
 #undef AMX_BLOCK
 #undef AMX_DRAIN
-    if (FMT == QUANT_Q4) { /* the offset term: sum_b m * (da * sa), its own chain in block order */
-        const float *ds = a.ds + t * nb;
-        #pragma GCC unroll 16
-        for (int c = 0; c < AMX_ROWS; ++c) {
-            __m512 sum = _mm512_setzero_ps();
-            for (int64_t b = 0; b < nb; ++b)
-                sum = _mm512_fmadd_ps(_mm512_loadu_ps(m_t + b * AMX_ROWS), _mm512_set1_ps(ds[c * nb + b]), sum);
-            acc[c] = _mm512_add_ps(acc[c], sum);
-        }
-    }
-    if (mode != QUANT_SILU_MUL) { /* input row c's 16 outputs are adjacent: write_tile's adds, 16 at a time */
-        const __m512 bv = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
-        #pragma GCC unroll 16
-        for (int c = 0; c < AMX_ROWS; ++c) {
-            float *o = out + (t + c) * out_stride + n0;
-            const __m512 v = bias ? _mm512_add_ps(acc[c], bv) : acc[c];
-            _mm512_storeu_ps(o, mode == QUANT_ADD ? _mm512_add_ps(_mm512_loadu_ps(o), v) : v);
-        }
-        return;
-    }
-    float lanes[AMX_ROWS][AMX_ROWS], res[AMX_ROWS * AMX_ROWS];
-    #pragma GCC unroll 16
-    for (int c = 0; c < AMX_ROWS; ++c) _mm512_storeu_ps(lanes[c], acc[c]);
-    for (int r = 0; r < AMX_ROWS; ++r)
-        for (int c = 0; c < AMX_ROWS; ++c) res[r * AMX_ROWS + c] = lanes[c][r];
-    write_tile_avx512vnni(res, AMX_ROWS, AMX_ROWS, n0, t, out, out_stride, bias, mode);
+    write16(acc, m_t, a, nb, n0, t, FMT, AMX_ROWS, out, out_stride, bias, mode);
 }
 
 /* A task of quant_matmul_body: output rows [n0, n1) x input rows [t0, t1). Full blocks of 16 x 16
