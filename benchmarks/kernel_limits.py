@@ -46,7 +46,7 @@ from benchmarks.results import add_record_arg, emit, target  # noqa: E402
 from protos.params import SamplingParams  # noqa: E402
 from worker.engine.config import EngineConfig  # noqa: E402
 from worker.engine.core import EngineCore  # noqa: E402
-from worker.engine.model_runner import BatchBuilder  # noqa: E402
+from worker.engine.input_batch import BatchBuilder  # noqa: E402
 from worker.factory import build_model  # noqa: E402
 from worker.model.llama import ForwardBatch, KVCache, LlamaModel  # noqa: E402
 from worker.model.quant import QuantWeight  # noqa: E402

@@ -11,7 +11,7 @@ import torch
 
 from tests.factories import greedy, make_engine, make_hf_model, make_prompts, ours_from_hf, run_to_completion
 from worker.engine.config import EngineConfig
-from worker.engine.model_runner import BatchBuilder
+from worker.engine.input_batch import BatchBuilder
 from worker.engine.sampling import SamplingParams
 from worker.factory import use_cuda_graphs
 from worker.model.llama import LlamaModel

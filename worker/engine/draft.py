@@ -30,8 +30,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from worker.engine.input_batch import BatchBuilder
 from worker.engine.kv_manager import KVCacheManager
-from worker.engine.model_runner import BatchBuilder
 from worker.engine.sampling import Sampler, SamplingRow, build_sampling_batch
 from worker.engine.sequence import Sequence
 from worker.model.llama import KVCache, LlamaModel

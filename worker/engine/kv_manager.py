@@ -25,6 +25,7 @@ one system prompt arriving together store it once).
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -43,6 +44,9 @@ class _Table:
     last_content_id: int = NO_PARENT
     pending: list[bytes] = field(default_factory=list)  # hashes of full prompt blocks not yet computed
     can_hash: bool = True  # False after a hash collision: this request caches nothing further
+    # Changes (to a value no table had) whenever block_ids change other than by appending, so a
+    # copy kept across steps (input_batch.py) knows to rewrite rather than extend.
+    version: int = 0
 
 
 class KVCacheManager:
@@ -54,6 +58,7 @@ class KVCacheManager:
         self.max_model_len = max_model_len
         self.enable_prefix_caching = enable_prefix_caching
         self._tables: dict[str, _Table] = {}
+        self._versions = itertools.count(1)
         self._pending: Counter[bytes] = Counter()  # block hash -> requests about to compute it
         # Statistics since start (prompt tokens; hits are what prefill did not compute).
         self.num_prefix_query_tokens = 0
@@ -83,6 +88,10 @@ class KVCacheManager:
     def block_table(self, request_id: str) -> list[int]:
         return self._tables[request_id].block_ids
 
+    def table_version(self, request_id: str) -> int:
+        """Equal across two calls only if the table was at most appended to in between."""
+        return self._tables[request_id].version
+
     def has(self, request_id: str) -> bool:
         return request_id in self._tables
 
@@ -105,6 +114,7 @@ class KVCacheManager:
         for block_id in hits:
             self.pool.acquire(block_id)
         table = _Table(scope, hits + self.pool.allocate(num_new), len(hits), *chain[len(hits)])
+        table.version = next(self._versions)
         if self.enable_prefix_caching:
             table.pending = self._full_block_hashes(token_ids, len(hits), table.last_hash)
             self._pending.update(table.pending)
@@ -148,6 +158,7 @@ class KVCacheManager:
         keep = max(self.blocks_for(num_tokens), table.num_hashed)
         if keep < len(table.block_ids):
             tail, table.block_ids = table.block_ids[keep:], table.block_ids[:keep]
+            table.version = next(self._versions)
             self.pool.release(reversed(tail))
 
     def commit(self, request_id: str, num_computed: int, prompt_ids: Sequence[int],
@@ -179,6 +190,7 @@ class KVCacheManager:
                 self.pool.acquire(twin.block_id)
                 self.pool.release([block_id])
                 table.block_ids[j] = block_id = twin.block_id
+                table.version = next(self._versions)
             table.num_hashed, table.last_hash = j + 1, block_hash
             table.last_content_id = self.pool.blocks[block_id].content_id
 

@@ -2,8 +2,8 @@
 
 One forward per engine step, whatever it holds: this step's prompt chunks and
 one decode token for every running sequence, flattened into one list of new
-tokens with vLLM-style attention metadata (`ForwardBatch`), so the weights are
-read once per step. Then one sampler call over the rows that get a token
+tokens with vLLM-style attention metadata (`ForwardBatch`, in the persistent buffers of
+input_batch.py), so the weights are read once per step. Then one sampler call over the rows that get a token
 (completed prompts and decodes) and one host sync for the token ids.
 
 A decode with k proposals is one sequence of k + 1 tokens (its last token, then each
@@ -34,6 +34,7 @@ import torch
 
 from worker.engine.adapters import AdapterRegistry
 from worker.engine.grammar import apply_bitmask, fill_masks
+from worker.engine.input_batch import BatchBuilder, InputBatch
 from worker.engine.kv_manager import KVCacheManager
 from worker.engine.sampling import Sampler, SamplerOutput, SamplingRow, build_sampling_batch
 from worker.engine.sequence import PrefillChunk, Sequence, sampled_sequences
@@ -61,6 +62,7 @@ class ModelRunner:
         self.adapters = adapters  # None: LoRA is off
         self.device = model.device
         self.sampler = Sampler(model.greedy_argmax)
+        self.inputs = InputBatch(model.device)  # every dynamic step's input buffers
         self.mask_seconds = 0.0  # what masking the constrained rows took in the last step
         # Grammar masks are filled here while the model computes: they depend only on the tokens
         # already accepted (xgrammar releases the GIL).
@@ -117,11 +119,11 @@ class ModelRunner:
         batch, adapters = self._rows(prefills, decodes)
         if self.static is not None and not prefills and not adapters:
             return self.static.run(batch.ids, batch.positions, batch.slots, batch.row_tables())
-        return self.model.forward(batch.build(num_prefills=len(prefills), adapters=adapters), self.cache)
+        return self.model.forward(self.inputs.build(batch, len(prefills), adapters), self.cache)
 
     def prepare(self, prefills: list[PrefillChunk], decodes: list[Sequence]) -> ForwardBatch:
         """The flattened batch: every chunk's tokens, then each decode's last token and its
-        proposals, one row each."""
+        proposals, one row each (in new tensors: a step's own are views of InputBatch's buffers)."""
         batch, adapters = self._rows(prefills, decodes)
         return batch.build(num_prefills=len(prefills), adapters=adapters)
 
@@ -133,12 +135,16 @@ class ModelRunner:
         def slot(seq: Sequence) -> int:
             return slots.setdefault(seq.adapter, len(slots)) if seq.adapter else -1
 
+        def add(seq: Sequence, tokens: list[int], start: int, num_logits: int) -> None:
+            rid = seq.request_id
+            batch.add(self.kv.block_table(rid), tokens, start, num_logits, slot(seq), rid,
+                      self.kv.table_version(rid))
+
         for c in prefills:
-            chunk = c.seq.prefill_ids[c.start:c.start + c.num_tokens]
-            batch.add(self.kv.block_table(c.seq.request_id), chunk, c.start, int(c.is_last), slot(c.seq))
+            add(c.seq, c.seq.prefill_ids[c.start:c.start + c.num_tokens], c.start, int(c.is_last))
         for s in decodes:  # one query: the last token, then the proposals it verifies (if any)
             tokens = s.output_ids[-1:] + s.spec.draft_ids
-            batch.add(self.kv.block_table(s.request_id), tokens, s.num_tokens - 1, len(tokens), slot(s))
+            add(s, tokens, s.num_tokens - 1, len(tokens))
         if slots and self.adapters is None:
             raise ValueError("a sequence names a LoRA adapter but this engine has LoRA off")
         adapters = tuple(self.adapters.get(name) for name in slots) if self.adapters else ()
@@ -156,59 +162,3 @@ class ModelRunner:
             top = list(zip(top_ids[i], top_lps[i], strict=True)) if top_ids and top_lps else None
             tokens.append(SampledToken(tok, bool(finite[i]), lps[i] if lps else None, top))
         return tokens
-
-
-
-
-class BatchBuilder:
-    """A step's flattened batch, one sequence (or decode row) at a time: its new tokens at
-    positions start.., their cache slots through its block table, and which rows give logits."""
-
-    def __init__(self, block_size: int, device: torch.device) -> None:
-        self.block_size, self.device = block_size, device
-        self.ids: list[int] = []
-        self.positions: list[int] = []
-        self.slots: list[int] = []
-        self.tables: list[list[int]] = []
-        self.context_lens: list[int] = []
-        self.query_start = [0]
-        self.logits_indices: list[int] = []
-        self.adapter_slots: list[int] = []
-
-    def add(self, table: list[int], token_ids: list[int], start: int, num_logits: int,
-            adapter_slot: int = -1) -> None:
-        """Tokens at positions [start, start + len(token_ids)); logits for the last num_logits;
-        adapter_slot: their LoRA adapter's index in the step's adapters (-1: the base model)."""
-        bs, span = self.block_size, range(start, start + len(token_ids))
-        self.ids.extend(token_ids)
-        self.adapter_slots.extend([adapter_slot] * len(token_ids))
-        self.positions.extend(span)
-        self.slots.extend(table[p // bs] * bs + p % bs for p in span)
-        self.tables.append(table)
-        self.context_lens.append(span.stop)
-        self.query_start.append(self.query_start[-1] + len(token_ids))
-        self.logits_indices.extend(range(self.query_start[-1] - num_logits, self.query_start[-1]))
-
-    def row_tables(self) -> list[list[int]]:
-        """Each token's sequence's block table (a static step's rows, one per token)."""
-        starts = self.query_start
-        return [t for t, a, b in zip(self.tables, starts, starts[1:], strict=False) for _ in range(b - a)]
-
-    def build(self, num_prefills: int, adapters: tuple[LoraAdapter, ...] = ()) -> ForwardBatch:
-        """The first num_prefills sequences are prompt chunks, the rest decodes (1 + k tokens);
-        `adapters`: the LoRA adapters the rows' adapter slots index."""
-        width = max(map(len, self.tables))
-        padded = [t + [0] * (width - len(t)) for t in self.tables]
-
-        def tensor(values: list[int] | list[list[int]], dtype: torch.dtype = torch.int64) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=self.device)
-
-        return ForwardBatch(
-            input_ids=tensor(self.ids), positions=tensor(self.positions),  # (T,), (T,)
-            slot_mapping=tensor(self.slots),  # (T,)
-            block_tables=tensor(padded, torch.int32),  # (S, M)
-            context_lens=tensor(self.context_lens, torch.int32),  # (S,)
-            query_start_loc=tuple(self.query_start), context_lens_host=tuple(self.context_lens),
-            num_prefills=num_prefills, logits_indices=tensor(self.logits_indices),  # (R,)
-            lora_slots=tensor(self.adapter_slots) if adapters else None, adapters=adapters,  # (T,)
-        )
