@@ -83,21 +83,28 @@ class SamplerOutput:
 def build_sampling_batch(
     rows: Sequence[SamplingRow], vocab_size: int, device: torch.device | str
 ) -> SamplingBatch:
-    """Gather the per-request parameters into tensors (two small host→device copies + token counts)."""
+    """Gather the per-request parameters into tensors (two small host→device copies + token counts).
+
+    On CUDA the two are staged in pinned memory and copied without blocking the host: a pageable
+    copy waits for the GPU to drain the step's queued work."""
     params = [row.params for row in rows]
+    pin = torch.device(device).type == "cuda"
     floats = torch.tensor(
         [
             [p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty]
             for p in params
         ],
         dtype=torch.float32,
+        pin_memory=pin,
     ).reshape(len(rows), 6)  # (B, 6); reshape keeps the shape when B == 0
     ints = torch.tensor(
         [[p.top_k, _as_int64(row.seed), len(row.output_token_ids)]
          for p, row in zip(params, rows, strict=True)],
         dtype=torch.int64,
+        pin_memory=pin,
     ).reshape(len(rows), 3)  # (B, 3)
-    float_cols, int_cols = floats.to(device).unbind(1), ints.to(device).unbind(1)  # (B,) each
+    float_cols = floats.to(device, non_blocking=pin).unbind(1)  # (B,) each
+    int_cols = ints.to(device, non_blocking=pin).unbind(1)  # (B,) each
 
     enable_repetition = any(p.repetition_penalty != 1.0 for p in params)
     enable_penalties = enable_repetition or any(
@@ -135,9 +142,17 @@ def build_sampling_batch(
 def _token_counts(seqs: Sequence[Sequence[int]], vocab_size: int, device: torch.device | str) -> Tensor:
     """(B, V) float32 count of each token id per sequence; ids outside [0, V) are ignored."""
     num_rows, width = len(seqs), vocab_size + 1  # column V collects out-of-range ids
-    ids = torch.tensor(list(itertools.chain.from_iterable(seqs)), dtype=torch.int64, device=device)  # (N,)
-    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.int64, device=device)  # (B,)
-    row_ids = torch.repeat_interleave(torch.arange(num_rows, device=device), lengths)  # (N,)
+    pin = torch.device(device).type == "cuda"  # staged in pinned memory: copies that do not block
+
+    def to_device(values: list[int]) -> Tensor:
+        return torch.tensor(values, dtype=torch.int64, pin_memory=pin).to(device, non_blocking=pin)
+
+    ids = to_device(list(itertools.chain.from_iterable(seqs)))  # (N,)
+    lengths = to_device([len(s) for s in seqs])  # (B,)
+    # output_size: the total is known here; without it repeat_interleave reads `lengths` back
+    # from the device (a host sync on CUDA)
+    row_ids = torch.repeat_interleave(torch.arange(num_rows, device=device), lengths,
+                                      output_size=ids.numel())  # (N,)
     ids = torch.where((ids >= 0) & (ids < vocab_size), ids, vocab_size)
     counts = torch.zeros(num_rows * width, dtype=torch.float32, device=device)  # (B * (V + 1),)
     # index_add_ rather than bincount: bincount syncs with the host on CUDA.
