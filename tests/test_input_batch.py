@@ -9,6 +9,8 @@ import random
 import pytest
 import torch
 
+from protos.params import SamplingParams
+from tests.factories import greedy, make_engine, make_hf_model, make_prompts, ours_from_hf, run_to_completion
 from worker.engine.input_batch import BatchBuilder, InputBatch
 from worker.engine.kv_manager import KVCacheManager
 from worker.model.attention import ForwardBatch
@@ -128,3 +130,27 @@ def test_the_kv_managers_table_version_changes_unless_blocks_were_only_appended(
     kv.free("a")
     kv.allocate("a", list(range(6)))
     assert kv.table_version("a") not in (first, kv.table_version("b"))  # a new table, a new version
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_an_engine_on_the_persistent_batch_answers_as_on_fresh_tensors(native: bool) -> None:
+    """CUDA's path (InputBatch, forced on here) through preemption in a tiny pool, a shared cached
+    prefix and n-gram speculation. (The table versions are checked by the random steps above:
+    here a trimmed tail's blocks usually come back from the pool with the same ids.)"""
+    hf = make_hf_model()
+    shared = make_prompts(1, lengths=(12,), seed=3)[0]
+    prompts = [shared + p * 3 for p in make_prompts(6, lengths=(3, 5, 2, 4))]  # repeats: n-gram proposals
+    params = [greedy(16) if i % 2 else SamplingParams(max_tokens=16, temperature=0.9, top_k=20, seed=i)
+              for i in range(6)]
+    results = []
+    for persistent in (False, True):
+        engine = make_engine(ours_from_hf(hf, native=native), num_seqs=6, num_blocks=16,
+                             max_prefill_tokens=16, num_speculative_tokens=2)
+        if persistent:
+            engine.runner.inputs = InputBatch(CPU)
+        for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+            engine.add_request(f"r{i}", p, sp)
+        results.append(run_to_completion(engine))
+        engine.kv.check()
+    assert engine.scheduler.num_preemptions > 0 and engine.runner.inputs is not None
+    assert results[1] == results[0]

@@ -1,10 +1,10 @@
 """Owns every tensor: builds the step's flattened batch, runs the model, samples.
 
 One forward per engine step, whatever it holds: this step's prompt chunks and
-one decode token for every running sequence, flattened into one list of new
-tokens with vLLM-style attention metadata (`ForwardBatch`, in the persistent buffers of
-input_batch.py), so the weights are read once per step. Then one sampler call over the rows that get a token
-(completed prompts and decodes) and one host sync for the token ids.
+one decode token for every running sequence, flattened into one list of new tokens with
+vLLM-style attention metadata (`ForwardBatch`; on CUDA in the persistent buffers of
+input_batch.py), so the weights are read once per step. Then one sampler call over the rows
+that get a token (completed prompts and decodes) and one host sync for the token ids.
 
 A decode with k proposals is one sequence of k + 1 tokens (its last token, then each
 proposal), as a prompt chunk is: the scheduler's num_scheduled_tokens, one query over its
@@ -53,8 +53,14 @@ class SampledToken:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, cache: KVCache, kv: KVCacheManager,
-                 adapters: AdapterRegistry | None = None, static: StaticDecode | None = None) -> None:
-        """static: decode-only steps through its buffers (CUDA graphs), else every step dynamic."""
+                 adapters: AdapterRegistry | None = None, static: StaticDecode | None = None,
+                 persistent_inputs: bool | None = None) -> None:
+        """static: decode-only steps through its buffers (CUDA graphs), else every step dynamic.
+        persistent_inputs: a dynamic step's tensors in InputBatch's buffers (default: on CUDA).
+        On CPU the step's fresh tensors cost less: in a SmolLM2 batch-1 step, after the forward
+        has streamed the weights through the caches, InputBatch.build took 73-82 us and the list
+        builder's torch.tensor calls 34 (2-core Zen 4, 2026-12-06; 12.5 vs 23 us back to back),
+        and there is no device copy to save."""
         self.model = model
         self.cache = cache
         self.static = static
@@ -62,7 +68,9 @@ class ModelRunner:
         self.adapters = adapters  # None: LoRA is off
         self.device = model.device
         self.sampler = Sampler(model.greedy_argmax)
-        self.inputs = InputBatch(model.device)  # every dynamic step's input buffers
+        if persistent_inputs is None:
+            persistent_inputs = model.device.type == "cuda"
+        self.inputs = InputBatch(model.device) if persistent_inputs else None
         self.mask_seconds = 0.0  # what masking the constrained rows took in the last step
         # Grammar masks are filled here while the model computes: they depend only on the tokens
         # already accepted (xgrammar releases the GIL).
@@ -119,11 +127,13 @@ class ModelRunner:
         batch, adapters = self._rows(prefills, decodes)
         if self.static is not None and not prefills and not adapters:
             return self.static.run(batch.ids, batch.positions, batch.slots, batch.row_tables())
-        return self.model.forward(self.inputs.build(batch, len(prefills), adapters), self.cache)
+        if self.inputs is not None:
+            return self.model.forward(self.inputs.build(batch, len(prefills), adapters), self.cache)
+        return self.model.forward(batch.build(num_prefills=len(prefills), adapters=adapters), self.cache)
 
     def prepare(self, prefills: list[PrefillChunk], decodes: list[Sequence]) -> ForwardBatch:
         """The flattened batch: every chunk's tokens, then each decode's last token and its
-        proposals, one row each (in new tensors: a step's own are views of InputBatch's buffers)."""
+        proposals, one row each (in new tensors, where a CUDA step's are views of InputBatch's)."""
         batch, adapters = self._rows(prefills, decodes)
         return batch.build(num_prefills=len(prefills), adapters=adapters)
 
