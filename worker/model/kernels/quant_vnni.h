@@ -6,7 +6,7 @@
  * vector's lanes, so every block needs a horizontal sum (reduce8: ~20 shuffles and adds per 16
  * dot instructions). Here a task's 16 weight rows are repacked once, as 16-bit words transposed
  * so that dword k of a zmm holds weights 2k, 2k + 1 of each of the 16 rows (lane = weight row).
- * One vpdpwssd with the input row's pair of words broadcast (an embedded {1to16} load) then adds
+ * One vpdpwssd with the input row's pair of words broadcast (vpbroadcastd from L1) then adds
  * those 2 products to each row's lane, and 16 of them leave each lane holding the block's whole
  * integer dot: no horizontal sum at all, the weights read from L1 once for up to VNNI_MAX_RA
  * input rows. The floats that follow are every other path's (quant_simd.h): per pair,
