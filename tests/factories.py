@@ -6,12 +6,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from protos.params import FinishReason, SamplingParams, Usage
 from worker.engine.core import EngineCore
 from worker.engine.outputs import Admitted, RequestOutput
 from worker.engine.text_engine import EngineStats
+from worker.model import native
 from worker.model.config import ModelConfig
 from worker.model.llama import LlamaModel
 from worker.model.native import NativeKernels, load_native_kernels
@@ -167,3 +169,15 @@ def write_model(folder: Path, *, seed: int, num_layers: int = 2, renamed: int | 
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t2"}))
     return str(folder)
+
+
+def kernels_built_with(flag: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> NativeKernels:
+    """A fresh build of the kernels with one more compiler flag, in tmp_path."""
+    monkeypatch.setattr(native, "CFLAGS", (*native.CFLAGS, flag))
+    load_native_kernels.cache_clear()
+    try:
+        built = load_native_kernels(tmp_path)
+    finally:
+        load_native_kernels.cache_clear()
+    assert built is not None
+    return built

@@ -6,10 +6,26 @@ import importlib
 import subprocess
 import sys
 import tomllib
+from typing import TYPE_CHECKING
 
 import pytest
 
 from tests.service import ROOT
+
+if TYPE_CHECKING:
+    from worker.config import WorkerConfig
+
+
+def worker_config(argv: list[str], env: dict[str, str], names: tuple[str, ...],
+                  monkeypatch: pytest.MonkeyPatch) -> WorkerConfig:
+    """The worker's config from argv with exactly `env` set among the variables `names`."""
+    from worker.__main__ import config_from_args
+
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return config_from_args(argv)[0]
 
 COMMANDS = {  # module run with -m -> words its --help must mention
     "gateway.cli": ["up", "demo", "--help"],
@@ -57,13 +73,7 @@ def test_console_scripts_resolve() -> None:
 def test_worker_engine_switches_from_flags_and_env(argv: list[str], env: dict[str, str],
                                                    expected: tuple[bool, bool],
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    from worker.__main__ import config_from_args
-
-    for name in ("TOKENRELAY_NATIVE_KERNELS", "TOKENRELAY_PREFIX_CACHING"):
-        monkeypatch.delenv(name, raising=False)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    config, _ = config_from_args(argv)
+    config = worker_config(argv, env, ("TOKENRELAY_NATIVE_KERNELS", "TOKENRELAY_PREFIX_CACHING"), monkeypatch)
     assert (config.engine.enable_native_kernels, config.engine.enable_prefix_caching) == expected
 
 
@@ -74,12 +84,7 @@ def test_worker_engine_switches_from_flags_and_env(argv: list[str], env: dict[st
 ])
 def test_worker_quantization_from_flag_and_env(argv: list[str], env: dict[str, str], expected: str,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    from worker.__main__ import config_from_args
-
-    monkeypatch.delenv("TOKENRELAY_QUANTIZATION", raising=False)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    assert config_from_args(argv)[0].engine.quantization == expected
+    assert worker_config(argv, env, ("TOKENRELAY_QUANTIZATION",), monkeypatch).engine.quantization == expected
 
 
 def test_an_unknown_quantization_is_a_usage_error() -> None:
@@ -96,13 +101,8 @@ def test_an_unknown_quantization_is_a_usage_error() -> None:
 def test_worker_draft_model_from_flags_and_env(argv: list[str], env: dict[str, str],
                                                expected: tuple[str, str | None],
                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    from worker.__main__ import config_from_args
-
-    for name in ("TOKENRELAY_SPECULATIVE", "TOKENRELAY_DRAFT_MODEL"):
-        monkeypatch.delenv(name, raising=False)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    engine = config_from_args(argv)[0].engine
+    names = ("TOKENRELAY_SPECULATIVE", "TOKENRELAY_DRAFT_MODEL")
+    engine = worker_config(argv, env, names, monkeypatch).engine
     assert (engine.speculative, engine.draft_model) == expected
 
 
@@ -117,13 +117,8 @@ def test_worker_draft_model_from_flags_and_env(argv: list[str], env: dict[str, s
 def test_worker_models_and_adapters_from_flags_and_env(argv: list[str], env: dict[str, str],
                                                       expected: tuple[object, bool, str],
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    from worker.__main__ import config_from_args
-
-    for name in ("TOKENRELAY_ADAPTERS", "TOKENRELAY_ENABLE_LORA", "TOKENRELAY_SERVED_MODEL_NAME"):
-        monkeypatch.delenv(name, raising=False)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    config = config_from_args(argv)[0]
+    names = ("TOKENRELAY_ADAPTERS", "TOKENRELAY_ENABLE_LORA", "TOKENRELAY_SERVED_MODEL_NAME")
+    config = worker_config(argv, env, names, monkeypatch)
     assert (config.engine.adapters, config.engine.is_lora_enabled, config.served_model_name) == expected
 
 
@@ -147,13 +142,8 @@ def test_worker_step_budgets_from_flags_env_and_device(argv: list[str], env: dic
                                                        cpu: tuple[int, int | None],
                                                        cuda: tuple[int, int | None],
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    from worker.__main__ import config_from_args
-
-    for name in ("TOKENRELAY_MAX_PREFILL_TOKENS", "TOKENRELAY_MAX_NUM_BATCHED_TOKENS"):
-        monkeypatch.delenv(name, raising=False)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    engine = config_from_args(argv)[0].engine
+    names = ("TOKENRELAY_MAX_PREFILL_TOKENS", "TOKENRELAY_MAX_NUM_BATCHED_TOKENS")
+    engine = worker_config(argv, env, names, monkeypatch).engine
     assert (engine.step_budgets(is_cuda=False), engine.step_budgets(is_cuda=True)) == (cpu, cuda)
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from protos.params import SamplingParams
+from tests.factories import kernels_built_with
 from tests.test_sampling import make_batch
 from worker.engine.sampling import Sampler
 from worker.model import native
@@ -180,13 +181,7 @@ def test_every_fp16_and_bf16_value_converts_exactly(kernel: PagedDecodeAttention
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="-mno-avx is an x86 flag")
 def test_the_portable_build_without_avx_or_f16c_is_correct(tmp_path: Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(native, "CFLAGS", (*native.CFLAGS, "-mno-avx"))  # also turns off F16C, FMA, AVX2
-    load_native_kernels.cache_clear()
-    try:
-        portable = load_native_kernels(tmp_path)
-    finally:
-        load_native_kernels.cache_clear()
-    assert portable is not None
+    portable = kernels_built_with("-mno-avx", tmp_path, monkeypatch)  # also turns off F16C, FMA, AVX2
     for dtype in (torch.float16, torch.bfloat16):
         assert_converts_every_value_exactly(portable.paged_decode_attention, dtype)
     for D in (64, 40):
@@ -200,13 +195,7 @@ def test_an_avx2_build_gives_this_hosts_bits(kernel: PagedDecodeAttention, tmp_p
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Attention's floats have one order on every x86 host with FMA (per-key chains of 8 lanes,
     fixed-order softmax sums): an AVX2-only build gives this host's bits."""
-    monkeypatch.setattr(native, "CFLAGS", (*native.CFLAGS, "-mno-avx512f"))
-    load_native_kernels.cache_clear()
-    try:
-        avx2 = load_native_kernels(tmp_path)
-    finally:
-        load_native_kernels.cache_clear()
-    assert avx2 is not None
+    avx2 = kernels_built_with("-mno-avx512f", tmp_path, monkeypatch)
     for D, dtype in ((64, torch.float32), (128, torch.float16), (64, torch.bfloat16)):
         cache = make_paged_cache(lengths_for(16), 16, 3, D, dtype)
         q = make_queries(5, 9, 3, D)

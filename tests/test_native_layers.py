@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.factories import make_hf_model, ours_from_hf
-from worker.model import native
+from tests.factories import kernels_built_with, make_hf_model, ours_from_hf
 from worker.model.llama import ForwardBatch, KVCache, LlamaModel
 from worker.model.native import COMPILERS, load_native_kernels
 from worker.model.native_quant import ISA_ENV
@@ -194,15 +193,10 @@ def test_an_avx2_host_computes_this_hosts_bits(tmp_path: Path, monkeypatch: pyte
     RMSNorm sums (kernels/attention.h). So a build for an AVX2-only CPU, on its AVX2 kernels,
     gives this host's logits and K/V bit for bit, prompt chunks (AMX here where the CPU has it)
     and decodes alike: a request resumed on another kind of worker goes on with the same tokens."""
-    monkeypatch.setattr(native, "CFLAGS", (*native.CFLAGS, "-mno-avx512f"))
     monkeypatch.setenv(ISA_ENV, "avx2")
-    load_native_kernels.cache_clear()
-    try:
-        avx2 = load_native_kernels(tmp_path)
-    finally:
-        load_native_kernels.cache_clear()
-        monkeypatch.delenv(ISA_ENV)
-    assert avx2 is not None and avx2.quant.isa == "avx2"
+    avx2 = kernels_built_with("-mno-avx512f", tmp_path, monkeypatch)
+    monkeypatch.delenv(ISA_ENV)
+    assert avx2.quant.isa == "avx2"
     hf = make_hf_model(num_heads=1, num_kv_heads=1, max_position_embeddings=512)  # head dim 64: the SIMD path
     here, there = ours_from_hf(hf, quantize_to="q4_0"), ours_from_hf(hf, quantize_to="q4_0", kernels=avx2)
     ids = torch.randint(0, here.config.vocab_size, (300,), generator=torch.Generator().manual_seed(3))
