@@ -33,26 +33,16 @@ static inline float exp_nonpositive(float x) {
     return p * two_n;
 }
 
-/* sum(v[0..n)) in one fixed order: value l into partial sum l % 8, then
+/* sum(v[0..n)) (square: of v^2) in one fixed order: value l into partial sum l % 8, then
  * ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)). An `omp simd` reduction's order follows the vector
  * width GCC picks, so an AVX2 host and an AVX-512 host summed a softmax or an RMSNorm into other
  * last bits; this gives every x86 host with FMA the same ones (tests/test_native.py). */
-static inline float sum_fixed(const float *v, int64_t n) {
+static inline __attribute__((always_inline)) float sum_fixed_of(const float *v, int64_t n, const int square) {
     float acc[8] = {0};
     int64_t l = 0;
     for (; l + 8 <= n; l += 8)
-        for (int j = 0; j < 8; ++j) acc[j] += v[l + j];
-    for (int j = 0; l < n; ++l, ++j) acc[j] += v[l];
-    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-}
-
-/* sum(x[0..n)^2) in sum_fixed's order. */
-static inline float sum_squares_fixed(const float *x, int64_t n) {
-    float acc[8] = {0};
-    int64_t l = 0;
-    for (; l + 8 <= n; l += 8)
-        for (int j = 0; j < 8; ++j) acc[j] += x[l + j] * x[l + j];
-    for (int j = 0; l < n; ++l, ++j) acc[j] += x[l] * x[l];
+        for (int j = 0; j < 8; ++j) acc[j] += square ? v[l + j] * v[l + j] : v[l + j];
+    for (int j = 0; l < n; ++l, ++j) acc[j] += square ? v[l] * v[l] : v[l];
     return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
 
@@ -251,7 +241,7 @@ static inline __attribute__((always_inline)) void attend(
             for (int64_t l = 1; l < nr; ++l) max = sc[l] > max ? sc[l] : max;
 #pragma omp simd
             for (int64_t l = 0; l < nr; ++l) sc[l] = exp_nonpositive(sc[l] - max);
-            const float inv = 1.0f / sum_fixed(sc, nr);
+            const float inv = 1.0f / sum_fixed_of(sc, nr, 0);
 #pragma omp simd
             for (int64_t l = 0; l < nr; ++l) sc[l] *= inv;
         }
@@ -318,7 +308,7 @@ static __attribute__((noipa)) int attend_task(attend_rows rows, const void *k_ca
 
 /* RMSNorm of one row (cpu.c's rms_norm_f32 and layer.c's layers: the same rounding). */
 static inline void rms_norm_row(const float *x, const float *weight, float *out, int64_t cols, float eps) {
-    const float inv = 1.0f / __builtin_sqrtf(sum_squares_fixed(x, cols) / (float)cols + eps);
+    const float inv = 1.0f / __builtin_sqrtf(sum_fixed_of(x, cols, 1) / (float)cols + eps);
 #pragma omp simd
     for (int64_t c = 0; c < cols; ++c) out[c] = x[c] * inv * weight[c];
 }

@@ -176,8 +176,11 @@ static void vnni_task(quant_weight w, q16_act a, int64_t n0, int64_t n1, int64_t
     for (int64_t g = 0, t = t0; g < groups; ++g) {
         const int64_t t_next = t0 + (t1 - t0) * (g + 1) / groups;
         switch (t_next - t) {
-            VNNI_GROUP(1) VNNI_GROUP(2) VNNI_GROUP(3) VNNI_GROUP(4) VNNI_GROUP(5) VNNI_GROUP(6)
-            VNNI_GROUP(7) VNNI_GROUP(8) VNNI_GROUP(9) VNNI_GROUP(10) VNNI_GROUP(11) VNNI_GROUP(12)
+            /* 9 or more rows in groups of at most 12, as equal as they can be: 6 to 12 each */
+            VNNI_GROUP(6) VNNI_GROUP(7) VNNI_GROUP(8) VNNI_GROUP(9) VNNI_GROUP(10) VNNI_GROUP(11)
+            VNNI_GROUP(12)
+            default: /* never with VNNI_MIN_ROWS 9; fewer rows would run here */
+                quant_task_avx512vnni(w, a, n0, n1, t, t_next, out, out_stride, bias, mode);
         }
         t = t_next;
     }
