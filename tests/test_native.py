@@ -17,7 +17,8 @@ import torch
 from protos.params import SamplingParams
 from tests.factories import kernels_built_with
 from tests.test_sampling import make_batch
-from worker.engine.sampling import Sampler
+from worker.engine import sampling
+from worker.engine.sampling import Sampler, SamplingRow
 from worker.model import native
 from worker.model.native import COMPILERS, NativeKernels, PagedDecodeAttention, load_native_kernels
 
@@ -361,21 +362,39 @@ def test_greedy_argmax_gives_what_the_torch_sampler_gives_on_any_row(kernels: Na
     assert got.token_ids[1] == 7 and got.token_ids[8] == 999
 
 
-def test_the_sampler_keeps_its_torch_path_where_a_greedy_argmax_is_not_enough(kernels: NativeKernels) -> None:
+def test_the_sampler_keeps_its_torch_path_where_a_greedy_argmax_is_not_enough(
+        kernels: NativeKernels, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both entries: a built batch (__call__), and rows (sample), which builds the batch only for
+    the torch path and otherwise gives what that batch would have given."""
     calls: list[int] = []
 
     def argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         calls.append(logits.shape[0])
         return kernels.greedy_argmax(logits)
 
+    built: list[int] = []
+    build = sampling.build_sampling_batch
+    monkeypatch.setattr(sampling, "build_sampling_batch",
+                        lambda rows, *a: built.append(len(rows)) or build(rows, *a))
     logits = torch.randn(2, 50)
     greedy = SamplingParams(temperature=0.0)
+    outputs = [[1, 2], [3]]
     for params in ([greedy, SamplingParams(temperature=0.7)],  # one row samples
                    [greedy, SamplingParams(temperature=0.0, repetition_penalty=1.3)],  # a penalty
+                   [greedy, SamplingParams(temperature=0.0, presence_penalty=0.5)],
                    [greedy, SamplingParams(temperature=0.0, logprobs=True)]):  # logprobs
-        Sampler(argmax)(logits, make_batch(params, 50, outputs=[[1, 2], [3]]))
+        rows = [SamplingRow(p, 7, [4], out) for p, out in zip(params, outputs, strict=True)]
+        want = Sampler(argmax)(logits, build(rows, 50, "cpu"))
+        built.clear()
+        got = Sampler(argmax).sample(logits, rows, "cpu")
+        assert built == [2] and got.token_ids.tolist() == want.token_ids.tolist()
     assert calls == []
+    rows = [SamplingRow(greedy, 7, [4], out) for out in outputs]
+    want = Sampler()(logits, build(rows, 50, "cpu"))
+    built.clear()
+    got = Sampler(argmax).sample(logits, rows, "cpu")
+    assert built == [] and calls == [2] and got.token_ids.tolist() == want.token_ids.tolist()
     Sampler(argmax)(logits, make_batch([greedy, greedy], 50))
-    assert calls == [2]
+    assert calls == [2, 2]
     with pytest.raises(ValueError, match="fp32 CPU"):
         kernels.greedy_argmax(torch.randn(2, 50, dtype=torch.float64))

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from worker.engine.input_batch import BatchBuilder
 from worker.engine.kv_manager import KVCacheManager
-from worker.engine.sampling import Sampler, SamplingRow, build_sampling_batch
+from worker.engine.sampling import Sampler, SamplingRow
 from worker.engine.sequence import Sequence
 from worker.model.llama import KVCache, LlamaModel
 
@@ -126,7 +126,7 @@ class DraftProposer:
                 return
             rows = [SamplingRow(job.seq.params, job.seq.seed, job.seq.prompt_ids,
                                 job.seq.output_ids + job.drafts) for job in drafting]
-            out = self.sampler(logits, build_sampling_batch(rows, logits.shape[-1], self.model.device))
+            out = self.sampler.sample(logits, rows, self.model.device)
             for job, token_id in zip(drafting, out.token_ids.tolist(), strict=True):
                 job.inputs = [token_id]
                 job.drafts.append(token_id)

@@ -36,7 +36,7 @@ from worker.engine.adapters import AdapterRegistry
 from worker.engine.grammar import apply_bitmask, fill_masks
 from worker.engine.input_batch import BatchBuilder, InputBatch
 from worker.engine.kv_manager import KVCacheManager
-from worker.engine.sampling import Sampler, SamplerOutput, SamplingRow, build_sampling_batch
+from worker.engine.sampling import Sampler, SamplerOutput, SamplingRow
 from worker.engine.sequence import PrefillChunk, Sequence, sampled_sequences
 from worker.model.llama import ForwardBatch, KVCache, LlamaModel
 from worker.model.lora import LoraAdapter
@@ -95,8 +95,7 @@ class ModelRunner:
             assert bitmask.shape[0] == logits.shape[0], "a mask row for every sampled row"
             apply_bitmask(logits, bitmask, masked)
             self.mask_seconds += time.perf_counter() - start
-        batch = build_sampling_batch(rows, logits.shape[-1], self.device)
-        flat = self._to_host(self.sampler(logits, batch))
+        flat = self._to_host(self.sampler.sample(logits, rows, self.device))
         out, i = [], 0
         for draft in drafts:
             out.append(flat[i:i + 1 + len(draft)])
