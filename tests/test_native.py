@@ -10,6 +10,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -374,8 +375,12 @@ def test_the_sampler_keeps_its_torch_path_where_a_greedy_argmax_is_not_enough(
 
     built: list[int] = []
     build = sampling.build_sampling_batch
-    monkeypatch.setattr(sampling, "build_sampling_batch",
-                        lambda rows, *a: built.append(len(rows)) or build(rows, *a))
+
+    def counted(rows: list[SamplingRow], *args: Any) -> sampling.SamplingBatch:
+        built.append(len(rows))
+        return build(rows, *args)
+
+    monkeypatch.setattr(sampling, "build_sampling_batch", counted)
     logits = torch.randn(2, 50)
     greedy = SamplingParams(temperature=0.0)
     outputs = [[1, 2], [3]]
