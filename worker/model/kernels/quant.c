@@ -85,6 +85,7 @@ void quantize_rows_body(const float *x, int64_t x_stride, int64_t T, int64_t C, 
 #define SUFFIX avx2
 #define DOT_S16(acc, w, a) _mm256_add_epi32(acc, _mm256_madd_epi16(w, a))
 #include "quant_simd.h"
+#include "quant_gemm8.h"
 #undef SUFFIX
 #undef DOT_S16
 #pragma GCC pop_options
@@ -250,7 +251,7 @@ void quant_matmul_body(int isa, quant_weight w, q16_act a, int64_t T, float *out
         switch (isa) {
 #ifdef HAVE_X86_VARIANTS
         case QUANT_ISA_AVX2:
-            quant_task_avx2(w, a, n0, n1, t0, t1, out, out_stride, bias, mode);
+            g8_task_avx2(w, a, n0, n1, t0, t1, out, out_stride, bias, mode);
             break;
         case QUANT_ISA_AVXVNNI:
             quant_task_avxvnni(w, a, n0, n1, t0, t1, out, out_stride, bias, mode);

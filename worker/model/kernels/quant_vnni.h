@@ -12,9 +12,8 @@
  * input rows. The floats that follow are every other path's (quant_simd.h): per pair,
  * fma(dot, dw * da, acc) in block order, then the Q4 offset term's own chain, so the results
  * are bit for bit those of the other tiles, AMX's and the portable C path's.
- * The same tile on AVX2 (ymm, 8 weight rows a tile, vpmaddwd + vpaddd, 6 input rows a pass for
- * its 16 registers) ran 0.87-0.96x quant_simd.h's at 512 rows and 0.76-0.80x at 16 (2-core Zen
- * 4, SmolLM2's linears): AVX2 keeps quant_simd.h's tiles. */
+ * quant_gemm8.h is the AVX2 version (vpmaddwd + vpaddd; GCC must be kept from reassociating
+ * those adds: a first try that let it ran 0.72-0.96x the SIMD tiles). */
 
 #define VNNI_ROWS 16   /* weight rows a repacked task holds: one per lane of a zmm */
 #define VNNI_MAX_RA 12 /* input rows a pass: 12 int + 12 float accumulators of the 32 zmm */

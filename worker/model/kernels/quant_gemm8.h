@@ -1,0 +1,225 @@
+/* The AVX2 GEMM tile of the quantized matmul, for steps of 9 or more input rows (prefill chunks,
+ * large batches), included by quant.c after quant_simd.h's AVX2 variant (SUFFIX, DOT_S16 as
+ * there). quant_vnni.h is the same idea on zmm for AVX-512 VNNI hosts.
+ *
+ * quant_simd.h's group tiles hold a block's 32 products of one (weight row, input row) pair
+ * across a vector's lanes, so each block ends in a horizontal sum (reduce8). Here a task's weight
+ * rows are repacked once, 8 at a time, as 16-bit words transposed so that dword k of a ymm holds
+ * weights 2k, 2k + 1 of each of the 8 rows (lane = weight row); vpmaddwd with the input row's pair
+ * of words broadcast, plus vpaddd, adds both products to every row's lane, and 16 of them leave
+ * each lane holding the block's whole integer dot: no horizontal sum. A pass runs 16 weight rows
+ * (two repacks) against up to 6 input rows, so each broadcast pair feeds two vpmaddwd and each
+ * weight vector read from L1 six (12 dots in registers; 8 rows x 12 inputs, one vpmaddwd per
+ * broadcast, ran 1.1-1.2x quant_simd.h, this 1.23-1.33x). The floats are every other path's
+ * (quant_simd.h: per pair fma(dot, dw * da, acc) in block order, then the Q4 offset chain), so the
+ * bits are those of the SIMD tiles, AVX-512's, AMX's and portable C's.
+ * Measured (2-core AMD EPYC Zen 3, AVX2 only, 2026-12-06, SmolLM2's linears, A/B alternating in
+ * one process, 5 rounds, this tile over quant_simd.h's): 512 rows 1.23-1.33x, 64 rows 1.28-1.33x,
+ * 9-24 rows 1.01-1.21x, 16 rows 0.97-1.09x; 5-8 rows 0.82-0.96x, so those stay with quant_simd.h. */
+
+#define CAT_(a, b) a##_##b
+#define CAT(a, b) CAT_(a, b)
+#define G8_ROWS 8     /* weight rows a repack holds: one per lane of a ymm */
+#define G8_MAX_RA 12  /* integer dots a pass holds: with the weight vectors and a broadcast, the 16 ymm */
+#ifndef G8_MIN_ROWS
+#define G8_MIN_ROWS 9 /* fewer input rows go to quant_simd.h's tiles (up to 8 are one pass there) */
+#endif
+
+/* r[k] = column k of the 8 x 8 dwords r[0..7] (rows in, columns out): 24 shuffles. */
+static inline __attribute__((always_inline)) void CAT(transpose8, SUFFIX)(__m256i *r) {
+    __m256i a[8], b[8];
+    #pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) { /* per 128-bit lane: [x0 y0 x1 y1], [x2 y2 x3 y3] of rows 2i, 2i + 1 */
+        a[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        a[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    #pragma GCC unroll 2
+    for (int i = 0; i < 2; ++i) { /* b[4i + c], lane L: column 4L + c of rows 4i..4i + 3 */
+        b[4 * i] = _mm256_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 1] = _mm256_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 2] = _mm256_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+        b[4 * i + 3] = _mm256_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+    }
+    #pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+        r[c] = _mm256_permute2x128_si256(b[c], b[4 + c], 0x20);
+        r[4 + c] = _mm256_permute2x128_si256(b[c], b[4 + c], 0x31);
+    }
+}
+
+/* Weight rows n0.. n0 + 7, every block: words (nb, 16, 8) int32, dword k of block b of row r at
+ * [b][k][r]; their scales (and Q4 offsets) as fp32, dw_t (nb, 8) (m_t (nb, 8)). */
+static void CAT(repack8, SUFFIX)(quant_weight w, int64_t n0, int32_t *words, float *dw_t, float *m_t) {
+    const int64_t nb = w.C / 32, row_bytes = w.format == QUANT_Q4 ? w.C / 2 : w.C;
+    const int64_t block_bytes = w.format == QUANT_Q4 ? 16 : 32;
+    for (int64_t b = 0; b < nb; ++b) {
+        __m256i x[2 * G8_ROWS]; /* x[r]: dwords 0..7 of row r, x[8 + r]: dwords 8..15 */
+        for (int r = 0; r < G8_ROWS; ++r) {
+            const uint8_t *p = (const uint8_t *)w.qs + (n0 + r) * row_bytes + b * block_bytes;
+            if (w.format == QUANT_Q4) { /* byte j = u_j | u_{j+16} << 4 */
+                const __m256i u = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+                x[r] = _mm256_and_si256(u, _mm256_set1_epi16(0x0F));
+                x[G8_ROWS + r] = _mm256_srli_epi16(u, 4);
+            } else {
+                x[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+                x[G8_ROWS + r] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 16)));
+            }
+        }
+        CAT(transpose8, SUFFIX)(x);
+        CAT(transpose8, SUFFIX)(x + G8_ROWS);
+        for (int k = 0; k < 16; ++k) _mm256_store_si256((__m256i *)(words + (b * 16 + k) * G8_ROWS), x[k]);
+        for (int r = 0; r < G8_ROWS; ++r) {
+            dw_t[b * G8_ROWS + r] = half_to_float(w.d[(n0 + r) * nb + b]);
+            if (w.format == QUANT_Q4) m_t[b * G8_ROWS + r] = half_to_float(w.m[(n0 + r) * nb + b]);
+        }
+    }
+}
+
+/* acc (RA, 8): input row c's dots with weight rows n0.. n0 + 7 (repacked: m_t); for Q4 the offset
+ * chain is added (quant_simd.h's order), then each is written as `mode` says. */
+static inline __attribute__((always_inline)) void CAT(g8_write, SUFFIX)(
+    float *acc, const float *m_t, q16_act a, int64_t nb, int64_t n0, int64_t t, const int FMT, const int RA,
+    float *out, int64_t out_stride, const float *bias, int mode) {
+    if (FMT == QUANT_Q4) {
+        const float *ds = a.ds + t * nb;
+        #pragma GCC unroll 12
+        for (int c = 0; c < RA; ++c) {
+            __m256 sum = _mm256_setzero_ps();
+            for (int64_t b = 0; b < nb; ++b)
+                sum = _mm256_fmadd_ps(_mm256_load_ps(m_t + b * G8_ROWS), _mm256_set1_ps(ds[c * nb + b]), sum);
+            _mm256_store_ps(acc + c * G8_ROWS, _mm256_add_ps(_mm256_load_ps(acc + c * G8_ROWS), sum));
+        }
+    }
+    if (mode != QUANT_SILU_MUL) { /* input row c's 8 outputs are adjacent: write_tile's adds, 8 at a time */
+        const __m256 bv = bias ? _mm256_loadu_ps(bias + n0) : _mm256_setzero_ps();
+        #pragma GCC unroll 12
+        for (int c = 0; c < RA; ++c) {
+            float *o = out + (t + c) * out_stride + n0;
+            const __m256 r = _mm256_load_ps(acc + c * G8_ROWS), v = bias ? _mm256_add_ps(r, bv) : r;
+            _mm256_storeu_ps(o, mode == QUANT_ADD ? _mm256_add_ps(_mm256_loadu_ps(o), v) : v);
+        }
+        return;
+    }
+    float res[G8_ROWS * G8_MAX_RA];
+    for (int r = 0; r < G8_ROWS; ++r)
+        for (int c = 0; c < RA; ++c) res[r * RA + c] = acc[c * G8_ROWS + r];
+    CAT(write_tile, SUFFIX)(res, G8_ROWS, RA, n0, t, out, out_stride, bias, mode);
+}
+
+/* RWG x 8 repacked weight rows n0.. (repack g at words + g * nb * 128, dw_t and m_t + g * nb * 8) .
+ * input rows t.. t + RA - 1, RWG * RA <= 12 integer dots in registers: with RWG = 2 each
+ * broadcast pair serves two weight vectors. */
+static inline __attribute__((always_inline)) void CAT(g8_tile, SUFFIX)(
+    q16_act a, const int32_t *words, const float *dw_t, const float *m_t, int64_t nb, int64_t n0, int64_t t,
+    const int FMT, const int RWG, const int RA, float *out, int64_t out_stride, const float *bias, int mode) {
+    const int16_t *aq = a.qs + t * a.C;
+    const float *da = a.d + t * nb;
+    const int64_t stride = nb * 16 * G8_ROWS; /* one repack's words */
+    /* the float accumulators live in L1: the 16 registers hold the integer dots */
+    float acc[2][G8_MAX_RA * G8_ROWS] __attribute__((aligned(32)));
+    int32_t ab[G8_MAX_RA * 16] __attribute__((aligned(32))); /* the group's block b, rows adjacent */
+    #pragma GCC unroll 12
+    for (int c = 0; c < RA; ++c)
+        #pragma GCC unroll 2
+        for (int g = 0; g < RWG; ++g) _mm256_store_ps(acc[g] + c * G8_ROWS, _mm256_setzero_ps());
+    for (int64_t b = 0; b < nb; ++b) {
+        __m256i dot[2][G8_MAX_RA];
+        #pragma GCC unroll 12
+        for (int c = 0; c < RA; ++c) {
+            const int16_t *p = aq + c * a.C + b * 32;
+            _mm256_store_si256((__m256i *)(ab + c * 16), _mm256_loadu_si256((const __m256i *)p));
+            _mm256_store_si256((__m256i *)(ab + c * 16 + 8), _mm256_loadu_si256((const __m256i *)(p + 16)));
+            #pragma GCC unroll 2
+            for (int g = 0; g < RWG; ++g) dot[g][c] = _mm256_setzero_si256();
+        }
+        __asm__ volatile("" : : "r"(ab) : "memory"); /* the pairs below: one base register + constants */
+        #pragma GCC unroll 16
+        for (int k = 0; k < 16; ++k) {
+            __m256i wk[2];
+            #pragma GCC unroll 2
+            for (int g = 0; g < RWG; ++g)
+                wk[g] = _mm256_load_si256((const __m256i *)(words + g * stride + (b * 16 + k) * G8_ROWS));
+            #pragma GCC unroll 12
+            for (int c = 0; c < RA; ++c) { /* input row c's words 2k, 2k + 1 of the block */
+                const __m256i pair = _mm256_set1_epi32(ab[c * 16 + k]);
+                #pragma GCC unroll 2
+                for (int g = 0; g < RWG; ++g) {
+                    dot[g][c] = DOT_S16(dot[g][c], wk[g], pair);
+                    /* one chain per (row, group), in registers: GCC otherwise reassociates the 16
+                     * integer adds into a tree, computing every product first and spilling them */
+                    __asm__("" : "+x"(dot[g][c]));
+                }
+            }
+        }
+        #pragma GCC unroll 2
+        for (int g = 0; g < RWG; ++g) {
+            const __m256 dw = _mm256_load_ps(dw_t + (g * nb + b) * G8_ROWS);
+            #pragma GCC unroll 12
+            for (int c = 0; c < RA; ++c)
+                _mm256_store_ps(acc[g] + c * G8_ROWS,
+                                _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[g][c]),
+                                                _mm256_mul_ps(dw, _mm256_set1_ps(da[c * nb + b])),
+                                                _mm256_load_ps(acc[g] + c * G8_ROWS)));
+        }
+        __asm__ volatile("" : : "r"(acc) : "memory"); /* keep them there */
+    }
+    #pragma GCC unroll 2
+    for (int g = 0; g < RWG; ++g)
+        CAT(g8_write, SUFFIX)(acc[g], m_t + g * nb * G8_ROWS, a, nb, n0 + g * G8_ROWS, t, FMT, RA, out, out_stride,
+                              bias, mode);
+}
+
+#define G8_GROUP(RWG, RA)                                                                                     \
+    case RA:                                                                                                  \
+        if (FMT == QUANT_Q4)                                                                                  \
+            CAT(g8_tile, SUFFIX)(a, words, dw_t, m_t, nb, n, t, QUANT_Q4, RWG, RA, out, out_stride, bias, mode); \
+        else                                                                                                  \
+            CAT(g8_tile, SUFFIX)(a, words, dw_t, m_t, nb, n, t, QUANT_Q8, RWG, RA, out, out_stride, bias, mode); \
+        break;
+
+/* A task of quant_matmul_body: output rows [n0, n1) x input rows [t0, t1). With G8_MIN_ROWS or more
+ * input rows, 16 weight rows at a time (then 8) are repacked and run here in groups of up to 6
+ * (12) input rows, as equal as they can be; the rest goes to quant_simd.h's tiles (the same floats). */
+static void CAT(g8_task, SUFFIX)(quant_weight w, q16_act a, int64_t n0, int64_t n1, int64_t t0, int64_t t1,
+                                 float *out, int64_t out_stride, const float *bias, int mode) {
+    const int64_t nb = w.C / 32, whole = n0 + (n1 - n0) / G8_ROWS * G8_ROWS;
+    int32_t *words = t1 - t0 >= G8_MIN_ROWS && whole > n0 ? aligned_alloc(32, (size_t)nb * 16 * G8_ROWS * 4 * 2) : NULL;
+    float *dw_t = words ? aligned_alloc(32, (size_t)nb * G8_ROWS * sizeof(float) * 4) : NULL;
+    if (dw_t == NULL) { /* too few rows, or no memory for the repack: the simd tiles need none */
+        free(words);
+        CAT(quant_task, SUFFIX)(w, a, n0, n1, t0, t1, out, out_stride, bias, mode);
+        return;
+    }
+    const int FMT = w.format;
+    float *m_t = dw_t + 2 * nb * G8_ROWS;
+    for (int64_t n = n0; n < whole;) {
+        const int RWG = whole - n >= 2 * G8_ROWS ? 2 : 1;
+        for (int g = 0; g < RWG; ++g)
+            CAT(repack8, SUFFIX)(w, n + g * G8_ROWS, words + g * nb * 16 * G8_ROWS, dw_t + g * nb * G8_ROWS,
+                                 m_t + g * nb * G8_ROWS);
+        const int max_ra = G8_MAX_RA / RWG;
+        const int64_t groups = (t1 - t0 + max_ra - 1) / max_ra;
+        for (int64_t g = 0, t = t0; g < groups; ++g) {
+            const int64_t t_next = t0 + (t1 - t0) * (g + 1) / groups;
+            if (RWG == 2) {
+                switch (t_next - t) { /* 9 or more rows in groups of at most 6: 4 to 6 each */
+                    G8_GROUP(2, 4) G8_GROUP(2, 5) G8_GROUP(2, 6)
+                    default: CAT(quant_task, SUFFIX)(w, a, n, n + 2 * G8_ROWS, t, t_next, out, out_stride, bias, mode);
+                }
+            } else {
+                switch (t_next - t) { /* 9 or more rows in groups of at most 12: 6 to 12 each */
+                    G8_GROUP(1, 6) G8_GROUP(1, 7) G8_GROUP(1, 8) G8_GROUP(1, 9) G8_GROUP(1, 10) G8_GROUP(1, 11)
+                    G8_GROUP(1, 12)
+                    default: CAT(quant_task, SUFFIX)(w, a, n, n + G8_ROWS, t, t_next, out, out_stride, bias, mode);
+                }
+            }
+            t = t_next;
+        }
+        n += RWG * G8_ROWS;
+    }
+    if (whole < n1) CAT(quant_task, SUFFIX)(w, a, whole, n1, t0, t1, out, out_stride, bias, mode);
+    free(words), free(dw_t);
+}
+#undef G8_GROUP
+#undef CAT
+#undef CAT_
