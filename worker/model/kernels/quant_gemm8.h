@@ -1,4 +1,4 @@
-/* The AVX2 GEMM tile of the quantized matmul, for steps of 9 or more input rows (prefill chunks,
+/* The AVX2 GEMM tile of the quantized matmul, for steps of 24 or more input rows (prefill chunks,
  * large batches), included by quant.c after quant_simd.h's AVX2 variant (SUFFIX, DOT_S16 as
  * there). quant_vnni.h is the same idea on zmm for AVX-512 VNNI hosts.
  *
@@ -15,14 +15,16 @@
  * bits are those of the SIMD tiles, AVX-512's, AMX's and portable C's.
  * Measured (2-core AMD EPYC Zen 3, AVX2 only, 2026-12-06, SmolLM2's linears, A/B alternating in
  * one process, 5 rounds, this tile over quant_simd.h's): 512 rows 1.23-1.33x, 64 rows 1.28-1.33x,
- * 9-24 rows 1.01-1.21x, 16 rows 0.97-1.09x; 5-8 rows 0.82-0.96x, so those stay with quant_simd.h. */
+ * 9-24 rows 1.01-1.21x, 5-8 rows 0.82-0.96x. Inside a step the repack costs more: the fused
+ * decode layers at 16 rows ran 0.955x and the LM head (30 MB streamed) 0.765x, at 24 rows 1.14x and
+ * 1.02x, at 32 1.15x and 1.10x; so steps of fewer than 24 rows keep quant_simd.h's tiles. */
 
 #define CAT_(a, b) a##_##b
 #define CAT(a, b) CAT_(a, b)
 #define G8_ROWS 8     /* weight rows a repack holds: one per lane of a ymm */
 #define G8_MAX_RA 12  /* integer dots a pass holds: with the weight vectors and a broadcast, the 16 ymm */
 #ifndef G8_MIN_ROWS
-#define G8_MIN_ROWS 9 /* fewer input rows go to quant_simd.h's tiles (up to 8 are one pass there) */
+#define G8_MIN_ROWS 24 /* fewer input rows go to quant_simd.h's tiles (measured above) */
 #endif
 
 /* r[k] = column k of the 8 x 8 dwords r[0..7] (rows in, columns out): 24 shuffles. */
@@ -202,13 +204,13 @@ static void CAT(g8_task, SUFFIX)(quant_weight w, q16_act a, int64_t n0, int64_t 
         for (int64_t g = 0, t = t0; g < groups; ++g) {
             const int64_t t_next = t0 + (t1 - t0) * (g + 1) / groups;
             if (RWG == 2) {
-                switch (t_next - t) { /* 9 or more rows in groups of at most 6: 4 to 6 each */
+                switch (t_next - t) { /* 24 or more rows in groups of at most 6: 4 to 6 each */
                     G8_GROUP(2, 4) G8_GROUP(2, 5) G8_GROUP(2, 6)
                     default: CAT(quant_task, SUFFIX)(w, a, n, n + 2 * G8_ROWS, t, t_next, out, out_stride, bias, mode);
                 }
             } else {
-                switch (t_next - t) { /* 9 or more rows in groups of at most 12: 6 to 12 each */
-                    G8_GROUP(1, 6) G8_GROUP(1, 7) G8_GROUP(1, 8) G8_GROUP(1, 9) G8_GROUP(1, 10) G8_GROUP(1, 11)
+                switch (t_next - t) { /* 24 or more rows in groups of at most 12: 8 to 12 each */
+                    G8_GROUP(1, 8) G8_GROUP(1, 9) G8_GROUP(1, 10) G8_GROUP(1, 11)
                     G8_GROUP(1, 12)
                     default: CAT(quant_task, SUFFIX)(w, a, n, n + G8_ROWS, t, t_next, out, out_stride, bias, mode);
                 }
