@@ -73,7 +73,7 @@ static inline __attribute__((always_inline)) float silu_mul(float g, float u) {
     const int32_t bits = ((int32_t)n + 127) << 23; /* 2^n */
     float two_n;
     memcpy(&two_n, &bits, sizeof two_n);
-    return g / (1.0f + p * two_n) * u;
+    return g / __builtin_fmaf(p, two_n, 1.0f) * u; /* the fma GCC contracted 1 + p * 2^n to: now spelt out */
 }
 
 int quant_isa_supported(int isa);

@@ -77,35 +77,70 @@ static void CAT(repack8, SUFFIX)(quant_weight w, int64_t n0, int32_t *words, flo
     }
 }
 
+/* quant.h's silu_mul on 8 lanes, operation for operation (min/max keep its clamps' NaN rule:
+ * the second operand), so each lane has the scalar's bits. */
+static inline __attribute__((always_inline)) __m256 CAT(silu_mul8, SUFFIX)(__m256 g, __m256 u) {
+    __m256 x = _mm256_xor_ps(g, _mm256_set1_ps(-0.0f));
+    x = _mm256_max_ps(_mm256_set1_ps(-87.0f), _mm256_min_ps(_mm256_set1_ps(88.0f), x));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_CUR_DIRECTION);
+    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693359375f), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    const __m256 two_n = _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23));
+    return _mm256_mul_ps(_mm256_div_ps(g, _mm256_fmadd_ps(p, two_n, _mm256_set1_ps(1.0f))), u);
+}
+
 /* acc (RA, 8): input row c's dots with weight rows n0.. n0 + 7 (repacked: m_t); for Q4 the offset
- * chain is added (quant_simd.h's order), then each is written as `mode` says. */
+ * chains are added (quant_simd.h's order; the RA chains interleaved: one after another they waited
+ * on the fma's latency), then each is written as write_tile would: + bias (0 without), then
+ * stored, added, or for QUANT_SILU_MUL the 4 (gate, up) pairs of lanes through silu_mul8. */
 static inline __attribute__((always_inline)) void CAT(g8_write, SUFFIX)(
     float *acc, const float *m_t, q16_act a, int64_t nb, int64_t n0, int64_t t, const int FMT, const int RA,
     float *out, int64_t out_stride, const float *bias, int mode) {
     if (FMT == QUANT_Q4) {
         const float *ds = a.ds + t * nb;
+        __m256 sum[G8_MAX_RA];
         #pragma GCC unroll 12
-        for (int c = 0; c < RA; ++c) {
-            __m256 sum = _mm256_setzero_ps();
-            for (int64_t b = 0; b < nb; ++b)
-                sum = _mm256_fmadd_ps(_mm256_load_ps(m_t + b * G8_ROWS), _mm256_set1_ps(ds[c * nb + b]), sum);
-            _mm256_store_ps(acc + c * G8_ROWS, _mm256_add_ps(_mm256_load_ps(acc + c * G8_ROWS), sum));
+        for (int c = 0; c < RA; ++c) sum[c] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; ++b) {
+            const __m256 m = _mm256_load_ps(m_t + b * G8_ROWS);
+            #pragma GCC unroll 12
+            for (int c = 0; c < RA; ++c) sum[c] = _mm256_fmadd_ps(m, _mm256_set1_ps(ds[c * nb + b]), sum[c]);
         }
+        #pragma GCC unroll 12
+        for (int c = 0; c < RA; ++c)
+            _mm256_store_ps(acc + c * G8_ROWS, _mm256_add_ps(_mm256_load_ps(acc + c * G8_ROWS), sum[c]));
     }
-    if (mode != QUANT_SILU_MUL) { /* input row c's 8 outputs are adjacent: write_tile's adds, 8 at a time */
-        const __m256 bv = bias ? _mm256_loadu_ps(bias + n0) : _mm256_setzero_ps();
+    const __m256 bv = bias ? _mm256_loadu_ps(bias + n0) : _mm256_setzero_ps();
+    if (mode != QUANT_SILU_MUL) { /* input row c's 8 outputs are adjacent */
         #pragma GCC unroll 12
         for (int c = 0; c < RA; ++c) {
             float *o = out + (t + c) * out_stride + n0;
-            const __m256 r = _mm256_load_ps(acc + c * G8_ROWS), v = bias ? _mm256_add_ps(r, bv) : r;
+            const __m256 v = _mm256_add_ps(_mm256_load_ps(acc + c * G8_ROWS), bv);
             _mm256_storeu_ps(o, mode == QUANT_ADD ? _mm256_add_ps(_mm256_loadu_ps(o), v) : v);
         }
         return;
     }
-    float res[G8_ROWS * G8_MAX_RA];
-    for (int r = 0; r < G8_ROWS; ++r)
-        for (int c = 0; c < RA; ++c) res[r * RA + c] = acc[c * G8_ROWS + r];
-    CAT(write_tile, SUFFIX)(res, G8_ROWS, RA, n0, t, out, out_stride, bias, mode);
+    /* lanes 2i, 2i + 1 are gate_i, up_i: two input rows' 4 pairs in one silu_mul8 */
+    const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+    #pragma GCC unroll 6
+    for (int c = 0; c < RA; c += 2) {
+        const int c1 = c + 1 < RA ? c + 1 : c; /* an odd last row pairs with itself */
+        const __m256 v0 = _mm256_add_ps(_mm256_load_ps(acc + c * G8_ROWS), bv);
+        const __m256 v1 = _mm256_add_ps(_mm256_load_ps(acc + c1 * G8_ROWS), bv);
+        /* [g0 g1 of c, g0 g1 of c1 | g2 g3 of c, g2 g3 of c1], u likewise */
+        const __m256 s = _mm256_permutevar8x32_ps(
+            CAT(silu_mul8, SUFFIX)(_mm256_shuffle_ps(v0, v1, 0x88), _mm256_shuffle_ps(v0, v1, 0xDD)), order);
+        _mm_storeu_ps(out + (t + c) * out_stride + n0 / 2, _mm256_castps256_ps128(s));
+        if (c1 != c) _mm_storeu_ps(out + (t + c1) * out_stride + n0 / 2, _mm256_extractf128_ps(s, 1));
+    }
 }
 
 /* RWG x 8 repacked weight rows n0.. (repack g at words + g * nb * 128, dw_t and m_t + g * nb * 8) .
