@@ -172,18 +172,19 @@ def test_every_instruction_set_gives_the_portable_c_paths_bits(quant: QuantKerne
 
 def test_silu_mul_gives_every_instruction_set_the_same_bits_at_its_limits(quant: QuantKernels) -> None:
     """SwiGLU through a bias that pushes the gates past expf's clamps (+-87, +-88), to +-inf, NaN
-    and +-0: the vectorised silu of the GEMM tiles (quant_gemm8.h) keeps the scalar's every bit."""
+    and +-0: the vectorised silu of the x86 tiles (quant_simd.h silu_mul8) keeps the scalar's bits."""
     specials = [0.0, -0.0, 87.5, -87.5, 88.5, -88.5, 200.0, -200.0, float("inf"), float("-inf"),
                 float("nan"), 1e-30, 30.0, -30.0, 3.0, -3.0]
     gate_up = interleave_rows(make_weight("q4_1", 16, 4 * QK, seed=1), make_weight("q4_1", 16, 4 * QK, seed=2))
     bias = torch.zeros(32)
     bias[0::2] = torch.tensor(specials)  # the gates
-    x = make_inputs(30, 4 * QK)
-    want = quant.linear(x, gate_up, bias, mode="silu_mul", isa="scalar")
-    assert want.isnan().any() and want.isinf().any()
-    for isa in quant.supported_isas:
-        got = quant.linear(x, gate_up, bias, mode="silu_mul", isa=isa)
-        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), isa
+    for T in (1, 8, 30):  # one-row tiles (4 pairs a write), a group of 8, the GEMM tile (AVX2)
+        x = make_inputs(T, 4 * QK)
+        want = quant.linear(x, gate_up, bias, mode="silu_mul", isa="scalar")
+        assert want.isnan().any() and want.isinf().any()
+        for isa in quant.supported_isas:
+            got = quant.linear(x, gate_up, bias, mode="silu_mul", isa=isa)
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), f"{isa}, {T} rows"
 
 
 def test_the_environment_can_name_the_instruction_set(quant: QuantKernels,

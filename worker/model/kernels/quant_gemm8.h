@@ -77,26 +77,6 @@ static void CAT(repack8, SUFFIX)(quant_weight w, int64_t n0, int32_t *words, flo
     }
 }
 
-/* quant.h's silu_mul on 8 lanes, operation for operation (min/max keep its clamps' NaN rule:
- * the second operand), so each lane has the scalar's bits. */
-static inline __attribute__((always_inline)) __m256 CAT(silu_mul8, SUFFIX)(__m256 g, __m256 u) {
-    __m256 x = _mm256_xor_ps(g, _mm256_set1_ps(-0.0f));
-    x = _mm256_max_ps(_mm256_set1_ps(-87.0f), _mm256_min_ps(_mm256_set1_ps(88.0f), x));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_CUR_DIRECTION);
-    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693359375f), x);
-    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
-    const __m256 two_n = _mm256_castsi256_ps(
-        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23));
-    return _mm256_mul_ps(_mm256_div_ps(g, _mm256_fmadd_ps(p, two_n, _mm256_set1_ps(1.0f))), u);
-}
-
 /* acc (RA, 8): input row c's dots with weight rows n0.. n0 + 7 (repacked: m_t); for Q4 the offset
  * chains are added (quant_simd.h's order; the RA chains interleaved: one after another they waited
  * on the fma's latency), then each is written as write_tile would: + bias (0 without), then

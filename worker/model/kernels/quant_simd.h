@@ -38,6 +38,28 @@ static inline __attribute__((always_inline)) __m256i CAT(reduce8, SUFFIX)(const 
 }
 #endif
 
+#ifdef DOT_S16
+/* quant.h's silu_mul on 8 lanes, operation for operation (min/max keep its clamps' NaN rule:
+ * the second operand), so each lane has the scalar's bits. */
+static inline __attribute__((always_inline)) __m256 CAT(silu_mul8, SUFFIX)(__m256 g, __m256 u) {
+    __m256 x = _mm256_xor_ps(g, _mm256_set1_ps(-0.0f));
+    x = _mm256_max_ps(_mm256_set1_ps(-87.0f), _mm256_min_ps(_mm256_set1_ps(88.0f), x));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_CUR_DIRECTION);
+    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693359375f), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    const __m256 two_n = _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23));
+    return _mm256_mul_ps(_mm256_div_ps(g, _mm256_fmadd_ps(p, two_n, _mm256_set1_ps(1.0f))), u);
+}
+#endif
+
 /* n fp16 scales as fp32: a tile's RW rows of block scales (or offsets) are widened once into
  * L1 before its block loop reads them, rather than converted per block and row. */
 static inline __attribute__((always_inline)) void CAT(widen, SUFFIX)(const uint16_t *h, float *f, int64_t n) {
@@ -192,7 +214,7 @@ static inline __attribute__((always_inline)) void CAT(tile, SUFFIX)(
 }
 
 /* Writes the tile res (RW x RA) of output rows n.., input rows t.. as `mode` says. SwiGLU's pairs
- * are gathered first, so the silu loop is one GCC vectorises. */
+ * are gathered first, so the silu loop runs 8 lanes at a time. */
 static inline void CAT(write_tile, SUFFIX)(const float *res, int RW, int RA, int64_t n, int64_t t,
                                            float *out, int64_t out_stride, const float *bias, int mode) {
     if (mode == QUANT_SILU_MUL) {
@@ -203,7 +225,13 @@ static inline void CAT(write_tile, SUFFIX)(const float *res, int RW, int RA, int
                 g[k] = res[r * RA + c] + (bias ? bias[n + r] : 0.0f);
                 u[k] = res[(r + 1) * RA + c] + (bias ? bias[n + r + 1] : 0.0f);
             }
+#ifdef DOT_S16 /* 8 at a time, the last 8 padded with zeros: GCC left this loop scalar, its clamps as branches */
+        for (int i = k; i % 8; ++i) g[i] = u[i] = 0.0f;
+        for (int i = 0; i < k; i += 8)
+            _mm256_storeu_ps(s + i, CAT(silu_mul8, SUFFIX)(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
+#else
         for (int i = 0; i < k; ++i) s[i] = silu_mul(g[i], u[i]);
+#endif
         k = 0;
         for (int r = 0; r < RW; r += 2)
             for (int c = 0; c < RA; ++c) out[(t + c) * out_stride + (n + r) / 2] = s[k++];
