@@ -320,7 +320,6 @@ class Sampler:
                 token_ids = torch.where(batch.temperatures > 0, token_ids, logits.argmax(dim=-1))
         return _with_logprobs(token_ids, raw_logprobs, batch.max_num_logprobs, is_finite)
 
-
     def _argmax_alone(self, logits: Tensor, all_greedy: bool, penalties: bool, logprobs: bool) -> bool:
         return (self.greedy_argmax is not None and all_greedy and not penalties and not logprobs
                 and logits.dtype == torch.float32 and logits.device.type == "cpu")

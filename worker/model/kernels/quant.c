@@ -239,7 +239,8 @@ int quant_isa_supported(int isa) {
 void quant_matmul_body(int isa, quant_weight w, q16_act a, int64_t T, float *out, int64_t out_stride,
                        const float *bias, int mode) {
     /* an AMX or AVX-512 VNNI task repacks its weight rows once for all its input rows
-     * (quant_amx.h, quant_vnni.h) */
+     * (quant_amx.h, quant_vnni.h); AVX2's GEMM tile (quant_gemm8.h) repacks per task of
+     * TASK_ROWS_IN (~3% of its work; 256 there not measured) */
     const int64_t rows_in = isa == QUANT_ISA_AMX || isa == QUANT_ISA_AVX512VNNI ? TASK_ROWS_IN_REPACKED : TASK_ROWS_IN;
     const int64_t n_tasks = (w.N + TASK_ROWS_OUT - 1) / TASK_ROWS_OUT;
     const int64_t t_tasks = (T + rows_in - 1) / rows_in;
