@@ -150,8 +150,8 @@ def test_every_instruction_set_gives_the_portable_c_paths_bits(quant: QuantKerne
     VNNI tiles for the rest; 44 weight rows end in a task of 12 that AMX does not take. Without AMX,
     9 or more input rows run the AVX-512 VNNI GEMM tile (quant_vnni.h) in groups of 6 to 12 (13
     rows: 6 + 7, 300: 256 in groups of 11 and 12, then 44 in 4 of 11), fewer the groups of
-    quant_simd.h. On AVX2, 24 or more run quant_gemm8.h: 16 weight rows in groups of 4 to 6 input
-    rows, then 8 (the task of 12) in groups of 8 to 12, its last 4 weight rows quant_simd.h's."""
+    quant_simd.h. On AVX2, 24 or more run quant_gemm8.h, 16 weight rows in groups of 4 to 6 input
+    rows; the task of 12 weight rows runs quant_simd.h's tiles there."""
     bias = torch.randn(64, generator=torch.Generator().manual_seed(4))
     gate_up = interleave_rows(make_weight(kind, 38, 8 * QK, seed=1), make_weight(kind, 38, 8 * QK, seed=2))
     for N in (44, 64):

@@ -8,21 +8,22 @@
  * weights 2k, 2k + 1 of each of the 8 rows (lane = weight row); vpmaddwd with the input row's pair
  * of words broadcast, plus vpaddd, adds both products to every row's lane, and 16 of them leave
  * each lane holding the block's whole integer dot: no horizontal sum. A pass runs 16 weight rows
- * (two repacks) against up to 6 input rows, so each broadcast pair feeds two vpmaddwd and each
- * weight vector read from L1 six (12 dots in registers; 8 rows x 12 inputs, one vpmaddwd per
- * broadcast, ran 1.1-1.2x quant_simd.h, this 1.23-1.33x). The floats are every other path's
- * (quant_simd.h: per pair fma(dot, dw * da, acc) in block order, then the Q4 offset chain), so the
- * bits are those of the SIMD tiles, AVX-512's, AMX's and portable C's.
+ * (two repacks) against up to G8_MAX_RA = 6 input rows, so each broadcast pair feeds two vpmaddwd
+ * and each weight vector read from L1 six. The floats are every other path's (quant_simd.h: per
+ * pair fma(dot, dw * da, acc) in block order, then the Q4 offset chain), so the bits are those of
+ * the SIMD tiles, AVX-512's, AMX's and portable C's.
  * Measured (2-core AMD EPYC Zen 3, AVX2 only, 2026-12-06, SmolLM2's linears, A/B alternating in
- * one process, 5 rounds, this tile over quant_simd.h's): 512 rows 1.23-1.33x, 64 rows 1.28-1.33x,
- * 9-24 rows 1.01-1.21x, 5-8 rows 0.82-0.96x. Inside a step the repack costs more: the fused
- * decode layers at 16 rows ran 0.955x and the LM head (30 MB streamed) 0.765x, at 24 rows 1.14x and
- * 1.02x, at 32 1.15x and 1.10x; so steps of fewer than 24 rows keep quant_simd.h's tiles. */
+ * one process, 5 rounds, this tile over quant_simd.h's): 8 weight rows x 12 input rows, one
+ * vpmaddwd per broadcast, 1.1-1.2x at 64-512 rows; 16 x 6, 1.23-1.33x; with the offset chains
+ * interleaved and SwiGLU in 8 lanes (g8_write), 1.37-1.75x; 9-24 rows 1.01-1.21x, 5-8 rows
+ * 0.82-0.96x. Inside a step the repack costs more: the fused decode layers at 16 rows ran 0.955x
+ * and the LM head (30 MB streamed) 0.765x, at 24 rows 1.14x and 1.02x, at 32 1.15x and 1.10x; so
+ * steps of fewer than 24 rows keep quant_simd.h's tiles. */
 
 #define CAT_(a, b) a##_##b
 #define CAT(a, b) CAT_(a, b)
 #define G8_ROWS 8     /* weight rows a repack holds: one per lane of a ymm */
-#define G8_MAX_RA 12  /* integer dots a pass holds: with the weight vectors and a broadcast, the 16 ymm */
+#define G8_MAX_RA 6   /* input rows a pass: 2 x 6 integer dots, 2 weight vectors, a broadcast: 15 ymm */
 #ifndef G8_MIN_ROWS
 #define G8_MIN_ROWS 24 /* fewer input rows go to quant_simd.h's tiles (measured above) */
 #endif
@@ -123,55 +124,47 @@ static inline __attribute__((always_inline)) void CAT(g8_write, SUFFIX)(
     }
 }
 
-/* RWG x 8 repacked weight rows n0.. (repack g at words + g * nb * 128, dw_t and m_t + g * nb * 8) .
- * input rows t.. t + RA - 1, RWG * RA <= 12 integer dots in registers: with RWG = 2 each
- * broadcast pair serves two weight vectors. */
+/* 16 repacked weight rows n0.. (repack g = 0, 1 at words + g * nb * 128, dw_t and m_t + g * nb * 8)
+ * . input rows t.. t + RA - 1, RA <= 6: each broadcast pair feeds both repacks' vectors. */
 static inline __attribute__((always_inline)) void CAT(g8_tile, SUFFIX)(
     q16_act a, const int32_t *words, const float *dw_t, const float *m_t, int64_t nb, int64_t n0, int64_t t,
-    const int FMT, const int RWG, const int RA, float *out, int64_t out_stride, const float *bias, int mode) {
+    const int FMT, const int RA, float *out, int64_t out_stride, const float *bias, int mode) {
     const int16_t *aq = a.qs + t * a.C;
     const float *da = a.d + t * nb;
     const int64_t stride = nb * 16 * G8_ROWS; /* one repack's words */
     /* the float accumulators live in L1: the 16 registers hold the integer dots */
     float acc[2][G8_MAX_RA * G8_ROWS] __attribute__((aligned(32)));
     int32_t ab[G8_MAX_RA * 16] __attribute__((aligned(32))); /* the group's block b, rows adjacent */
-    #pragma GCC unroll 12
+    #pragma GCC unroll 6
     for (int c = 0; c < RA; ++c)
-        #pragma GCC unroll 2
-        for (int g = 0; g < RWG; ++g) _mm256_store_ps(acc[g] + c * G8_ROWS, _mm256_setzero_ps());
+        for (int g = 0; g < 2; ++g) _mm256_store_ps(acc[g] + c * G8_ROWS, _mm256_setzero_ps());
     for (int64_t b = 0; b < nb; ++b) {
         __m256i dot[2][G8_MAX_RA];
-        #pragma GCC unroll 12
+        #pragma GCC unroll 6
         for (int c = 0; c < RA; ++c) {
             const int16_t *p = aq + c * a.C + b * 32;
             _mm256_store_si256((__m256i *)(ab + c * 16), _mm256_loadu_si256((const __m256i *)p));
             _mm256_store_si256((__m256i *)(ab + c * 16 + 8), _mm256_loadu_si256((const __m256i *)(p + 16)));
-            #pragma GCC unroll 2
-            for (int g = 0; g < RWG; ++g) dot[g][c] = _mm256_setzero_si256();
+            dot[0][c] = dot[1][c] = _mm256_setzero_si256();
         }
         __asm__ volatile("" : : "r"(ab) : "memory"); /* the pairs below: one base register + constants */
         #pragma GCC unroll 16
         for (int k = 0; k < 16; ++k) {
-            __m256i wk[2];
-            #pragma GCC unroll 2
-            for (int g = 0; g < RWG; ++g)
-                wk[g] = _mm256_load_si256((const __m256i *)(words + g * stride + (b * 16 + k) * G8_ROWS));
-            #pragma GCC unroll 12
+            const __m256i w0 = _mm256_load_si256((const __m256i *)(words + (b * 16 + k) * G8_ROWS));
+            const __m256i w1 = _mm256_load_si256((const __m256i *)(words + stride + (b * 16 + k) * G8_ROWS));
+            #pragma GCC unroll 6
             for (int c = 0; c < RA; ++c) { /* input row c's words 2k, 2k + 1 of the block */
                 const __m256i pair = _mm256_set1_epi32(ab[c * 16 + k]);
-                #pragma GCC unroll 2
-                for (int g = 0; g < RWG; ++g) {
-                    dot[g][c] = DOT_S16(dot[g][c], wk[g], pair);
-                    /* one chain per (row, group), in registers: GCC otherwise reassociates the 16
-                     * integer adds into a tree, computing every product first and spilling them */
-                    __asm__("" : "+x"(dot[g][c]));
-                }
+                dot[0][c] = DOT_S16(dot[0][c], w0, pair);
+                dot[1][c] = DOT_S16(dot[1][c], w1, pair);
+                /* one chain per dot, in registers: GCC otherwise reassociates the 16 integer adds
+                 * into a tree, computing every product first and spilling them to the stack */
+                __asm__("" : "+x"(dot[0][c]), "+x"(dot[1][c]));
             }
         }
-        #pragma GCC unroll 2
-        for (int g = 0; g < RWG; ++g) {
+        for (int g = 0; g < 2; ++g) {
             const __m256 dw = _mm256_load_ps(dw_t + (g * nb + b) * G8_ROWS);
-            #pragma GCC unroll 12
+            #pragma GCC unroll 6
             for (int c = 0; c < RA; ++c)
                 _mm256_store_ps(acc[g] + c * G8_ROWS,
                                 _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[g][c]),
@@ -180,26 +173,26 @@ static inline __attribute__((always_inline)) void CAT(g8_tile, SUFFIX)(
         }
         __asm__ volatile("" : : "r"(acc) : "memory"); /* keep them there */
     }
-    #pragma GCC unroll 2
-    for (int g = 0; g < RWG; ++g)
+    for (int g = 0; g < 2; ++g)
         CAT(g8_write, SUFFIX)(acc[g], m_t + g * nb * G8_ROWS, a, nb, n0 + g * G8_ROWS, t, FMT, RA, out, out_stride,
                               bias, mode);
 }
 
-#define G8_GROUP(RWG, RA)                                                                                     \
+#define G8_GROUP(RA)                                                                                          \
     case RA:                                                                                                  \
         if (FMT == QUANT_Q4)                                                                                  \
-            CAT(g8_tile, SUFFIX)(a, words, dw_t, m_t, nb, n, t, QUANT_Q4, RWG, RA, out, out_stride, bias, mode); \
+            CAT(g8_tile, SUFFIX)(a, words, dw_t, m_t, nb, n, t, QUANT_Q4, RA, out, out_stride, bias, mode);   \
         else                                                                                                  \
-            CAT(g8_tile, SUFFIX)(a, words, dw_t, m_t, nb, n, t, QUANT_Q8, RWG, RA, out, out_stride, bias, mode); \
+            CAT(g8_tile, SUFFIX)(a, words, dw_t, m_t, nb, n, t, QUANT_Q8, RA, out, out_stride, bias, mode);   \
         break;
 
 /* A task of quant_matmul_body: output rows [n0, n1) x input rows [t0, t1). With G8_MIN_ROWS or more
- * input rows, 16 weight rows at a time (then 8) are repacked and run here in groups of up to 6
- * (12) input rows, as equal as they can be; the rest goes to quant_simd.h's tiles (the same floats). */
+ * input rows, each whole 16 weight rows are repacked and run here in groups of up to 6 input rows,
+ * as equal as they can be; the rest (fewer rows, or a task's last 1-15 weight rows: rare, as
+ * models' widths are multiples of 16) goes to quant_simd.h's tiles, which give the same floats. */
 static void CAT(g8_task, SUFFIX)(quant_weight w, q16_act a, int64_t n0, int64_t n1, int64_t t0, int64_t t1,
                                  float *out, int64_t out_stride, const float *bias, int mode) {
-    const int64_t nb = w.C / 32, whole = n0 + (n1 - n0) / G8_ROWS * G8_ROWS;
+    const int64_t nb = w.C / 32, whole = n0 + (n1 - n0) / (2 * G8_ROWS) * (2 * G8_ROWS);
     int32_t *words = t1 - t0 >= G8_MIN_ROWS && whole > n0 ? aligned_alloc(32, (size_t)nb * 16 * G8_ROWS * 4 * 2) : NULL;
     float *dw_t = words ? aligned_alloc(32, (size_t)nb * G8_ROWS * sizeof(float) * 4) : NULL;
     if (dw_t == NULL) { /* too few rows, or no memory for the repack: the simd tiles need none */
@@ -209,30 +202,19 @@ static void CAT(g8_task, SUFFIX)(quant_weight w, q16_act a, int64_t n0, int64_t 
     }
     const int FMT = w.format;
     float *m_t = dw_t + 2 * nb * G8_ROWS;
-    for (int64_t n = n0; n < whole;) {
-        const int RWG = whole - n >= 2 * G8_ROWS ? 2 : 1;
-        for (int g = 0; g < RWG; ++g)
+    const int64_t groups = (t1 - t0 + G8_MAX_RA - 1) / G8_MAX_RA;
+    for (int64_t n = n0; n < whole; n += 2 * G8_ROWS) {
+        for (int g = 0; g < 2; ++g)
             CAT(repack8, SUFFIX)(w, n + g * G8_ROWS, words + g * nb * 16 * G8_ROWS, dw_t + g * nb * G8_ROWS,
                                  m_t + g * nb * G8_ROWS);
-        const int max_ra = G8_MAX_RA / RWG;
-        const int64_t groups = (t1 - t0 + max_ra - 1) / max_ra;
         for (int64_t g = 0, t = t0; g < groups; ++g) {
             const int64_t t_next = t0 + (t1 - t0) * (g + 1) / groups;
-            if (RWG == 2) {
-                switch (t_next - t) { /* 24 or more rows in groups of at most 6: 4 to 6 each */
-                    G8_GROUP(2, 4) G8_GROUP(2, 5) G8_GROUP(2, 6)
-                    default: CAT(quant_task, SUFFIX)(w, a, n, n + 2 * G8_ROWS, t, t_next, out, out_stride, bias, mode);
-                }
-            } else {
-                switch (t_next - t) { /* 24 or more rows in groups of at most 12: 8 to 12 each */
-                    G8_GROUP(1, 8) G8_GROUP(1, 9) G8_GROUP(1, 10) G8_GROUP(1, 11)
-                    G8_GROUP(1, 12)
-                    default: CAT(quant_task, SUFFIX)(w, a, n, n + G8_ROWS, t, t_next, out, out_stride, bias, mode);
-                }
+            switch (t_next - t) { /* 24 or more rows in groups of at most 6: 4 to 6 each */
+                G8_GROUP(4) G8_GROUP(5) G8_GROUP(6)
+                default: CAT(quant_task, SUFFIX)(w, a, n, n + 2 * G8_ROWS, t, t_next, out, out_stride, bias, mode);
             }
             t = t_next;
         }
-        n += RWG * G8_ROWS;
     }
     if (whole < n1) CAT(quant_task, SUFFIX)(w, a, whole, n1, t0, t1, out, out_stride, bias, mode);
     free(words), free(dw_t);
