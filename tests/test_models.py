@@ -16,7 +16,7 @@ import grpc
 import pytest
 import redis
 
-from gateway import cli
+from gateway import cli, models
 from protos.convert import build_request
 from protos.keys import Keys
 from protos.params import PromptInput, SamplingParams
@@ -89,6 +89,32 @@ def test_what_is_not_served_is_refused_naming_what_is(
         list(stub.Generate(build_request("hi", max_tokens=2, **fields), timeout=10))
     assert e.value.code() == code
     assert message in (e.value.details() or "")
+
+
+def test_a_model_whose_workers_all_left_stays_served_for_a_grace_period(
+        two_models: tuple[Stub, dict[str, WorkerThread]], start_worker: Callable[..., WorkerThread],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a Redis outage longer than the heartbeat TTL, or while a model's only worker restarts,
+    no live worker serves it for a while: a call then waits in the queue for the next one instead
+    of ending NOT_FOUND; once SERVED_GRACE_S has passed without one, it is refused."""
+    stub, workers = two_models
+    workers["beta"].stop()  # leaving deletes its heartbeat at once
+    wait_until(lambda: len(server_info(stub).workers) == 1, timeout=10)  # the gateway has read it gone
+    request = build_request("hi", max_tokens=6, seed=3, model="beta")
+    with ThreadPoolExecutor(1) as pool:
+        call = pool.submit(lambda: list(stub.Generate(request, timeout=30)))
+        time.sleep(1.0)
+        assert not call.done()  # queued, not refused
+        successor = start_worker(sim("B"), worker_id="b2", served_model_name="beta")
+        out = call.result(timeout=30)
+    assert out[-1].final.worker_id == "b2" and tokens(out) == sim_token_ids(3, 0, 6, "B")
+    monkeypatch.setattr(models, "SERVED_GRACE_S", 0.0)
+    successor.stop()
+    wait_until(lambda: len(server_info(stub).workers) == 1, timeout=10)
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(request, timeout=10))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "model 'beta' is not served here: served are alpha" in (e.value.details() or "")
 
 
 def test_server_info_lists_the_models_their_adapters_and_workers(
