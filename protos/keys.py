@@ -46,8 +46,9 @@ Models (one set of streams per served model)
   model file's name) and claims only that model's streams; `Keys.for_model(m)` names them.
   ``{p}:model:{m}:requests`` is model m's NORMAL stream. GenerateRequest.model picks the
   model (the gateway's --default-model when empty), and so the streams; a model that no
-  live worker serves and the gateway's --models does not name is refused with NOT_FOUND
-  (gateway/models.py), so nothing waits in a stream no worker reads. The model is part of
+  live worker serves (nor served in the gateway's last 60 s) and the gateway's --models does
+  not name is refused with NOT_FOUND (UNAVAILABLE while nothing at all is served;
+  gateway/models.py), so nothing waits long in a stream no worker reads. The model is part of
   the body digest like the priority: every attempt at a request goes to the same model's
   streams. Each worker's HEARTBEAT writes its model into ``{p}:consumer-models``
   (consumer -> model), so a sweeper re-claims only the dead workers of its own model
