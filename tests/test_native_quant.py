@@ -175,7 +175,8 @@ def test_silu_mul_gives_every_instruction_set_the_same_bits_at_its_limits(quant:
     and +-0: the vectorised silu of the x86 tiles (quant_simd.h silu_mul8) keeps the scalar's bits."""
     specials = [0.0, -0.0, 87.5, -87.5, 88.5, -88.5, 200.0, -200.0, float("inf"), float("-inf"),
                 float("nan"), 1e-30, 30.0, -30.0, 3.0, -3.0]
-    gate_up = interleave_rows(make_weight("q4_1", 16, 4 * QK, seed=1), make_weight("q4_1", 16, 4 * QK, seed=2))
+    gate_up = interleave_rows(make_weight("q4_1", 16, 4 * QK, seed=1),
+                              make_weight("q4_1", 16, 4 * QK, seed=2))
     bias = torch.zeros(32)
     bias[0::2] = torch.tensor(specials)  # the gates
     for T in (1, 8, 30):  # one-row tiles (4 pairs a write), a group of 8, the GEMM tile (AVX2)
