@@ -15,7 +15,7 @@ from worker.engine.outputs import Admitted, RequestOutput
 from worker.engine.text_engine import EngineStats
 from worker.model import native
 from worker.model.config import ModelConfig
-from worker.model.llama import LlamaModel
+from worker.model.llama import ForwardBatch, KVCache, LlamaModel
 from worker.model.native import NativeKernels, load_native_kernels
 from worker.model.quant import QuantWeight, quantize
 
@@ -181,3 +181,25 @@ def kernels_built_with(flag: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         load_native_kernels.cache_clear()
     assert built is not None
     return built
+
+
+def forward_in_chunks(model: LlamaModel, ids: torch.Tensor, sizes: list[int],
+                      block_size: int = 4) -> tuple[torch.Tensor, KVCache]:
+    """ids (n,) as one sequence's prompt chunks of `sizes` tokens (the last repeats until the
+    prompt is done), every token's logits kept: (n, V) logits and the cache."""
+    n = ids.shape[0]
+    num_blocks = -(-n // block_size)
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(6))  # scattered blocks
+    tables = order[None].to(torch.int32)  # (1, num_blocks)
+    cache = KVCache(model.config, num_blocks, block_size, torch.float32, torch.device("cpu"))
+    logits, a, k = [], 0, 0
+    while a < n:
+        b = min(n, a + sizes[min(k, len(sizes) - 1)])
+        pos = torch.arange(a, b)
+        slots = tables[0, pos // block_size].long() * block_size + pos % block_size
+        batch = ForwardBatch(input_ids=ids[a:b], positions=pos, slot_mapping=slots, block_tables=tables,
+                             context_lens=torch.tensor([b], dtype=torch.int32), query_start_loc=(0, b - a),
+                             context_lens_host=(b,), num_prefills=1, logits_indices=torch.arange(b - a))
+        logits.append(model.forward(batch, cache))
+        a, k = b, k + 1
+    return torch.cat(logits), cache

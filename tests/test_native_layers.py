@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.factories import kernels_built_with, make_hf_model, ours_from_hf
+from tests.factories import forward_in_chunks, kernels_built_with, make_hf_model, ours_from_hf
 from worker.model.llama import ForwardBatch, KVCache, LlamaModel
 from worker.model.native import COMPILERS, load_native_kernels
 from worker.model.native_quant import ISA_ENV
@@ -149,27 +149,6 @@ def test_a_prompt_chunk_computes_what_its_tokens_decoded_one_by_one_compute(mode
     step_logits = torch.cat([model.forward(batch(i, i + 1), one_by_one) for i in range(n)])
     assert torch.equal(chunk_logits, step_logits)
     assert torch.equal(whole.k, one_by_one.k) and torch.equal(whole.v, one_by_one.v)
-
-
-def forward_in_chunks(model: LlamaModel, ids: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, KVCache]:
-    """ids (n,) as one sequence's prompt chunks of `sizes` tokens (the last repeats until the
-    prompt is done), every token's logits kept: (n, V) logits and the cache."""
-    n = ids.shape[0]
-    num_blocks = -(-n // BLOCK)
-    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(6))  # scattered blocks
-    tables = order[None].to(torch.int32)  # (1, num_blocks)
-    cache = KVCache(model.config, num_blocks, BLOCK, torch.float32, torch.device("cpu"))
-    logits, a, k = [], 0, 0
-    while a < n:
-        b = min(n, a + sizes[min(k, len(sizes) - 1)])
-        pos = torch.arange(a, b)
-        slots = tables[0, pos // BLOCK].long() * BLOCK + pos % BLOCK
-        batch = ForwardBatch(input_ids=ids[a:b], positions=pos, slot_mapping=slots, block_tables=tables,
-                             context_lens=torch.tensor([b], dtype=torch.int32), query_start_loc=(0, b - a),
-                             context_lens_host=(b,), num_prefills=1, logits_indices=torch.arange(b - a))
-        logits.append(model.forward(batch, cache))
-        a, k = b, k + 1
-    return torch.cat(logits), cache
 
 
 @pytest.mark.parametrize("kind", ["q8_0", "q4_0"])

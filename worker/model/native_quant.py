@@ -15,7 +15,9 @@ ISAS = {"amx": 4, "avx512vnni": 3, "avxvnni": 2, "avx2": 1, "scalar": 0}
 # Names the instruction set to use instead of the best one (to compare paths on one host, or to
 # step around one a VM mishandles): every path gives the same bits, so only speed changes.
 ISA_ENV = "TOKENRELAY_KERNEL_ISA"
-FORMATS = {"q4": 0, "q8": 1}
+FORMATS = {"q4": 0, "q8": 1, "q4p": 2}
+# Instruction sets with tiles for q4p panels (kernels/quant_panel.h); the others read them in C.
+PANEL_ISAS = ("amx", "avx512vnni")
 MODES = {"store": 0, "add": 1, "silu_mul": 2}
 
 _p, _i64, _i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int

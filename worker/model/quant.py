@@ -10,6 +10,10 @@ scales made SmolLM2's 96.5 MB a token 111.5 MB):
   * "q8": Q8_0 (w = d * q, q an int8).
 Any other tensor type (F16, BF16, K-quants) is dequantized and requantized to
 Q8_0 at load, as are safetensors weights with `quantization="q8_0"`.
+Where the kernels run AVX-512 VNNI (or AMX), q4 weights are then stored in a
+third format, "q4p": the same blocks in panels of 16 rows, interleaved so that
+a batch-1 step needs no horizontal sums (`QuantWeight.panels`; kernels/quant.h
+has the layout, kernels/quant_panel.h the measurements).
 
 Also here: NumPy references of the activation quantization and of a quantized
 linear, which the tests hold the C kernels to.
@@ -27,31 +31,42 @@ QK = 32  # weights per block
 Q = gguf.GGMLQuantizationType
 KEPT_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0)  # GGUF types kept in their own blocks
 QUANTIZE_TYPES = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0}
+PANEL = 16  # weight rows a q4p panel interleaves
+_NIBBLE_SHIFTS = torch.tensor([0, 4, 8, 12], dtype=torch.int32)  # nibble j of a q4p word: bits 4 j
 
 
 @dataclass(frozen=True)
 class QuantWeight:
     """A linear weight (N, C) in blocks of QK along C."""
 
-    format: str  # "q4" or "q8"
+    format: str  # "q4", "q8" or "q4p"
     source: str  # the file's type it came from: "Q4_1", "Q4_0", "Q8_0", or "F32->Q8_0", ...
-    qs: torch.Tensor  # q4: (N, C // 2) uint8, byte j of a block holds u_j (low) and u_{j+16}; q8: (N, C) int8
-    d: torch.Tensor  # (N, C // QK) fp16 block scales
-    m: torch.Tensor | None  # q4: (N, C // QK) fp16 block offsets; q8: None
+    # q4: (N, C // 2) uint8, byte j of a block holds u_j (low) and u_{j+16}; q8: (N, C) int8;
+    # q4p: (N // 16, C // QK, 256) uint8, a panel's block as 4 x 16 x 2 little-endian words (panels())
+    qs: torch.Tensor
+    d: torch.Tensor  # (N, C // QK) fp16 block scales; q4p: (N // 16, C // QK, 16)
+    m: torch.Tensor | None  # q4: (N, C // QK) fp16 block offsets; q4p: (N // 16, C // QK, 16); q8: None
 
     def __post_init__(self) -> None:
         """The C kernels read these tensors through raw pointers, so they must be what the
         fields say, checked once here rather than on every call: ValueError naming the part."""
-        if self.format not in ("q4", "q8"):
-            raise ValueError(f"weight format must be q4 or q8, got {self.format!r}")
-        N, nb = self.d.shape if self.d.dim() == 2 else (0, 0)
-        C = nb * QK
-        qs_dtype, qs_shape = (torch.uint8, (N, C // 2)) if self.format == "q4" else (torch.int8, (N, C))
-        parts = {"qs": (self.qs, qs_dtype, qs_shape), "d": (self.d, torch.float16, (N, nb))}
-        if self.format == "q4":
+        if self.format not in ("q4", "q8", "q4p"):
+            raise ValueError(f"weight format must be q4, q8 or q4p, got {self.format!r}")
+        qs_shape: tuple[int, ...]
+        d_shape: tuple[int, ...]
+        if self.format == "q4p":
+            P, nb = self.d.shape[:2] if self.d.dim() == 3 else (0, 0)
+            qs_dtype, qs_shape, d_shape = torch.uint8, (P, nb, 256), (P, nb, PANEL)
+        else:
+            N, nb = self.d.shape if self.d.dim() == 2 else (0, 0)
+            d_shape = (N, nb)
+            q4 = self.format == "q4"
+            qs_dtype, qs_shape = (torch.uint8, (N, nb * QK // 2)) if q4 else (torch.int8, (N, nb * QK))
+        parts = {"qs": (self.qs, qs_dtype, qs_shape), "d": (self.d, torch.float16, d_shape)}
+        if self.format != "q8":
             if self.m is None:
-                raise ValueError("a q4 weight needs its block offsets m")
-            parts["m"] = (self.m, torch.float16, (N, nb))
+                raise ValueError(f"a {self.format} weight needs its block offsets m")
+            parts["m"] = (self.m, torch.float16, d_shape)
         for name, (t, dtype, shape) in parts.items():
             if t.device.type != "cpu" or t.dtype != dtype:
                 raise ValueError(f"weight {name} must be a {dtype} CPU tensor, got {t.dtype} on {t.device}")
@@ -60,19 +75,61 @@ class QuantWeight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.d.shape[0], self.d.shape[1] * QK
+        return self.d.shape[0] * (PANEL if self.format == "q4p" else 1), self.d.shape[1] * QK
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m) if t is not None)
 
     def rows(self, index: torch.Tensor) -> QuantWeight:
-        """These rows, in this order (rows are whole blocks: permuting them is exact)."""
+        """These rows, in this order (rows are whole blocks: permuting them is exact); q4p comes
+        back as q4."""
+        if self.format == "q4p":
+            return self.row_major().rows(index)
         return replace(self, qs=self.qs[index].contiguous(), d=self.d[index].contiguous(),
                        m=None if self.m is None else self.m[index].contiguous())
 
+    def panels(self) -> QuantWeight:
+        """This q4 weight as q4p: panels of 16 rows, panel p's block b as 4 x 16 x 2 16-bit words,
+        word [s, r, e] holding weights 8 s + 2 j + e (j = 0..3, in bits 4 j) of row 16 p + r. The
+        AVX-512 VNNI tiles read a 64-byte [s] as 16 rows' next 8 weights (kernels/quant_panel.h)."""
+        N, C = self.shape
+        if self.format != "q4" or N % PANEL:
+            raise ValueError(f"panels: a q4 weight with a multiple of {PANEL} rows, "
+                             f"got {self.format} with {N}")
+        P, nb = N // PANEL, C // QK
+        q = self.qs.view(N, nb, QK // 2)
+        u = torch.cat((q & 0x0F, q >> 4), dim=-1).to(torch.int32)  # (N, nb, QK) in element order
+        u = u.view(P, PANEL, nb, 4, 4, 2)  # (p, r, b, s, j, e): element 8 s + 2 j + e of row 16 p + r
+        words = (u.permute(0, 2, 3, 1, 5, 4) << _NIBBLE_SHIFTS).sum(-1)  # (p, b, s, r, e)
+        qs = torch.from_numpy(words.numpy().astype("<u2").view(np.uint8).reshape(P, nb, 256))
+        assert self.m is not None
+        return replace(self, format="q4p", qs=qs, d=self._scales_to_panels(self.d),
+                       m=self._scales_to_panels(self.m))
+
+    def row_major(self) -> QuantWeight:
+        """A q4p weight back as q4 (any other, itself)."""
+        if self.format != "q4p":
+            return self
+        N, C = self.shape
+        P, nb = N // PANEL, C // QK
+        words = torch.from_numpy(self.qs.numpy().view("<u2").astype(np.int32)).view(P, nb, 4, PANEL, 2, 1)
+        u = ((words >> _NIBBLE_SHIFTS) & 0x0F).permute(0, 3, 1, 2, 5, 4)  # (p, r, b, s, j, e)
+        u = u.reshape(N, nb, QK)
+        qs = (u[..., : QK // 2] | (u[..., QK // 2:] << 4)).to(torch.uint8).reshape(N, C // 2)
+        assert self.m is not None
+        return replace(self, format="q4", qs=qs, d=self.d.permute(0, 2, 1).reshape(N, nb),
+                       m=self.m.permute(0, 2, 1).reshape(N, nb))
+
+    @staticmethod
+    def _scales_to_panels(t: torch.Tensor) -> torch.Tensor:
+        N, nb = t.shape
+        return t.view(N // PANEL, PANEL, nb).permute(0, 2, 1).contiguous()  # (P, nb, 16)
+
     def dequantize(self) -> torch.Tensor:
         """(N, C) fp32: what the kernels multiply by."""
+        if self.format == "q4p":
+            return self.row_major().dequantize()
         N, C = self.shape
         scale = self.d.float()[:, :, None]  # (N, C / QK, 1)
         if self.format == "q8":
@@ -155,6 +212,7 @@ def quantize_activations_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarra
 def integer_dots_reference(w: QuantWeight, qa: np.ndarray) -> np.ndarray:
     """Per block integer dot products (T, N, C / QK) int64 of the weight's integers (u for q4,
     q for q8) with quantized activations qa (T, C)."""
+    w = w.row_major()
     N, C = w.shape
     if w.format == "q8":
         wi = w.qs.numpy().astype(np.int64).reshape(N, C // QK, QK)
@@ -168,6 +226,7 @@ def integer_dots_reference(w: QuantWeight, qa: np.ndarray) -> np.ndarray:
 def linear_reference(w: QuantWeight, x: np.ndarray) -> np.ndarray:
     """What the kernels compute for x (T, C), in float64: (T, N)."""
     qa, d, s = quantize_activations_reference(x)
+    w = w.row_major()
     dots = integer_dots_reference(w, qa).astype(np.float64)  # (T, N, nb)
     da = d.astype(np.float64)[:, None, :]  # (T, 1, nb)
     out = dots * w.d.numpy().astype(np.float64)[None] * da

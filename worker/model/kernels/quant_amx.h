@@ -117,7 +117,7 @@ static void amx_task(quant_weight w, q16_act a, int64_t n0, int64_t n1, int64_t 
                      int64_t out_stride, const float *bias, int mode) {
     const int64_t t_amx = t0 + (t1 - t0) / AMX_ROWS * AMX_ROWS;
     if (n1 - n0 != AMX_ROWS || t_amx - t0 < AMX_MIN_ROWS) {
-        quant_task_avx512vnni(w, a, n0, n1, t0, t1, out, out_stride, bias, mode);
+        vnni_small_task(w, a, n0, n1, t0, t1, out, out_stride, bias, mode);
         return;
     }
     const int64_t nb = w.C / 32;
@@ -125,17 +125,17 @@ static void amx_task(quant_weight w, q16_act a, int64_t n0, int64_t n1, int64_t 
     float *dw_t = aligned_alloc(64, (size_t)nb * AMX_ROWS * sizeof(float) * 2), *m_t = dw_t + nb * AMX_ROWS;
     if (b_tiles == NULL || dw_t == NULL) { /* no memory for the repack: the VNNI tiles need none */
         free(b_tiles), free(dw_t);
-        quant_task_avx512vnni(w, a, n0, n1, t0, t1, out, out_stride, bias, mode);
+        vnni_small_task(w, a, n0, n1, t0, t1, out, out_stride, bias, mode);
         return;
     }
     const int FMT = w.format;
     amx_repack(w, n0, FMT, b_tiles, dw_t, m_t);
     amx_configure();
     for (int64_t t = t0; t < t_amx; t += AMX_ROWS) {
-        if (FMT == QUANT_Q4) amx_tile(w, a, b_tiles, dw_t, m_t, n0, t, QUANT_Q4, out, out_stride, bias, mode);
+        if (FMT != QUANT_Q8) amx_tile(w, a, b_tiles, dw_t, m_t, n0, t, QUANT_Q4, out, out_stride, bias, mode);
         else amx_tile(w, a, b_tiles, dw_t, m_t, n0, t, QUANT_Q8, out, out_stride, bias, mode);
     }
     _tile_release();
     free(b_tiles), free(dw_t);
-    if (t_amx < t1) quant_task_avx512vnni(w, a, n0, n1, t_amx, t1, out, out_stride, bias, mode);
+    if (t_amx < t1) vnni_small_task(w, a, n0, n1, t_amx, t1, out, out_stride, bias, mode);
 }

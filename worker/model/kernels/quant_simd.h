@@ -194,18 +194,20 @@ static inline __attribute__((always_inline)) void CAT(tile, SUFFIX)(
                     const uint8_t *q = (const uint8_t *)w.qs + (n + r) * (w.C / 2) + b * 16;
                     for (int j = 0; j < 16; ++j)
                         dot += (q[j] & 0x0F) * qa[b * 32 + j] + (q[j] >> 4) * qa[b * 32 + j + 16];
-                } else {
+                } else if (FMT == QUANT_Q8) {
                     const int8_t *q = (const int8_t *)w.qs + (n + r) * w.C + b * 32;
                     for (int j = 0; j < 32; ++j) dot += q[j] * qa[b * 32 + j];
+                } else {
+                    for (int j = 0; j < 32; ++j) dot += quant_int(w, n + r, b * 32 + j) * qa[b * 32 + j];
                 }
-                const float scale = half_to_float(w.d[(n + r) * nb + b]) * a.d[(t + c) * nb + b];
+                const float scale = half_to_float(w.d[quant_scale_index(w, n + r, b)]) * a.d[(t + c) * nb + b];
                 acc = __builtin_fmaf((float)dot, scale, acc);
             }
-            if (FMT == QUANT_Q4) {
-                const uint16_t *m = w.m + (n + r) * nb;
+            if (FMT != QUANT_Q8) {
                 const float *ds = a.ds + (t + c) * nb;
                 float sum = 0.0f;
-                for (int64_t b = 0; b < nb; ++b) sum = __builtin_fmaf(half_to_float(m[b]), ds[b], sum);
+                for (int64_t b = 0; b < nb; ++b)
+                    sum = __builtin_fmaf(half_to_float(w.m[quant_scale_index(w, n + r, b)]), ds[b], sum);
                 acc += sum;
             }
             res[r * RA + c] = acc;
@@ -310,6 +312,10 @@ static void CAT(quant_task, SUFFIX)(quant_weight w, q16_act a, int64_t n0, int64
                                     int64_t t1, float *out, int64_t out_stride, const float *bias, int mode) {
     if (w.format == QUANT_Q4)
         CAT(task_fmt, SUFFIX)(w, a, n0, n1, t0, t1, out, out_stride, bias, mode, QUANT_Q4);
+#ifndef DOT_S16 /* panels (q4p) are read here and by quant_panel.h's AVX-512 tiles only */
+    else if (w.format == QUANT_Q4P)
+        CAT(task_fmt, SUFFIX)(w, a, n0, n1, t0, t1, out, out_stride, bias, mode, QUANT_Q4P);
+#endif
     else
         CAT(task_fmt, SUFFIX)(w, a, n0, n1, t0, t1, out, out_stride, bias, mode, QUANT_Q8);
 }

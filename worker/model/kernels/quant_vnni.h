@@ -47,12 +47,29 @@ static inline void transpose16(__m512i *r) {
     }
 }
 
+/* One 64-byte chunk s of a q4p panel's block (quant.h): x[j] = dword 4 s + j of every row (its
+ * weights 8 s + 2 j and + 1 as 16-bit words), lane r = the panel's row r. Seven ops, no shuffle. */
+static inline __attribute__((always_inline)) void panel_chunk(const void *chunk, __m512i *x) {
+    const __m512i words = _mm512_load_si512(chunk), nibble = _mm512_set1_epi16(0x0F);
+    x[0] = _mm512_and_si512(words, nibble);
+    x[1] = _mm512_and_si512(_mm512_srli_epi16(words, 4), nibble);
+    x[2] = _mm512_and_si512(_mm512_srli_epi16(words, 8), nibble);
+    x[3] = _mm512_srli_epi16(words, 12);
+}
+
 /* Block b of weight rows n0.. n0 + 15 as 16-bit words, transposed: x[k] = dword k (weights 2k,
  * 2k + 1) of every row, lane n = row n0 + n. Also the rows' scales (and Q4 offsets) of the
- * block as fp32, dw_b[n] (m_b[n]). */
+ * block as fp32, dw_b[n] (m_b[n]). A q4p panel holds its words that way already. */
 static inline void repack16_block(quant_weight w, int64_t n0, int64_t b, const int FMT, __m512i *x, float *dw_b,
                                   float *m_b) {
     const int64_t nb = w.C / 32, row_bytes = FMT == QUANT_Q4 ? w.C / 2 : w.C;
+    if (FMT == QUANT_Q4P) {
+        const int64_t at = (n0 / VNNI_ROWS) * nb + b;
+        for (int s = 0; s < 4; ++s) panel_chunk((const uint8_t *)w.qs + at * 256 + s * 64, x + 4 * s);
+        _mm512_storeu_ps(dw_b, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w.d + at * VNNI_ROWS))));
+        _mm512_storeu_ps(m_b, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w.m + at * VNNI_ROWS))));
+        return;
+    }
     for (int n = 0; n < VNNI_ROWS; ++n) {
         const uint8_t *p = (const uint8_t *)w.qs + (n0 + n) * row_bytes + b * (FMT == QUANT_Q4 ? 16 : 32);
         if (FMT == QUANT_Q4) { /* byte j = u_j | u_{j+16} << 4 */
@@ -147,7 +164,7 @@ static inline __attribute__((always_inline)) void vnni_tile(q16_act a, const int
 /* Input rows t.. t + RA - 1 against the repacked task, RA known at compile time. */
 #define VNNI_GROUP(RA)                                                                                        \
     case RA:                                                                                              \
-        if (FMT == QUANT_Q4) vnni_tile(a, words, dw_t, m_t, nb, n0, t, QUANT_Q4, RA, out, out_stride, bias, mode); \
+        if (FMT != QUANT_Q8) vnni_tile(a, words, dw_t, m_t, nb, n0, t, QUANT_Q4, RA, out, out_stride, bias, mode); \
         else vnni_tile(a, words, dw_t, m_t, nb, n0, t, QUANT_Q8, RA, out, out_stride, bias, mode);               \
         break;
 
@@ -161,7 +178,7 @@ static void vnni_task(quant_weight w, q16_act a, int64_t n0, int64_t n1, int64_t
     float *dw_t = words ? aligned_alloc(64, (size_t)nb * VNNI_ROWS * sizeof(float) * 2) : NULL;
     if (dw_t == NULL) { /* too few rows, or no memory for the repack: the simd tiles need none */
         free(words);
-        quant_task_avx512vnni(w, a, n0, n1, t0, t1, out, out_stride, bias, mode);
+        vnni_small_task(w, a, n0, n1, t0, t1, out, out_stride, bias, mode);
         return;
     }
     const int FMT = w.format;
@@ -179,7 +196,7 @@ static void vnni_task(quant_weight w, q16_act a, int64_t n0, int64_t n1, int64_t
             VNNI_GROUP(6) VNNI_GROUP(7) VNNI_GROUP(8) VNNI_GROUP(9) VNNI_GROUP(10) VNNI_GROUP(11)
             VNNI_GROUP(12)
             default: /* never with VNNI_MIN_ROWS 9; fewer rows would run here */
-                quant_task_avx512vnni(w, a, n0, n1, t, t_next, out, out_stride, bias, mode);
+                vnni_small_task(w, a, n0, n1, t, t_next, out, out_stride, bias, mode);
         }
         t = t_next;
     }
