@@ -9,7 +9,15 @@ import pytest
 import torch
 
 from tests.factories import forward_in_chunks, make_hf_model, ours_from_hf
-from tests.quant_factories import ACT_MAX, integer_weight, make_inputs, make_integer_inputs, make_weight
+from tests.quant_factories import (
+    ACT_MAX,
+    KINDS,
+    WEIGHT_MAX,
+    integer_weight,
+    make_inputs,
+    make_integer_inputs,
+    make_weight,
+)
 from worker.model import linear
 from worker.model.native_quant import PANEL_ISAS, QuantKernels
 from worker.model.quant import PANEL, QK, QuantWeight, integer_dots_reference
@@ -47,11 +55,25 @@ def test_panels_hold_every_weight_where_the_layout_says_and_convert_back(kind: s
     np.testing.assert_array_equal(integer_dots_reference(p, qa), integer_dots_reference(rows, qa))
 
 
+def test_q8_panels_hold_every_weight_where_the_layout_says_and_convert_back() -> None:
+    rng = np.random.default_rng(1)
+    ints = rng.integers(-128, 128, size=(32, 2 * QK))
+    rows = integer_weight("q8_0", ints)
+    p = rows.panels()
+    assert p.format == "q8p" and p.m is None and p.shape == rows.shape and p.nbytes == rows.nbytes
+    q = p.qs.numpy()  # (P, nb, 512): [k, r, e] = weight 2 k + e of row 16 p + r
+    assert all(q[n // PANEL, k // QK, (k % QK // 2) * 32 + (n % PANEL) * 2 + k % 2] == ints[n, k]
+               for n in range(32) for k in range(2 * QK))
+    back = p.row_major()
+    assert back.format == "q8" and torch.equal(back.qs, rows.qs) and torch.equal(back.d, rows.d)
+    assert torch.equal(p.dequantize(), rows.dequantize())
+
+
 def test_panels_are_refused_where_they_cannot_be() -> None:
-    with pytest.raises(ValueError, match="a q4 weight with a multiple of 16 rows, got q4 with 39"):
+    with pytest.raises(ValueError, match="a q4 or q8 weight with a multiple of 16 rows, got q4 with 39"):
         make_weight("q4_1", 39, QK).panels()
-    with pytest.raises(ValueError, match="got q8 with 32"):
-        make_weight("q8_0", 32, QK).panels()
+    with pytest.raises(ValueError, match="got q4p with 32"):
+        make_weight("q4_1", 32, QK).panels().panels()
     p = make_weight("q4_1", 32, QK).panels()
     with pytest.raises(ValueError, match=r"weight d must be \(2, 1, 16\) contiguous"):
         QuantWeight("q4p", "Q4_1", p.qs, p.d[:, :, :8].contiguous(), p.m)
@@ -59,7 +81,7 @@ def test_panels_are_refused_where_they_cannot_be() -> None:
         QuantWeight("q4p", "Q4_1", p.qs, p.d, None)
 
 
-@pytest.mark.parametrize("kind", Q4_KINDS)
+@pytest.mark.parametrize("kind", KINDS)
 def test_every_instruction_set_gives_a_panel_weight_the_row_major_bits(quant: QuantKernels,
                                                                        kind: str) -> None:
     """1 to 8 input rows run quant_panel.h's tiles (groups of up to 8: 9 rows would be 5 + 4), 9 or
@@ -87,31 +109,34 @@ def test_every_instruction_set_gives_a_panel_weight_the_row_major_bits(quant: Qu
 
 
 @pytest.mark.parametrize("T", [1, 2, 6, 12])  # tiles of 4, 2 and 1 partial dots a row, and the GEMM tile
-def test_extreme_integers_in_panels_do_not_overflow(quant: QuantKernels, T: int) -> None:
-    """Nibble 15 against +-32767 everywhere: whole blocks of the largest products, split over a
-    tile's partial dots, must neither wrap nor saturate an int32 (15 * 32767 * 32 < 2^31)."""
-    ints = np.full((16, QK), 15)
-    w = integer_weight("q4_1", ints).panels()
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_extreme_integers_in_panels_do_not_overflow(quant: QuantKernels, kind: str, T: int) -> None:
+    """Nibble 15 (q8: -128) against +-32767 everywhere: whole blocks of the largest products, split
+    over a tile's partial dots, must neither wrap nor saturate an int32 (128 * 32767 * 32 < 2^31)."""
+    extreme = WEIGHT_MAX[kind] * (-1 if kind == "q8_0" else 1)
+    w = integer_weight(kind, np.full((16, QK), extreme)).panels()
     signs = np.where(np.arange(T)[:, None] % 2 == 0, 1.0, -1.0) * np.ones((T, QK))
     x = torch.from_numpy((ACT_MAX * signs).astype(np.float32))  # (T, QK)
+    want = np.repeat(signs[:, :1] * extreme * ACT_MAX * QK, 16, axis=1).astype(np.float32)
     for isa in quant.supported_isas:
-        got = quant.linear(x, w, isa=isa)
-        want = np.repeat(signs[:, :1] * 15 * ACT_MAX * QK, 16, axis=1)
-        np.testing.assert_array_equal(got.numpy(), want.astype(np.float32), err_msg=isa)
+        np.testing.assert_array_equal(quant.linear(x, w, isa=isa).numpy(), want, err_msg=isa)
 
 
-def test_a_model_on_panels_computes_the_row_major_models_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("kind", ["q4_0", "q8_0"])
+def test_a_model_on_panels_computes_the_row_major_models_bits(monkeypatch: pytest.MonkeyPatch,
+                                                              kind: str) -> None:
     """A model whose kernels read panels (AVX-512 VNNI, AMX) gives the logits and K/V of one that
     does not, in a prompt chunk (the GEMM tile) and decoding (the panel tiles); on other hosts the
-    panels are forced, and run in portable C."""
-    hf = make_hf_model(num_heads=4, num_kv_heads=2)
+    panels are forced, and run in portable C. Its tied embedding is the head's one copy, in panels."""
+    hf = make_hf_model(num_heads=4, num_kv_heads=2, tie=True)
     monkeypatch.setattr(linear, "PANEL_ISAS", ())
-    rows = ours_from_hf(hf, quantize_to="q4_0")
+    rows = ours_from_hf(hf, quantize_to=kind)
     monkeypatch.setattr(linear, "PANEL_ISAS", (*PANEL_ISAS, "avxvnni", "avx2", "scalar"))
-    panels = ours_from_hf(hf, quantize_to="q4_0")
+    panels = ours_from_hf(hf, quantize_to=kind)
     formats = {(a.w_gate_up.format, b.w_gate_up.format)
                for a, b in zip(rows.layers, panels.layers, strict=True)}
-    assert formats == {("q4", "q4p")}
+    assert formats == {(kind[:2], kind[:2] + "p")}
+    assert panels.embed is panels.lm_head and panels.lm_head.format == rows.lm_head.format + "p"
     ids = torch.randint(0, rows.config.vocab_size, (40,), generator=torch.Generator().manual_seed(3))
     (logits, cache), (logits_p, cache_p) = (forward_in_chunks(m, ids, [30, 1]) for m in (rows, panels))
     assert torch.equal(logits, logits_p)

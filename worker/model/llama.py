@@ -98,6 +98,8 @@ class LlamaModel:
         # With F.linear, pack is the identity and the two share memory, as a quantized table does.
         head = self.embed if lm_head is None else self._to_device(lm_head)
         self.lm_head = self.linear.prepare(head)  # (V, C)
+        if lm_head is None and isinstance(self.embed, QuantWeight):
+            self.embed = self.lm_head  # tied: one copy, in the head's layout (dequantize_rows reads any)
         self.norm = self._take(weights, "model.norm.weight")  # (C,)
         self.layers = [self._take_layer(weights, i) for i in range(config.num_layers)]
         # computed in fp32, then stored in the model's dtype (as transformers does), so

@@ -15,8 +15,8 @@ ISAS = {"amx": 4, "avx512vnni": 3, "avxvnni": 2, "avx2": 1, "scalar": 0}
 # Names the instruction set to use instead of the best one (to compare paths on one host, or to
 # step around one a VM mishandles): every path gives the same bits, so only speed changes.
 ISA_ENV = "TOKENRELAY_KERNEL_ISA"
-FORMATS = {"q4": 0, "q8": 1, "q4p": 2}
-# Instruction sets with tiles for q4p panels (kernels/quant_panel.h); the others read them in C.
+FORMATS = {"q4": 0, "q8": 1, "q4p": 2, "q8p": 3}
+# Instruction sets with tiles for panels (kernels/quant_panel.h); the others read them in C.
 PANEL_ISAS = ("amx", "avx512vnni")
 MODES = {"store": 0, "add": 1, "silu_mul": 2}
 

@@ -10,9 +10,9 @@ scales made SmolLM2's 96.5 MB a token 111.5 MB):
   * "q8": Q8_0 (w = d * q, q an int8).
 Any other tensor type (F16, BF16, K-quants) is dequantized and requantized to
 Q8_0 at load, as are safetensors weights with `quantization="q8_0"`.
-Where the kernels run AVX-512 VNNI (or AMX), q4 weights are then stored in a
-third format, "q4p": the same blocks in panels of 16 rows, interleaved so that
-a batch-1 step needs no horizontal sums (`QuantWeight.panels`; kernels/quant.h
+Where the kernels run AVX-512 VNNI (or AMX), the weights are then stored as
+"q4p" and "q8p": the same blocks in panels of 16 rows, interleaved so that a
+batch-1 step needs no horizontal sums (`QuantWeight.panels`; kernels/quant.h
 has the layout, kernels/quant_panel.h the measurements).
 
 Also here: NumPy references of the activation quantization and of a quantized
@@ -31,7 +31,8 @@ QK = 32  # weights per block
 Q = gguf.GGMLQuantizationType
 KEPT_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0)  # GGUF types kept in their own blocks
 QUANTIZE_TYPES = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0}
-PANEL = 16  # weight rows a q4p panel interleaves
+PANEL = 16  # weight rows a panel (q4p, q8p) interleaves
+PANELS = {"q4": "q4p", "q8": "q8p"}  # a row-major format -> its panels
 _NIBBLE_SHIFTS = torch.tensor([0, 4, 8, 12], dtype=torch.int32)  # nibble j of a q4p word: bits 4 j
 
 
@@ -39,31 +40,31 @@ _NIBBLE_SHIFTS = torch.tensor([0, 4, 8, 12], dtype=torch.int32)  # nibble j of a
 class QuantWeight:
     """A linear weight (N, C) in blocks of QK along C."""
 
-    format: str  # "q4", "q8" or "q4p"
+    format: str  # "q4", "q8", or their panels "q4p", "q8p"
     source: str  # the file's type it came from: "Q4_1", "Q4_0", "Q8_0", or "F32->Q8_0", ...
     # q4: (N, C // 2) uint8, byte j of a block holds u_j (low) and u_{j+16}; q8: (N, C) int8;
-    # q4p: (N // 16, C // QK, 256) uint8, a panel's block as 4 x 16 x 2 little-endian words (panels())
+    # q4p: (N // 16, C // QK, 256) uint8 and q8p: (N // 16, C // QK, 512) int8 (panels())
     qs: torch.Tensor
-    d: torch.Tensor  # (N, C // QK) fp16 block scales; q4p: (N // 16, C // QK, 16)
+    d: torch.Tensor  # (N, C // QK) fp16 block scales; panels: (N // 16, C // QK, 16)
     m: torch.Tensor | None  # q4: (N, C // QK) fp16 block offsets; q4p: (N // 16, C // QK, 16); q8: None
 
     def __post_init__(self) -> None:
         """The C kernels read these tensors through raw pointers, so they must be what the
         fields say, checked once here rather than on every call: ValueError naming the part."""
-        if self.format not in ("q4", "q8", "q4p"):
-            raise ValueError(f"weight format must be q4, q8 or q4p, got {self.format!r}")
+        if self.format not in ("q4", "q8", "q4p", "q8p"):
+            raise ValueError(f"weight format must be q4, q8, q4p or q8p, got {self.format!r}")
         qs_shape: tuple[int, ...]
         d_shape: tuple[int, ...]
-        if self.format == "q4p":
+        q4 = self.format in ("q4", "q4p")
+        if self.is_panels:
             P, nb = self.d.shape[:2] if self.d.dim() == 3 else (0, 0)
-            qs_dtype, qs_shape, d_shape = torch.uint8, (P, nb, 256), (P, nb, PANEL)
+            d_shape, qs_shape = (P, nb, PANEL), (P, nb, PANEL * QK // (2 if q4 else 1))
         else:
             N, nb = self.d.shape if self.d.dim() == 2 else (0, 0)
-            d_shape = (N, nb)
-            q4 = self.format == "q4"
-            qs_dtype, qs_shape = (torch.uint8, (N, nb * QK // 2)) if q4 else (torch.int8, (N, nb * QK))
+            d_shape, qs_shape = (N, nb), (N, nb * QK // (2 if q4 else 1))
+        qs_dtype = torch.uint8 if q4 else torch.int8
         parts = {"qs": (self.qs, qs_dtype, qs_shape), "d": (self.d, torch.float16, d_shape)}
-        if self.format != "q8":
+        if q4:
             if self.m is None:
                 raise ValueError(f"a {self.format} weight needs its block offsets m")
             parts["m"] = (self.m, torch.float16, d_shape)
@@ -74,52 +75,66 @@ class QuantWeight:
                 raise ValueError(f"weight {name} must be {shape} contiguous, got {tuple(t.shape)}")
 
     @property
+    def is_panels(self) -> bool:
+        return self.format in ("q4p", "q8p")
+
+    @property
     def shape(self) -> tuple[int, int]:
-        return self.d.shape[0] * (PANEL if self.format == "q4p" else 1), self.d.shape[1] * QK
+        return self.d.shape[0] * (PANEL if self.is_panels else 1), self.d.shape[1] * QK
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m) if t is not None)
 
     def rows(self, index: torch.Tensor) -> QuantWeight:
-        """These rows, in this order (rows are whole blocks: permuting them is exact); q4p comes
-        back as q4."""
-        if self.format == "q4p":
+        """These rows, in this order (rows are whole blocks: permuting them is exact); panels come
+        back row-major."""
+        if self.is_panels:
             return self.row_major().rows(index)
         return replace(self, qs=self.qs[index].contiguous(), d=self.d[index].contiguous(),
                        m=None if self.m is None else self.m[index].contiguous())
 
     def panels(self) -> QuantWeight:
-        """This q4 weight as q4p: panels of 16 rows, panel p's block b as 4 x 16 x 2 16-bit words,
-        word [s, r, e] holding weights 8 s + 2 j + e (j = 0..3, in bits 4 j) of row 16 p + r. The
-        AVX-512 VNNI tiles read a 64-byte [s] as 16 rows' next 8 weights (kernels/quant_panel.h)."""
+        """This weight in panels of 16 rows, the layout the AVX-512 VNNI tiles read
+        (kernels/quant_panel.h): per panel and block, pair k (weights 2 k, 2 k + 1) of the 16 rows
+        side by side, so that one vector holds it for all of them.
+          q4p: 4 x 16 x 2 little-endian 16-bit words, word [s, r, e] holding weights 8 s + 2 j + e
+               of row 16 p + r in its nibbles j = 0..3 (bits 4 j): 64 bytes give pairs 4 s..4 s + 3;
+          q8p: 16 x 16 x 2 bytes, [k, r, e] = weight 2 k + e of row 16 p + r."""
         N, C = self.shape
-        if self.format != "q4" or N % PANEL:
-            raise ValueError(f"panels: a q4 weight with a multiple of {PANEL} rows, "
+        if self.format not in PANELS or N % PANEL:
+            raise ValueError(f"panels: a q4 or q8 weight with a multiple of {PANEL} rows, "
                              f"got {self.format} with {N}")
         P, nb = N // PANEL, C // QK
+        if self.format == "q8":
+            q8 = self.qs.view(P, PANEL, nb, QK // 2, 2).permute(0, 2, 3, 1, 4)  # (p, b, k, r, e)
+            return replace(self, format="q8p", qs=q8.reshape(P, nb, -1).contiguous(),
+                           d=self._scales_to_panels(self.d))
         q = self.qs.view(N, nb, QK // 2)
         u = torch.cat((q & 0x0F, q >> 4), dim=-1).to(torch.int32)  # (N, nb, QK) in element order
         u = u.view(P, PANEL, nb, 4, 4, 2)  # (p, r, b, s, j, e): element 8 s + 2 j + e of row 16 p + r
         words = (u.permute(0, 2, 3, 1, 5, 4) << _NIBBLE_SHIFTS).sum(-1)  # (p, b, s, r, e)
-        qs = torch.from_numpy(words.numpy().astype("<u2").view(np.uint8).reshape(P, nb, 256))
+        qs = torch.from_numpy(words.numpy().astype("<u2").view(np.uint8).reshape(P, nb, -1)).clone()
         assert self.m is not None
         return replace(self, format="q4p", qs=qs, d=self._scales_to_panels(self.d),
                        m=self._scales_to_panels(self.m))
 
     def row_major(self) -> QuantWeight:
-        """A q4p weight back as q4 (any other, itself)."""
-        if self.format != "q4p":
+        """Panels back as rows (a row-major weight, itself)."""
+        if not self.is_panels:
             return self
         N, C = self.shape
         P, nb = N // PANEL, C // QK
+        d = self.d.permute(0, 2, 1).reshape(N, nb)
+        if self.format == "q8p":
+            q8 = self.qs.view(P, nb, QK // 2, PANEL, 2).permute(0, 3, 1, 2, 4)  # (p, r, b, k, e)
+            return replace(self, format="q8", qs=q8.reshape(N, C), d=d)
         words = torch.from_numpy(self.qs.numpy().view("<u2").astype(np.int32)).view(P, nb, 4, PANEL, 2, 1)
         u = ((words >> _NIBBLE_SHIFTS) & 0x0F).permute(0, 3, 1, 2, 5, 4)  # (p, r, b, s, j, e)
         u = u.reshape(N, nb, QK)
         qs = (u[..., : QK // 2] | (u[..., QK // 2:] << 4)).to(torch.uint8).reshape(N, C // 2)
         assert self.m is not None
-        return replace(self, format="q4", qs=qs, d=self.d.permute(0, 2, 1).reshape(N, nb),
-                       m=self.m.permute(0, 2, 1).reshape(N, nb))
+        return replace(self, format="q4", qs=qs, d=d, m=self.m.permute(0, 2, 1).reshape(N, nb))
 
     @staticmethod
     def _scales_to_panels(t: torch.Tensor) -> torch.Tensor:
@@ -128,7 +143,7 @@ class QuantWeight:
 
     def dequantize(self) -> torch.Tensor:
         """(N, C) fp32: what the kernels multiply by."""
-        if self.format == "q4p":
+        if self.is_panels:
             return self.row_major().dequantize()
         N, C = self.shape
         scale = self.d.float()[:, :, None]  # (N, C / QK, 1)

@@ -6,8 +6,8 @@
  *   q4 (Q4_1, and Q4_0 as Q4_1 with m = -8 d): w = d * u + m, u in [0, 15]; a
  *      block is 16 bytes, byte j holding u_j (low nibble) and u_{j+16} (high);
  *   q8 (Q8_0): w = d * q, q in [-128, 127], 32 bytes a block;
- *   q4p: q4's blocks in panels of 16 rows, interleaved for the AVX-512 VNNI tiles
- *      (quant.h has the layout, quant_panel.h the reason).
+ *   q4p, q8p: q4's and q8's blocks in panels of 16 rows, interleaved for the AVX-512 VNNI
+ *      tiles (quant.h has the layout, quant_panel.h the reason).
  * Activations are quantized once per input row into blocks of 32 as llama.cpp's q8_0/q8_1
  * do, but to 16-bit integers: a = da * qa with da = max|x| / 32767 and qa = rint(x / da),
  * plus the block's integer sum sa. A block's contribution to an output is then integer
@@ -244,9 +244,9 @@ int quant_isa_supported(int isa) {
  * parallel region. */
 void quant_matmul_body(int isa, quant_weight w, q16_act a, int64_t T, float *out, int64_t out_stride,
                        const float *bias, int mode) {
-    /* q4p panels have AVX-512 tiles only: the other instruction sets read them in portable C (a
-     * model loads its weights as panels only where its kernels run AVX-512 VNNI or AMX) */
-    if (w.format == QUANT_Q4P && isa != QUANT_ISA_AVX512VNNI && isa != QUANT_ISA_AMX) isa = QUANT_ISA_SCALAR;
+    /* panels have AVX-512 tiles only: the other instruction sets read them in portable C (a model
+     * loads its weights as panels only where its kernels run AVX-512 VNNI or AMX) */
+    if (quant_is_panel(w.format) && isa != QUANT_ISA_AVX512VNNI && isa != QUANT_ISA_AMX) isa = QUANT_ISA_SCALAR;
     /* an AMX or AVX-512 VNNI task repacks its weight rows once for all its input rows
      * (quant_amx.h, quant_vnni.h); AVX2's GEMM tile (quant_gemm8.h) repacks per task of
      * TASK_ROWS_IN (~3% of its work; 256 there not measured) */
@@ -318,11 +318,14 @@ void quant_dequantize_rows(const void *w_qs, const uint16_t *w_d, const uint16_t
         float *o = out + i * C;
         for (int64_t b = 0; b < nb; ++b) {
             const float d = half_to_float(w_d[r * nb + b]);
-            if (format == QUANT_Q4P) {
+            if (quant_is_panel(format)) {
                 const quant_weight w = {w_qs, w_d, w_m, (r / 16 + 1) * 16, C, format};
                 const int64_t at = quant_scale_index(w, r, b);
-                for (int j = 0; j < QBLOCK; ++j)
-                    o[b * QBLOCK + j] = half_to_float(w_d[at]) * (float)quant_int(w, r, b * QBLOCK + j) + half_to_float(w_m[at]);
+                const float pd = half_to_float(w_d[at]), pm = format == QUANT_Q4P ? half_to_float(w_m[at]) : 0.0f;
+                for (int j = 0; j < QBLOCK; ++j) {
+                    const float v = pd * (float)quant_int(w, r, b * QBLOCK + j);
+                    o[b * QBLOCK + j] = format == QUANT_Q4P ? v + pm : v; /* q8: no + 0.0f (-0.0 stays) */
+                }
             } else if (format == QUANT_Q4) {
                 const uint8_t *q = (const uint8_t *)w_qs + r * (C / 2) + b * (QBLOCK / 2);
                 const float m = half_to_float(w_m[r * nb + b]);

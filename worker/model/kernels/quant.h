@@ -7,15 +7,17 @@
 #include "half.h"
 
 enum { QUANT_ISA_SCALAR = 0, QUANT_ISA_AVX2 = 1, QUANT_ISA_AVXVNNI = 2, QUANT_ISA_AVX512VNNI = 3, QUANT_ISA_AMX = 4 };
-enum { QUANT_Q4 = 0, QUANT_Q8 = 1, QUANT_Q4P = 2 };       /* runtime weight formats */
+enum { QUANT_Q4 = 0, QUANT_Q8 = 1, QUANT_Q4P = 2, QUANT_Q8P = 3 }; /* runtime weight formats */
 enum { QUANT_STORE = 0, QUANT_ADD = 1, QUANT_SILU_MUL = 2 }; /* how a matmul writes out */
 
 /* A weight (N, C) in blocks of 32 along C: qs q4 (N, C / 2) uint8 or q8 (N, C) int8;
  * d and m (N, C / 32) fp16 bits, as the GGUF file has them (m only for q4).
- * q4p, the same Q4 blocks in panels of 16 rows (worker/model/quant.py `panels`, for the AVX-512
- * VNNI kernels: quant_panel.h says why): qs (N / 16, C / 32, 4, 16, 2) uint16 words, word
- * [p, b, s, r, e] holding weights 32 b + 8 s + 2 j + e of row 16 p + r in its nibbles j = 0..3
- * (bits 4 j); d and m (N / 16, C / 32, 16). */
+ * q4p and q8p, the same blocks in panels of 16 rows (worker/model/quant.py `panels`, for the
+ * AVX-512 VNNI kernels: quant_panel.h says why), d and m (N / 16, C / 32, 16):
+ *   q4p: qs (N / 16, C / 32, 4, 16, 2) uint16 words, word [p, b, s, r, e] holding weights
+ *        32 b + 8 s + 2 j + e of row 16 p + r in its nibbles j = 0..3 (bits 4 j);
+ *   q8p: qs (N / 16, C / 32, 16, 16, 2) int8, [p, b, k, r, e] = weight 32 b + 2 k + e of row
+ *        16 p + r. */
 typedef struct {
     const void *qs;
     const uint16_t *d, *m;
@@ -23,14 +25,18 @@ typedef struct {
     int format;
 } quant_weight;
 
+static inline int quant_is_panel(int format) { return format == QUANT_Q4P || format == QUANT_Q8P; }
+/* Q4 blocks have an offset m (w = d * u + m), Q8 blocks none. */
+static inline int quant_has_offset(int format) { return format == QUANT_Q4 || format == QUANT_Q4P; }
+
 /* Where row n's block b keeps its scale (and offset) in d (and m), for every format. */
 static inline int64_t quant_scale_index(quant_weight w, int64_t n, int64_t b) {
     const int64_t nb = w.C / 32;
-    return w.format == QUANT_Q4P ? ((n / 16) * nb + b) * 16 + n % 16 : n * nb + b;
+    return quant_is_panel(w.format) ? ((n / 16) * nb + b) * 16 + n % 16 : n * nb + b;
 }
 
-/* Weight k of row n as its integer: u in [0, 15] for q4 and q4p, q in [-128, 127] for q8
- * (the portable C path; the SIMD ones read whole blocks). */
+/* Weight k of row n as its integer: u in [0, 15] for q4 and q4p, q in [-128, 127] for q8 and
+ * q8p (the portable C path; the SIMD ones read whole blocks). */
 static inline int32_t quant_int(quant_weight w, int64_t n, int64_t k) {
     const int64_t nb = w.C / 32, b = k / 32, i = k % 32;
     if (w.format == QUANT_Q8) return ((const int8_t *)w.qs)[n * w.C + k];
@@ -38,6 +44,8 @@ static inline int32_t quant_int(quant_weight w, int64_t n, int64_t k) {
         const uint8_t q = ((const uint8_t *)w.qs)[n * (w.C / 2) + b * 16 + i % 16];
         return i < 16 ? q & 0x0F : q >> 4;
     }
+    if (w.format == QUANT_Q8P)
+        return ((const int8_t *)w.qs)[(((n / 16) * nb + b) * 16 + i / 2) * 32 + (n % 16) * 2 + i % 2];
     const uint16_t word = ((const uint16_t *)w.qs)[(((n / 16) * nb + b) * 4 + i / 8) * 32 + (n % 16) * 2 + i % 2];
     return (word >> (4 * ((i % 8) / 2))) & 0x0F;
 }

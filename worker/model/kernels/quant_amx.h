@@ -132,7 +132,7 @@ static void amx_task(quant_weight w, q16_act a, int64_t n0, int64_t n1, int64_t 
     amx_repack(w, n0, FMT, b_tiles, dw_t, m_t);
     amx_configure();
     for (int64_t t = t0; t < t_amx; t += AMX_ROWS) {
-        if (FMT != QUANT_Q8) amx_tile(w, a, b_tiles, dw_t, m_t, n0, t, QUANT_Q4, out, out_stride, bias, mode);
+        if (quant_has_offset(FMT)) amx_tile(w, a, b_tiles, dw_t, m_t, n0, t, QUANT_Q4, out, out_stride, bias, mode);
         else amx_tile(w, a, b_tiles, dw_t, m_t, n0, t, QUANT_Q8, out, out_stride, bias, mode);
     }
     _tile_release();

@@ -17,25 +17,27 @@
 #define PANEL_MAX_RA 8       /* input rows a pass: up to 8 int + 8 float accumulators */
 #define PANEL_PREFETCH 4     /* blocks ahead (256 bytes each): 1.97x -> 2.16x from memory, 1 thread */
 
-/* Weight rows n0.. n0 + 15 (one panel) . input rows t.. t + RA - 1, written as `mode` says. */
+/* Weight rows n0.. n0 + 15 (one panel, FMT q4p or q8p) . input rows t.. t + RA - 1, written as
+ * `mode` says. */
 static inline __attribute__((always_inline)) void panel_tile(quant_weight w, q16_act a, int64_t n0, int64_t t,
-                                                             const int RA, float *out, int64_t out_stride,
-                                                             const float *bias, int mode) {
-    const int64_t nb = w.C / 32, at = (n0 / VNNI_ROWS) * nb;
-    const uint8_t *qs = (const uint8_t *)w.qs + at * 256;
-    const uint16_t *d = w.d + at * VNNI_ROWS, *m = w.m + at * VNNI_ROWS;
+                                                             const int FMT, const int RA, float *out,
+                                                             int64_t out_stride, const float *bias, int mode) {
+    const int64_t nb = w.C / 32, at = (n0 / VNNI_ROWS) * nb, block_bytes = FMT == QUANT_Q4P ? 256 : 512;
+    const uint8_t *qs = (const uint8_t *)w.qs + at * block_bytes;
+    const uint16_t *d = w.d + at * VNNI_ROWS, *m = FMT == QUANT_Q4P ? w.m + at * VNNI_ROWS : NULL;
     /* independent vpdpwssd chains per input row: one chain of 16 per block waited on its latency */
     const int P = RA == 1 ? 4 : RA == 2 ? 2 : 1;
     const int16_t *aq = a.qs + t * a.C;
     const float *da = a.d + t * nb;
-    float m_t[nb * VNNI_ROWS] __attribute__((aligned(64))); /* the panel's offsets as fp32, for write16 */
+    float m_t[FMT == QUANT_Q4P ? nb * VNNI_ROWS : 1] __attribute__((aligned(64))); /* offsets as fp32 */
     int32_t ab[PANEL_MAX_RA * 16] __attribute__((aligned(64))); /* the rows' block b, adjacent (vnni_tile) */
     __m512 acc[PANEL_MAX_RA];
     #pragma GCC unroll 8
     for (int c = 0; c < RA; ++c) acc[c] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
-        #pragma GCC unroll 4
-        for (int s = 0; s < 4; ++s) _mm_prefetch((const char *)(qs + (b + PANEL_PREFETCH) * 256 + s * 64), _MM_HINT_T0);
+        #pragma GCC unroll 8
+        for (int64_t l = 0; l < block_bytes; l += 64)
+            _mm_prefetch((const char *)(qs + (b + PANEL_PREFETCH) * block_bytes + l), _MM_HINT_T0);
         const int32_t *pairs = (const int32_t *)(aq + b * 32);
         if (RA > 1) {
             #pragma GCC unroll 8
@@ -48,8 +50,14 @@ static inline __attribute__((always_inline)) void panel_tile(quant_weight w, q16
         for (int i = 0; i < RA * P; ++i) dot[i] = _mm512_setzero_si512();
         #pragma GCC unroll 4
         for (int s = 0; s < 4; ++s) {
-            __m512i x[4];
-            panel_chunk(qs + b * 256 + s * 64, x);
+            __m512i x[4]; /* x[j]: pair 4 s + j of the 16 rows */
+            if (FMT == QUANT_Q4P) {
+                panel_chunk(qs + b * 256 + s * 64, x);
+            } else {
+                #pragma GCC unroll 4
+                for (int j = 0; j < 4; ++j)
+                    x[j] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(qs + b * 512 + (4 * s + j) * 32)));
+            }
             #pragma GCC unroll 4
             for (int j = 0; j < 4; ++j)
                 #pragma GCC unroll 8
@@ -65,22 +73,24 @@ static inline __attribute__((always_inline)) void panel_tile(quant_weight w, q16
             for (int i = 1; i < P; ++i) sum = _mm512_add_epi32(sum, dot[c * P + i]);
             acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, _mm512_set1_ps(da[c * nb + b])), acc[c]);
         }
-        _mm512_store_ps(m_t + b * VNNI_ROWS, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + b * VNNI_ROWS))));
+        if (FMT == QUANT_Q4P)
+            _mm512_store_ps(m_t + b * VNNI_ROWS, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + b * VNNI_ROWS))));
     }
-    write16(acc, m_t, a, nb, n0, t, QUANT_Q4, RA, out, out_stride, bias, mode);
+    write16(acc, m_t, a, nb, n0, t, FMT == QUANT_Q4P ? QUANT_Q4 : QUANT_Q8, RA, out, out_stride, bias, mode);
 }
 
-#define PANEL_GROUP(RA)                                                         \
-    case RA:                                                                    \
-        panel_tile(w, a, n0, t, RA, out, out_stride, bias, mode);               \
+#define PANEL_GROUP(RA)                                                                   \
+    case RA:                                                                              \
+        if (w.format == QUANT_Q4P) panel_tile(w, a, n0, t, QUANT_Q4P, RA, out, out_stride, bias, mode); \
+        else panel_tile(w, a, n0, t, QUANT_Q8P, RA, out, out_stride, bias, mode);                      \
         break;
 
 /* Output rows [n0, n1) x input rows [t0, t1) with fewer rows than the GEMM tile takes (or no
- * memory for its repack): a q4p weight's panel in groups of up to PANEL_MAX_RA rows, as equal as
+ * memory for its repack): a q4p or q8p weight's panel in groups of up to PANEL_MAX_RA rows, as equal as
  * they can be, each one pass; a row-major weight on quant_simd.h's tiles. */
 static void vnni_small_task(quant_weight w, q16_act a, int64_t n0, int64_t n1, int64_t t0, int64_t t1, float *out,
                             int64_t out_stride, const float *bias, int mode) {
-    if (w.format != QUANT_Q4P) {
+    if (!quant_is_panel(w.format)) {
         quant_task_avx512vnni(w, a, n0, n1, t0, t1, out, out_stride, bias, mode);
         return;
     }

@@ -203,7 +203,7 @@ static inline __attribute__((always_inline)) void CAT(tile, SUFFIX)(
                 const float scale = half_to_float(w.d[quant_scale_index(w, n + r, b)]) * a.d[(t + c) * nb + b];
                 acc = __builtin_fmaf((float)dot, scale, acc);
             }
-            if (FMT != QUANT_Q8) {
+            if (quant_has_offset(FMT)) {
                 const float *ds = a.ds + (t + c) * nb;
                 float sum = 0.0f;
                 for (int64_t b = 0; b < nb; ++b)
@@ -312,9 +312,11 @@ static void CAT(quant_task, SUFFIX)(quant_weight w, q16_act a, int64_t n0, int64
                                     int64_t t1, float *out, int64_t out_stride, const float *bias, int mode) {
     if (w.format == QUANT_Q4)
         CAT(task_fmt, SUFFIX)(w, a, n0, n1, t0, t1, out, out_stride, bias, mode, QUANT_Q4);
-#ifndef DOT_S16 /* panels (q4p) are read here and by quant_panel.h's AVX-512 tiles only */
+#ifndef DOT_S16 /* panels are read here and by quant_panel.h's AVX-512 tiles only */
     else if (w.format == QUANT_Q4P)
         CAT(task_fmt, SUFFIX)(w, a, n0, n1, t0, t1, out, out_stride, bias, mode, QUANT_Q4P);
+    else if (w.format == QUANT_Q8P)
+        CAT(task_fmt, SUFFIX)(w, a, n0, n1, t0, t1, out, out_stride, bias, mode, QUANT_Q8P);
 #endif
     else
         CAT(task_fmt, SUFFIX)(w, a, n0, n1, t0, t1, out, out_stride, bias, mode, QUANT_Q8);

@@ -50,7 +50,7 @@ static inline void transpose16(__m512i *r) {
 /* One 64-byte chunk s of a q4p panel's block (quant.h): x[j] = dword 4 s + j of every row (its
  * weights 8 s + 2 j and + 1 as 16-bit words), lane r = the panel's row r. Seven ops, no shuffle. */
 static inline __attribute__((always_inline)) void panel_chunk(const void *chunk, __m512i *x) {
-    const __m512i words = _mm512_load_si512(chunk), nibble = _mm512_set1_epi16(0x0F);
+    const __m512i words = _mm512_loadu_si512(chunk), nibble = _mm512_set1_epi16(0x0F);
     x[0] = _mm512_and_si512(words, nibble);
     x[1] = _mm512_and_si512(_mm512_srli_epi16(words, 4), nibble);
     x[2] = _mm512_and_si512(_mm512_srli_epi16(words, 8), nibble);
@@ -63,11 +63,16 @@ static inline __attribute__((always_inline)) void panel_chunk(const void *chunk,
 static inline void repack16_block(quant_weight w, int64_t n0, int64_t b, const int FMT, __m512i *x, float *dw_b,
                                   float *m_b) {
     const int64_t nb = w.C / 32, row_bytes = FMT == QUANT_Q4 ? w.C / 2 : w.C;
-    if (FMT == QUANT_Q4P) {
+    if (quant_is_panel(FMT)) {
         const int64_t at = (n0 / VNNI_ROWS) * nb + b;
-        for (int s = 0; s < 4; ++s) panel_chunk((const uint8_t *)w.qs + at * 256 + s * 64, x + 4 * s);
+        if (FMT == QUANT_Q4P)
+            for (int s = 0; s < 4; ++s) panel_chunk((const uint8_t *)w.qs + at * 256 + s * 64, x + 4 * s);
+        else /* q8p: pair k of the 16 rows is 32 bytes, widened in one op */
+            for (int k = 0; k < 16; ++k)
+                x[k] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)((const int8_t *)w.qs + at * 512 + k * 32)));
         _mm512_storeu_ps(dw_b, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w.d + at * VNNI_ROWS))));
-        _mm512_storeu_ps(m_b, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w.m + at * VNNI_ROWS))));
+        if (FMT == QUANT_Q4P)
+            _mm512_storeu_ps(m_b, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w.m + at * VNNI_ROWS))));
         return;
     }
     for (int n = 0; n < VNNI_ROWS; ++n) {
@@ -164,7 +169,7 @@ static inline __attribute__((always_inline)) void vnni_tile(q16_act a, const int
 /* Input rows t.. t + RA - 1 against the repacked task, RA known at compile time. */
 #define VNNI_GROUP(RA)                                                                                        \
     case RA:                                                                                              \
-        if (FMT != QUANT_Q8) vnni_tile(a, words, dw_t, m_t, nb, n0, t, QUANT_Q4, RA, out, out_stride, bias, mode); \
+        if (quant_has_offset(FMT)) vnni_tile(a, words, dw_t, m_t, nb, n0, t, QUANT_Q4, RA, out, out_stride, bias, mode); \
         else vnni_tile(a, words, dw_t, m_t, nb, n0, t, QUANT_Q8, RA, out, out_stride, bias, mode);               \
         break;
 
