@@ -84,10 +84,11 @@ def test_panels_are_refused_where_they_cannot_be() -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_instruction_set_gives_a_panel_weight_the_row_major_bits(quant: QuantKernels,
                                                                        kind: str) -> None:
-    """1 to 8 input rows run quant_panel.h's tiles (groups of up to 8: 9 rows would be 5 + 4), 9 or
-    more the GEMM tile from the panel's words (quant_vnni.h; AMX where the CPU has it); instruction
-    sets without panel tiles read the panel in portable C. Each against portable C on row-major
-    blocks: the same floats in the same order."""
+    """AVX-512: 1 to 8 input rows run quant_panel.h's tiles (groups of up to 8: 9 rows would be 5 +
+    4), 9 or more the GEMM tile from the panel's words (quant_vnni.h; AMX where the CPU has it).
+    AVX2 and AVX-VNNI: up to 23 rows quant_panel8.h's tiles, in passes of up to 8, 24 or more the
+    AVX2 GEMM tile (quant_gemm8.h). Portable C reads panels too. Each against portable C on
+    row-major blocks: the same floats in the same order."""
     bias = torch.randn(64, generator=torch.Generator().manual_seed(4))
     gate_up = make_weight(kind, 64, 5 * QK, seed=1)
     for N in (48, 64):
@@ -126,8 +127,8 @@ def test_extreme_integers_in_panels_do_not_overflow(quant: QuantKernels, kind: s
 def test_a_model_on_panels_computes_the_row_major_models_bits(monkeypatch: pytest.MonkeyPatch,
                                                               kind: str) -> None:
     """A model whose kernels read panels (AVX-512 VNNI, AMX) gives the logits and K/V of one that
-    does not, in a prompt chunk (the GEMM tile) and decoding (the panel tiles); on other hosts the
-    panels are forced, and run in portable C. Its tied embedding is the head's one copy, in panels."""
+    does not, in a prompt chunk (the GEMM tile) and decoding (the panel tiles); a host without SIMD
+    has them forced, in portable C. Its tied embedding is the head's one copy, in panels."""
     hf = make_hf_model(num_heads=4, num_kv_heads=2, tie=True)
     monkeypatch.setattr(linear, "PANEL_ISAS", ())
     rows = ours_from_hf(hf, quantize_to=kind)

@@ -16,8 +16,9 @@ ISAS = {"amx": 4, "avx512vnni": 3, "avxvnni": 2, "avx2": 1, "scalar": 0}
 # step around one a VM mishandles): every path gives the same bits, so only speed changes.
 ISA_ENV = "TOKENRELAY_KERNEL_ISA"
 FORMATS = {"q4": 0, "q8": 1, "q4p": 2, "q8p": 3}
-# Instruction sets with tiles for panels (kernels/quant_panel.h); the others read them in C.
-PANEL_ISAS = ("amx", "avx512vnni")
+# Instruction sets with tiles for panels (kernels/quant_panel.h, quant_panel8.h): a model loads its
+# weights as panels there. Portable C reads panels too, but slowly, so a host without SIMD keeps rows.
+PANEL_ISAS = ("amx", "avx512vnni", "avxvnni", "avx2")
 MODES = {"store": 0, "add": 1, "silu_mul": 2}
 
 _p, _i64, _i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int

@@ -10,7 +10,7 @@ scales made SmolLM2's 96.5 MB a token 111.5 MB):
   * "q8": Q8_0 (w = d * q, q an int8).
 Any other tensor type (F16, BF16, K-quants) is dequantized and requantized to
 Q8_0 at load, as are safetensors weights with `quantization="q8_0"`.
-Where the kernels run AVX-512 VNNI (or AMX), the weights are then stored as
+Where the kernels run SIMD (AVX-512 VNNI, AMX, AVX-VNNI, AVX2), the weights are then stored as
 "q4p" and "q8p": the same blocks in panels of 16 rows, interleaved so that a
 batch-1 step needs no horizontal sums (`QuantWeight.panels`; kernels/quant.h
 has the layout, kernels/quant_panel.h the measurements).

@@ -87,6 +87,7 @@ void quantize_rows_body(const float *x, int64_t x_stride, int64_t T, int64_t C, 
 #define SUFFIX avx2
 #define DOT_S16(acc, w, a) _mm256_add_epi32(acc, _mm256_madd_epi16(w, a))
 #include "quant_simd.h"
+#include "quant_panel8.h"
 #include "quant_gemm8.h"
 #undef SUFFIX
 #undef DOT_S16
@@ -97,6 +98,7 @@ void quantize_rows_body(const float *x, int64_t x_stride, int64_t T, int64_t C, 
 #define SUFFIX avxvnni
 #define DOT_S16(acc, w, a) _mm256_dpwssd_avx_epi32(acc, w, a)
 #include "quant_simd.h"
+#include "quant_panel8.h"
 #undef SUFFIX
 #undef DOT_S16
 #pragma GCC pop_options
@@ -244,9 +246,6 @@ int quant_isa_supported(int isa) {
  * parallel region. */
 void quant_matmul_body(int isa, quant_weight w, q16_act a, int64_t T, float *out, int64_t out_stride,
                        const float *bias, int mode) {
-    /* panels have AVX-512 tiles only: the other instruction sets read them in portable C (a model
-     * loads its weights as panels only where its kernels run AVX-512 VNNI or AMX) */
-    if (quant_is_panel(w.format) && isa != QUANT_ISA_AVX512VNNI && isa != QUANT_ISA_AMX) isa = QUANT_ISA_SCALAR;
     /* an AMX or AVX-512 VNNI task repacks its weight rows once for all its input rows
      * (quant_amx.h, quant_vnni.h); AVX2's GEMM tile (quant_gemm8.h) repacks per task of
      * TASK_ROWS_IN (~3% of its work; 256 there not measured) */
@@ -264,7 +263,7 @@ void quant_matmul_body(int isa, quant_weight w, q16_act a, int64_t T, float *out
             g8_task_avx2(w, a, n0, n1, t0, t1, out, out_stride, bias, mode);
             break;
         case QUANT_ISA_AVXVNNI:
-            quant_task_avxvnni(w, a, n0, n1, t0, t1, out, out_stride, bias, mode);
+            small_task_avxvnni(w, a, n0, n1, t0, t1, out, out_stride, bias, mode);
             break;
         case QUANT_ISA_AVX512VNNI:
             vnni_task(w, a, n0, n1, t0, t1, out, out_stride, bias, mode);

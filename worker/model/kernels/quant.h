@@ -13,7 +13,7 @@ enum { QUANT_STORE = 0, QUANT_ADD = 1, QUANT_SILU_MUL = 2 }; /* how a matmul wri
 /* A weight (N, C) in blocks of 32 along C: qs q4 (N, C / 2) uint8 or q8 (N, C) int8;
  * d and m (N, C / 32) fp16 bits, as the GGUF file has them (m only for q4).
  * q4p and q8p, the same blocks in panels of 16 rows (worker/model/quant.py `panels`, for the
- * AVX-512 VNNI kernels: quant_panel.h says why), d and m (N / 16, C / 32, 16):
+ * SIMD kernels: quant_panel.h says why), d and m (N / 16, C / 32, 16):
  *   q4p: qs (N / 16, C / 32, 4, 16, 2) uint16 words, word [p, b, s, r, e] holding weights
  *        32 b + 8 s + 2 j + e of row 16 p + r in its nibbles j = 0..3 (bits 4 j);
  *   q8p: qs (N / 16, C / 32, 16, 16, 2) int8, [p, b, k, r, e] = weight 32 b + 2 k + e of row

@@ -25,7 +25,7 @@
 #define G8_ROWS 8     /* weight rows a repack holds: one per lane of a ymm */
 #define G8_MAX_RA 6   /* input rows a pass: 2 x 6 integer dots, 2 weight vectors, a broadcast: 15 ymm */
 #ifndef G8_MIN_ROWS
-#define G8_MIN_ROWS 24 /* fewer input rows go to quant_simd.h's tiles (measured above) */
+#define G8_MIN_ROWS 24 /* fewer input rows go to quant_panel8.h's or quant_simd.h's tiles (above) */
 #endif
 
 /* r[k] = column k of the 8 x 8 dwords r[0..7] (rows in, columns out): 24 shuffles. */
@@ -55,6 +55,27 @@ static inline __attribute__((always_inline)) void CAT(transpose8, SUFFIX)(__m256
 static void CAT(repack8, SUFFIX)(quant_weight w, int64_t n0, int32_t *words, float *dw_t, float *m_t) {
     const int64_t nb = w.C / 32, row_bytes = w.format == QUANT_Q4 ? w.C / 2 : w.C;
     const int64_t block_bytes = w.format == QUANT_Q4 ? 16 : 32;
+    if (quant_is_panel(w.format)) { /* a panel half holds these words as they are (quant_panel8.h) */
+        const int64_t at = (n0 / 16) * nb, h = (n0 % 16) / G8_ROWS;
+        for (int64_t b = 0; b < nb; ++b) {
+            for (int s = 0; s < 4; ++s) {
+                __m256i x[4];
+                if (w.format == QUANT_Q4P)
+                    CAT(panel8_q4, SUFFIX)((const uint8_t *)w.qs + (at + b) * 256 + s * 64 + h * 32, x);
+                else
+                    for (int j = 0; j < 4; ++j)
+                        x[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(
+                            (const __m128i *)((const uint8_t *)w.qs + (at + b) * 512 + (4 * s + j) * 32 + h * 16)));
+                for (int j = 0; j < 4; ++j)
+                    _mm256_store_si256((__m256i *)(words + (b * 16 + 4 * s + j) * G8_ROWS), x[j]);
+            }
+            for (int r = 0; r < G8_ROWS; ++r) {
+                dw_t[b * G8_ROWS + r] = half_to_float(w.d[(at + b) * 16 + h * G8_ROWS + r]);
+                if (w.format == QUANT_Q4P) m_t[b * G8_ROWS + r] = half_to_float(w.m[(at + b) * 16 + h * G8_ROWS + r]);
+            }
+        }
+        return;
+    }
     for (int64_t b = 0; b < nb; ++b) {
         __m256i x[2 * G8_ROWS]; /* x[r]: dwords 0..7 of row r, x[8 + r]: dwords 8..15 */
         for (int r = 0; r < G8_ROWS; ++r) {
@@ -180,7 +201,7 @@ static inline __attribute__((always_inline)) void CAT(g8_tile, SUFFIX)(
 
 #define G8_GROUP(RA)                                                                                          \
     case RA:                                                                                                  \
-        if (FMT == QUANT_Q4)                                                                                  \
+        if (quant_has_offset(FMT))                                                                            \
             CAT(g8_tile, SUFFIX)(a, words, dw_t, m_t, nb, n, t, QUANT_Q4, RA, out, out_stride, bias, mode);   \
         else                                                                                                  \
             CAT(g8_tile, SUFFIX)(a, words, dw_t, m_t, nb, n, t, QUANT_Q8, RA, out, out_stride, bias, mode);   \
@@ -197,7 +218,7 @@ static void CAT(g8_task, SUFFIX)(quant_weight w, q16_act a, int64_t n0, int64_t 
     float *dw_t = words ? aligned_alloc(32, (size_t)nb * G8_ROWS * sizeof(float) * 4) : NULL;
     if (dw_t == NULL) { /* too few rows, or no memory for the repack: the simd tiles need none */
         free(words);
-        CAT(quant_task, SUFFIX)(w, a, n0, n1, t0, t1, out, out_stride, bias, mode);
+        CAT(small_task, SUFFIX)(w, a, n0, n1, t0, t1, out, out_stride, bias, mode);
         return;
     }
     const int FMT = w.format;
@@ -211,12 +232,12 @@ static void CAT(g8_task, SUFFIX)(quant_weight w, q16_act a, int64_t n0, int64_t 
             const int64_t t_next = t0 + (t1 - t0) * (g + 1) / groups;
             switch (t_next - t) { /* 24 or more rows in groups of at most 6: 4 to 6 each */
                 G8_GROUP(4) G8_GROUP(5) G8_GROUP(6)
-                default: CAT(quant_task, SUFFIX)(w, a, n, n + 2 * G8_ROWS, t, t_next, out, out_stride, bias, mode);
+                default: CAT(small_task, SUFFIX)(w, a, n, n + 2 * G8_ROWS, t, t_next, out, out_stride, bias, mode);
             }
             t = t_next;
         }
     }
-    if (whole < n1) CAT(quant_task, SUFFIX)(w, a, whole, n1, t0, t1, out, out_stride, bias, mode);
+    if (whole < n1) CAT(small_task, SUFFIX)(w, a, whole, n1, t0, t1, out, out_stride, bias, mode);
     free(words), free(dw_t);
 }
 #undef G8_GROUP

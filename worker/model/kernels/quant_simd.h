@@ -312,7 +312,7 @@ static void CAT(quant_task, SUFFIX)(quant_weight w, q16_act a, int64_t n0, int64
                                     int64_t t1, float *out, int64_t out_stride, const float *bias, int mode) {
     if (w.format == QUANT_Q4)
         CAT(task_fmt, SUFFIX)(w, a, n0, n1, t0, t1, out, out_stride, bias, mode, QUANT_Q4);
-#ifndef DOT_S16 /* panels are read here and by quant_panel.h's AVX-512 tiles only */
+#ifndef DOT_S16 /* the SIMD paths read panels in quant_panel.h and quant_panel8.h */
     else if (w.format == QUANT_Q4P)
         CAT(task_fmt, SUFFIX)(w, a, n0, n1, t0, t1, out, out_stride, bias, mode, QUANT_Q4P);
     else if (w.format == QUANT_Q8P)
