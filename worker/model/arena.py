@@ -6,8 +6,8 @@ On a 2-core AMD EPYC Zen 4 (2026-12-07, a standalone loop of the panel tiles ove
 layer matrices, 4 alternated runs of 50 passes) the same weights streamed at 25-30 GB/s in 4 KiB
 pages and 37-44 GB/s in one mapping advised MADV_HUGEPAGE (best passes 36-41 against 50-52).
 Linux's default `madvise` mode gives huge pages only where a program asks, hence the advice.
-Elsewhere (no MADV_HUGEPAGE, or the kernel declines) the weights still move into one mapping and
-nothing changes but their address.
+Where the kernel declines, the weights still move into one mapping and nothing changes but their
+address; a system without MADV_HUGEPAGE does not move them (llama.py).
 """
 
 from __future__ import annotations

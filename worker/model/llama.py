@@ -130,7 +130,10 @@ class LlamaModel:
 
     def _quantized_into_huge_pages(self) -> mmap.mmap | None:
         """The quantized matmul weights and head moved into one mapping of 2 MiB pages, which a
-        decode step streams faster (arena.py); the mapping, or None with nothing quantized."""
+        decode step streams faster (arena.py); the mapping, or None with nothing quantized or
+        where the system has no such advice (the weights then stay where they are)."""
+        if not hasattr(mmap, "MADV_HUGEPAGE"):
+            return None
         found = [(layer, name) for layer in self.layers for name in ("wqkv", "wo", "w_gate_up", "w_down")
                  if isinstance(getattr(layer, name), QuantWeight)]
         weights = [getattr(layer, name) for layer, name in found]
