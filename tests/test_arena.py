@@ -56,7 +56,8 @@ def test_the_mapping_is_advised_for_huge_pages() -> None:
     assert smaps_entry(moved[0].qs.data_ptr()).get("THPeligible") == "1"
 
 
-@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE here: the model keeps its weights")
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"),
+                    reason="no MADV_HUGEPAGE here: the model keeps its weights")
 def test_a_quantized_model_keeps_its_weights_in_the_mapping_and_its_tied_head_once() -> None:
     model = ours_from_hf(make_hf_model(tie=True), quantize_to="q8_0")
     assert model._arena is not None
