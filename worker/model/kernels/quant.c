@@ -6,8 +6,8 @@
  *   q4 (Q4_1, and Q4_0 as Q4_1 with m = -8 d): w = d * u + m, u in [0, 15]; a
  *      block is 16 bytes, byte j holding u_j (low nibble) and u_{j+16} (high);
  *   q8 (Q8_0): w = d * q, q in [-128, 127], 32 bytes a block;
- *   q4p, q8p: q4's and q8's blocks in panels of 16 rows, interleaved for the AVX-512 VNNI
- *      tiles (quant.h has the layout, quant_panel.h the reason).
+ *   q4p, q8p: q4's and q8's blocks in panels of 16 rows, interleaved for the SIMD tiles
+ *      (quant.h has the layout, quant_panel.h the reason, quant_panel8.h the 256-bit tiles).
  * Activations are quantized once per input row into blocks of 32 as llama.cpp's q8_0/q8_1
  * do, but to 16-bit integers: a = da * qa with da = max|x| / 32767 and qa = rint(x / da),
  * plus the block's integer sum sa. A block's contribution to an output is then integer
