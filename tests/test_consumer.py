@@ -185,8 +185,10 @@ def test_stop_drains_running_requests_then_aborts_what_is_left(
     keys = Keys(prefix, DEFAULT_MODEL_NAME)
     replies.follow(keys, "short", "endless")
     enqueue(client, keys, "short", max_tokens=6, ignore_eos=True)
-    enqueue(client, keys, "endless", max_tokens=480, ignore_eos=True)  # > 5 s of decoding on a CPU
-    worker = make_worker(drain_timeout_s=5.0)
+    # 480 tokens take 1-3 s on a 2-core CPU (SmolLM2 decodes at 140-260 tok/s there), far more than
+    # the drain's 0.5 s; 6 take tens of ms. (A 5 s drain stopped holding once decode passed 100 tok/s.)
+    enqueue(client, keys, "endless", max_tokens=480, ignore_eos=True)
+    worker = make_worker(drain_timeout_s=0.5)
     # Both are admitted once "endless" streams (the heartbeat, a beat behind, may miss "short").
     log = keys.log(worker.config.consumer_name)
     wait_until(lambda: client.hexists(log, "endless" + LogField.PROGRESS), timeout=30)
