@@ -45,6 +45,7 @@
  * step for all rows. A row's result does not depend on the others in its call (a speculative
  * step's verify rows, a prompt chunk's tokens) nor on the path that computed it.
  */
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -249,6 +250,18 @@ void quant_matmul_body(int isa, quant_weight w, q16_act a, int64_t T, float *out
     /* an AMX or AVX-512 VNNI task repacks its weight rows once for all its input rows
      * (quant_amx.h, quant_vnni.h); AVX2's GEMM tile (quant_gemm8.h) repacks per task of
      * TASK_ROWS_IN (~3% of its work; 256 there not measured) */
+#ifdef HAVE_X86_VARIANTS
+    if (isa == QUANT_ISA_AVX512VNNI && quant_is_panel(w.format) && T < VNNI_MIN_ROWS) {
+        /* few input rows: each thread one run of panels in one call. At batch 1 a 16-row task
+         * is ~0.2 us of weights, and the call per task (struct copies, dispatch) took ~8% of
+         * the fused layers' samples (perf, 2-core Zen 4, 2026-12-07) */
+        const int64_t nt = omp_get_num_threads(), me = omp_get_thread_num(), panels = w.N / VNNI_ROWS;
+        const int64_t p0 = panels * me / nt, p1 = panels * (me + 1) / nt;
+        if (p1 > p0) vnni_small_task(w, a, p0 * VNNI_ROWS, p1 * VNNI_ROWS, 0, T, out, out_stride, bias, mode);
+#pragma omp barrier
+        return;
+    }
+#endif
     const int64_t rows_in = isa == QUANT_ISA_AMX || isa == QUANT_ISA_AVX512VNNI ? TASK_ROWS_IN_REPACKED : TASK_ROWS_IN;
     const int64_t n_tasks = (w.N + TASK_ROWS_OUT - 1) / TASK_ROWS_OUT;
     const int64_t t_tasks = (T + rows_in - 1) / rows_in;
