@@ -109,6 +109,24 @@ def test_every_instruction_set_gives_a_panel_weight_the_row_major_bits(quant: Qu
                     assert torch.equal(got, expected), f"{isa}, {mode}, N = {N}, T = {T}"
 
 
+@pytest.mark.parametrize("num_threads", [1, 3, 4])
+def test_panels_split_between_any_number_of_threads_give_the_same_bits(quant: QuantKernels,
+                                                                      num_threads: int) -> None:
+    """With few input rows each thread takes one run of whole panels (quant.c): 3 panels on 1, 3
+    or 4 threads (one thread with none) give what portable C gives on rows."""
+    rows = make_weight("q4_1", 48, 5 * QK, seed=7)
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        for T in (1, 5):
+            x = make_inputs(T, 5 * QK)
+            want = quant.linear(x, rows, isa="scalar")
+            for isa in quant.supported_isas:
+                assert torch.equal(quant.linear(x, rows.panels(), isa=isa), want), f"{isa}, T = {T}"
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("T", [1, 2, 6, 12])  # tiles of 4, 2 and 1 partial dots a row, and the GEMM tile
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 def test_extreme_integers_in_panels_do_not_overflow(quant: QuantKernels, kind: str, T: int) -> None:
