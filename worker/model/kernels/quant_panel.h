@@ -24,7 +24,7 @@
  * w7): two ANDs and a shift where words took seven ops. vpdpbusd multiplies bytes, so each
  * 16-bit input a = 256 ah + al is split in its signed high byte ah and unsigned low byte al:
  * dot(w, a) = 256 dot(w, ah) + dot(w, al), both integer and exact, so the block's sum (and
- * every float after it) is the one vpdpwssd gave. PANEL_BYTE_ORDER puts a chunk's 16 input
+ * every float after it) is the one vpdpwssd gave. panel_byte_order() puts a chunk's 16 input
  * bytes (a 128-bit lane of the block: al0 ah0 .. al7 ah7) in the dwords the nibbles need:
  * (ah0 ah4 ah1 ah5), (al0 al4 al1 al5), (ah2 ah6 ah3 ah7), (al2 al6 al3 al7).
  * Measured with quant.c's one run of panels a thread, against words and a call per panel: the
@@ -68,8 +68,8 @@ static inline __attribute__((always_inline)) void panel_tile(quant_weight w, q16
         }
         __m512i dot[PANEL_MAX_RA * 4], sums[PANEL_MAX_RA]; /* sums[c]: input row c's block dot products */
         if (FMT == QUANT_Q4P) {
-            /* dot[c P + i]: input row c's high-byte products (i < P / 2, times 256 below) and
-             * low-byte products (i >= P / 2); P / 2 chains each (one where P is 1) */
+            /* input row c's products with its high bytes in dot[c HALF + i] (times 256 below),
+             * with its low bytes in lo[c HALF + i]: HALF independent chains of each */
             const int HALF = P > 1 ? P / 2 : 1;
             __m512i lo[PANEL_MAX_RA * 2];
             #pragma GCC unroll 8
