@@ -26,6 +26,27 @@ typedef struct {
 } quant_weight;
 
 static inline int quant_is_panel(int format) { return format == QUANT_Q4P || format == QUANT_Q8P; }
+
+/* The body of a panel tile's task, for every SIMD width (quant_panel.h, quant_panel8.h): the panels
+ * of output rows [n0, n1) against input rows [t0, t1), each panel in passes of at most 8 input
+ * rows, as equal as they can be (9 rows: 5 + 4). TILE(RA) runs the panel at n against the RA
+ * rows from t, RA a compile-time constant. */
+#define PANEL_PASSES(TILE)                                                                 \
+    for (int64_t n = n0; n < n1; n += 16)                                                  \
+        for (int64_t g = 0, groups = (t1 - t0 + 7) / 8, t = t0; g < groups; ++g) {         \
+            const int64_t t_next = t0 + (t1 - t0) * (g + 1) / groups;                      \
+            switch (t_next - t) {                                                          \
+            case 1: TILE(1); break;                                                        \
+            case 2: TILE(2); break;                                                        \
+            case 3: TILE(3); break;                                                        \
+            case 4: TILE(4); break;                                                        \
+            case 5: TILE(5); break;                                                        \
+            case 6: TILE(6); break;                                                        \
+            case 7: TILE(7); break;                                                        \
+            case 8: TILE(8); break;                                                        \
+            }                                                                              \
+            t = t_next;                                                                    \
+        }
 /* Q4 blocks have an offset m (w = d * u + m), Q8 blocks none. */
 static inline int quant_has_offset(int format) { return format == QUANT_Q4 || format == QUANT_Q4P; }
 

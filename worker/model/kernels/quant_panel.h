@@ -15,7 +15,7 @@
  * the row-major tile in cache, 1.7-2.2x from memory, the same bits. The floats are every other
  * path's: per pair fma(dot, dw * da, acc) in block order, then the offset chain (write16). */
 
-#define PANEL_MAX_RA 8       /* input rows a pass: up to 8 int + 8 float accumulators */
+#define PANEL_MAX_RA 8       /* input rows a pass (PANEL_PASSES): up to 8 int + 8 float accumulators */
 #define PANEL_PREFETCH 8     /* blocks ahead: SmolLM2's batch-1 layers 1.06x faster than with 4 (16: no
                               * better; in-process A/B, 2-core Zen 4, 2026-12-07) */
 
@@ -132,30 +132,20 @@ static inline __attribute__((always_inline)) void panel_tile(quant_weight w, q16
     write16(acc, m_t, a, nb, n0, t, FMT == QUANT_Q4P ? QUANT_Q4 : QUANT_Q8, RA, out, out_stride, bias, mode);
 }
 
-#define PANEL_GROUP(RA)                                                                   \
-    case RA:                                                                              \
-        if (w.format == QUANT_Q4P) panel_tile(w, a, n, t, QUANT_Q4P, RA, out, out_stride, bias, mode); \
-        else panel_tile(w, a, n, t, QUANT_Q8P, RA, out, out_stride, bias, mode);                      \
-        break;
+/* One panel at n . the RA input rows from t (PANEL_PASSES). */
+#define PANEL_TILE(RA)                                                                             \
+    (w.format == QUANT_Q4P ? panel_tile(w, a, n, t, QUANT_Q4P, RA, out, out_stride, bias, mode)      \
+                           : panel_tile(w, a, n, t, QUANT_Q8P, RA, out, out_stride, bias, mode))
 
 /* Output rows [n0, n1) x input rows [t0, t1) with fewer rows than the GEMM tile takes (or no
- * memory for its repack): a q4p or q8p weight panel by panel, each in groups of up to PANEL_MAX_RA
- * input rows, as equal as they can be, each one pass; a row-major weight on quant_simd.h's tiles. */
+ * memory for its repack): a q4p or q8p weight panel by panel (PANEL_PASSES); a row-major weight
+ * on quant_simd.h's tiles. */
 static void vnni_small_task(quant_weight w, q16_act a, int64_t n0, int64_t n1, int64_t t0, int64_t t1, float *out,
                             int64_t out_stride, const float *bias, int mode) {
     if (!quant_is_panel(w.format)) {
         quant_task_avx512vnni(w, a, n0, n1, t0, t1, out, out_stride, bias, mode);
         return;
     }
-    const int64_t groups = (t1 - t0 + PANEL_MAX_RA - 1) / PANEL_MAX_RA;
-    for (int64_t n = n0; n < n1; n += VNNI_ROWS)
-        for (int64_t g = 0, t = t0; g < groups; ++g) {
-            const int64_t t_next = t0 + (t1 - t0) * (g + 1) / groups;
-            switch (t_next - t) {
-                PANEL_GROUP(1) PANEL_GROUP(2) PANEL_GROUP(3) PANEL_GROUP(4)
-                PANEL_GROUP(5) PANEL_GROUP(6) PANEL_GROUP(7) PANEL_GROUP(8)
-            }
-            t = t_next;
-        }
+    PANEL_PASSES(PANEL_TILE)
 }
-#undef PANEL_GROUP
+#undef PANEL_TILE

@@ -10,7 +10,7 @@
 
 #define CAT_(a, b) a##_##b
 #define CAT(a, b) CAT_(a, b)
-#define PANEL8_MAX_RA 8 /* a half's 8 integer dots, 4 weight vectors, a mask, a broadcast: 14 ymm */
+#define PANEL8_MAX_RA 8 /* input rows a pass (PANEL_PASSES); a half's 8 integer dots, 4 weight vectors, a mask, a broadcast: 14 ymm */
 
 /* Half h (rows 8 h .. 8 h + 7) of a q4p chunk: x[j] = pair 4 s + j of those rows. */
 static inline __attribute__((always_inline)) void CAT(panel8_q4, SUFFIX)(const uint8_t *half, __m256i *x) {
@@ -101,30 +101,21 @@ static inline __attribute__((always_inline)) void CAT(panel8_tile, SUFFIX)(
     CAT(write_tile, SUFFIX)(res, 16, RA, n0, t, out, out_stride, bias, mode);
 }
 
-#define PANEL8_GROUP(RA)                                                                                     \
-    case RA:                                                                                                 \
-        if (w.format == QUANT_Q4P) CAT(panel8_tile, SUFFIX)(w, a, n0, t, QUANT_Q4P, RA, out, out_stride, bias, mode); \
-        else CAT(panel8_tile, SUFFIX)(w, a, n0, t, QUANT_Q8P, RA, out, out_stride, bias, mode);                   \
-        break;
+/* One panel at n . the RA input rows from t (PANEL_PASSES). */
+#define PANEL8_TILE(RA)                                                                                     \
+    (w.format == QUANT_Q4P ? CAT(panel8_tile, SUFFIX)(w, a, n, t, QUANT_Q4P, RA, out, out_stride, bias, mode)  \
+                           : CAT(panel8_tile, SUFFIX)(w, a, n, t, QUANT_Q8P, RA, out, out_stride, bias, mode))
 
-/* A task of rows too few for a GEMM tile: a panel weight's panel in groups of up to PANEL8_MAX_RA
- * input rows, as equal as they can be, each one pass; a row-major weight on quant_simd.h's tiles. */
+/* Rows too few for a GEMM tile: a panel weight panel by panel (PANEL_PASSES); a row-major weight
+ * on quant_simd.h's tiles. */
 static void CAT(small_task, SUFFIX)(quant_weight w, q16_act a, int64_t n0, int64_t n1, int64_t t0, int64_t t1,
                                     float *out, int64_t out_stride, const float *bias, int mode) {
     if (!quant_is_panel(w.format)) {
         CAT(quant_task, SUFFIX)(w, a, n0, n1, t0, t1, out, out_stride, bias, mode);
         return;
     }
-    const int64_t groups = (t1 - t0 + PANEL8_MAX_RA - 1) / PANEL8_MAX_RA;
-    for (int64_t g = 0, t = t0; g < groups; ++g) {
-        const int64_t t_next = t0 + (t1 - t0) * (g + 1) / groups;
-        switch (t_next - t) {
-            PANEL8_GROUP(1) PANEL8_GROUP(2) PANEL8_GROUP(3) PANEL8_GROUP(4)
-            PANEL8_GROUP(5) PANEL8_GROUP(6) PANEL8_GROUP(7) PANEL8_GROUP(8)
-        }
-        t = t_next;
-    }
+    PANEL_PASSES(PANEL8_TILE)
 }
-#undef PANEL8_GROUP
+#undef PANEL8_TILE
 #undef CAT
 #undef CAT_
