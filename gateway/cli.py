@@ -18,7 +18,6 @@ from redis.exceptions import RedisError
 from gateway import adapter_admin, bench
 from gateway.client import TokenRelayClient, add_generation_args, generation_params, print_stream
 from gateway.launcher import Stack, StackConfig
-from gateway.redis_server import free_port
 from protos.metrics import DEFAULT_GATEWAY_PORT
 from protos.redis_conn import redact_url
 
@@ -98,7 +97,7 @@ def up(args: argparse.Namespace) -> int:
 
 
 def demo(args: argparse.Namespace) -> int:
-    config = _stack_config(args, f"127.0.0.1:{free_port()}", "WARNING")
+    config = _stack_config(args, "127.0.0.1:0", "WARNING")  # any free port: gateway/launcher.py
     print("starting Redis, the gateway and a worker (loading the model)...", file=sys.stderr, flush=True)
     with Stack(config) as stack:
         info = stack.wait_ready()

@@ -4,13 +4,19 @@ Redis (embedded unless a URL is given) + one gateway + N workers. Children run
 in their own sessions so a Ctrl-C in the terminal reaches only the launcher,
 which then shuts everything down in order: gateway and workers get SIGTERM
 (they drain), stragglers get SIGKILL, the embedded Redis goes last.
+
+A listen port of 0 lets the gateway bind any free port and print it (its first line on
+stdout), which the launcher reads: choosing a free port and handing it to a child lost
+the port now and then to another process's connection in between (a failed `make test`).
 """
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -44,10 +50,14 @@ class Stack:
         self.redis: EmbeddedRedis | None = None
         self.redis_url = config.redis_url or ""
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._port = config.listen.rpartition(":")[2]  # "0" until the gateway said which
+        self._port_known = threading.Event()
 
     @property
     def target(self) -> str:
-        return self.config.listen.replace("0.0.0.0", "127.0.0.1")
+        """host:port to dial; with listen port 0, valid once wait_ready returned."""
+        host = self.config.listen.rpartition(":")[0].replace("0.0.0.0", "127.0.0.1")
+        return f"{host}:{self._port}"
 
     def start(self) -> None:
         if not self.config.redis_url:
@@ -57,7 +67,8 @@ class Stack:
         common = ["--redis-url", self.redis_url, "--log-level", cfg.log_level]
         # reflection on: `tokenrelay up` and the demo are for trying the API out (grpcurl)
         self._spawn("gateway", ["gateway", "--listen", cfg.listen, *common, *self._metrics_args(-1),
-                                "--reflection", *cfg.gateway_args])
+                                "--reflection", *cfg.gateway_args], stdout=subprocess.PIPE)
+        threading.Thread(target=self._read_gateway_stdout, daemon=True).start()
         for i in range(cfg.num_workers):
             self._spawn(f"worker-{i}", ["worker", *common, *self._metrics_args(i), *cfg.worker_args])
 
@@ -66,8 +77,22 @@ class Stack:
         base = self.config.metrics_port
         return ["--metrics-port", str(base + 1 + worker if base else 0)]
 
-    def _spawn(self, name: str, args: list[str]) -> None:
-        self.procs[name] = subprocess.Popen([sys.executable, "-m", *args], start_new_session=True)
+    def _spawn(self, name: str, args: list[str], stdout: int | None = None) -> None:
+        self.procs[name] = subprocess.Popen([sys.executable, "-m", *args], start_new_session=True,
+                                            stdout=stdout)
+
+    def _read_gateway_stdout(self) -> None:
+        """Take the bound port from "... listening on host:port" and pass every line on."""
+        out = self.procs["gateway"].stdout
+        assert out is not None
+        for raw in out:
+            line = raw.decode(errors="replace")
+            found = re.search(r"listening on \S*:(\d+)", line)
+            if found and not self._port_known.is_set():
+                self._port = found.group(1)
+                self._port_known.set()
+            sys.stdout.write(line)
+            sys.stdout.flush()
 
     def exited(self) -> list[str]:
         """'name (exit code)' of every child that is no longer running."""
@@ -76,6 +101,11 @@ class Stack:
     def wait_ready(self, timeout_s: float = 300.0) -> generate_pb2.ServerInfo:
         """Until the gateway is SERVING and every worker has a heartbeat (model loaded)."""
         deadline = time.monotonic() + timeout_s
+        while not self._port_known.wait(0.2):
+            if self.exited():
+                raise RuntimeError(f"stopped during start-up: {', '.join(self.exited())}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the gateway did not listen within {timeout_s:.0f}s")
         with grpc.insecure_channel(self.target) as channel:
             health = health_pb2_grpc.HealthStub(channel)
             stub = generate_pb2_grpc.TokenRelayStub(channel)

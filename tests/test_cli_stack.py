@@ -11,8 +11,10 @@ import urllib.request
 import uuid
 from collections.abc import Iterator
 
+import grpc
 import psutil
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.redis_server import free_port
 from tests.service import ROOT
@@ -72,6 +74,33 @@ def test_up_serves_the_client_cli_and_stops_cleanly_on_ctrl_c(marked_env: dict[s
         for port in (metrics_port, metrics_port + 1):  # the gateway's, then the worker's
             scrape = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
             assert "tokenrelay_" in scrape
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=60) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+
+
+def test_up_on_port_0_reports_the_port_the_gateway_bound(marked_env: dict[str, str]) -> None:
+    """Port 0: the gateway binds a free port itself and the launcher dials what it printed
+    (choosing a port for it raced with other processes' connections)."""
+    up = subprocess.Popen([sys.executable, "-m", "gateway.cli", "up", "--listen", "127.0.0.1:0",
+                           "--workers", "0"], cwd=ROOT, env=marked_env, stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert up.stdout is not None
+        target = ""
+        for line in up.stdout:  # ends if `up` exits early; the pytest timeout bounds a hang
+            if "tokenrelay is up" in line:
+                target = line.split("gRPC on ")[1].split(",")[0]
+                break
+        host, _, port = target.rpartition(":")
+        assert host == "127.0.0.1" and int(port) > 0, target
+        with grpc.insecure_channel(target) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            status = health.Check(health_pb2.HealthCheckRequest(), timeout=10).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=60) == 0
     finally:
