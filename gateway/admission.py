@@ -43,10 +43,11 @@ class Admission:
             slot = await self.quotas.admit(tenant, max_tokens, is_resume=is_resume)
         return depth, slot
 
-    async def release(self, slot: Slot, used_tokens: int) -> None:
-        """The call ended having used used_tokens (gateway/quotas.py says which count)."""
+    async def release(self, slot: Slot, used_tokens: int, request_key: str) -> None:
+        """The call ended having used used_tokens, attached to request_key's generation ("" =
+        none): gateway/quotas.py says what counts."""
         if self.quotas is not None:
-            await self.quotas.release(slot, used_tokens)
+            await self.quotas.release(slot, used_tokens, request_key)
 
     async def queue_depth(self, model: str) -> int:
         """Requests of `model` waiting in the queue; UNAVAILABLE if the gateway cannot reach Redis."""

@@ -16,14 +16,17 @@ reserved at admission and settled at the end, when the call is charged what it u
   when unset); a resume (resume_from_index > 0) reserves 1, so a tenant that is out of
   tokens cannot replay either;
 - at its end a call is charged the tokens it was sent (every chunk's token ids, a replay
-  of the log included: a replay costs what it returns), plus, for the call that created
-  the generation, its prompt tokens as the worker counted them (Final.usage.prompt_tokens:
-  the gateway does not tokenize);
+  of the log included: a replay costs what it returns), plus the generation's prompt
+  tokens if no call was charged for them yet. The worker counts them (the gateway does not
+  tokenize) and writes them into the request's record when it admits the request
+  (`Record.PROMPT_TOKENS`); SETTLE charges them once per generation (`Record.PROMPT_BILLED`),
+  to the first call of the tenant that ends after that: the caller that left before its
+  first token pays its prompt as well as the one that waited for the final;
 - the difference is given back, or taken: a prompt longer than the unused max_tokens puts
   the bucket below zero, and the tenant's next calls wait until it refilled.
-Not charged: the prompt of a generation whose creating call left before its final (the
-gateway never learns its length), and what a gateway that died mid-call had reserved is
-neither charged nor given back (it stays spent, as before settling existed).
+Not charged: the prompt of a request whose every call ended before a worker admitted it
+(a worker computes nothing for a request nobody follows: it parks it), and what a gateway
+that died mid-call had reserved is neither charged nor given back (it stays spent).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from redis.exceptions import RedisError
 
 from gateway.auth import Tenant
 from gateway.errors import PUSHBACK_TRAILER, GatewayError, InvalidArgument, redis_unavailable
-from protos.keys import Bucket, Keys
+from protos.keys import Bucket, Keys, Record
 
 log = logging.getLogger(__name__)
 
@@ -90,12 +93,20 @@ end
 return {{{ADMITTED}, 0, 0}}
 """
 
-# KEYS: calls zset, bucket hash. ARGV: call id ("" = no slot), tokens_per_minute (0 = none),
-# tokens to give back (negative: to take). Frees the slot and settles the bucket, which may
-# go below zero. -> tokens in the bucket after (0 without a bucket)
+# KEYS: calls zset, bucket hash, and the request's record if the call attached to one. ARGV:
+# call id ("" = no slot), tokens_per_minute (0 = none), tokens to give back (negative: to
+# take). Frees the slot, takes the record's prompt tokens if nobody paid them yet (HMGET
+# first: a record that expired is not created again), and settles the bucket, which may go
+# below zero. -> tokens in the bucket after (0 without a bucket)
 SETTLE_SCRIPT = f"""
 if ARGV[1] ~= '' then redis.call('ZREM', KEYS[1], ARGV[1]) end
 local tpm, back = tonumber(ARGV[2]), tonumber(ARGV[3])
+if tpm > 0 and KEYS[3] then
+  local prompt = redis.call('HMGET', KEYS[3], '{Record.PROMPT_TOKENS}')[1]
+  if prompt and redis.call('HSETNX', KEYS[3], '{Record.PROMPT_BILLED}', '1') == 1 then
+    back = back - tonumber(prompt)
+  end
+end
 if tpm == 0 or back == 0 then return 0 end
 {_NOW_LUA}
 {_BUCKET_LUA}
@@ -180,13 +191,14 @@ class Quotas:
             self._open.add(slot)
         return slot
 
-    async def release(self, slot: Slot, used_tokens: int = 0) -> None:
+    async def release(self, slot: Slot, used_tokens: int = 0, request_key: str = "") -> None:
         """End the call: free its slot, and charge it used_tokens of its reservation (the rest
-        goes back; more than it reserved is taken)."""
+        goes back; more than it reserved is taken), plus the prompt of request_key's
+        generation (the request it attached to, "" = none) unless a call paid it already."""
         self._open.discard(slot)
+        keys = [slot.key, slot.bucket, *([self.keys.record(request_key)] if request_key else [])]
         try:
-            await self._settle(keys=[slot.key, slot.bucket],
-                               args=[slot.call_id, slot.tpm, slot.reserved - used_tokens])
+            await self._settle(keys=keys, args=[slot.call_id, slot.tpm, slot.reserved - used_tokens])
         except RedisError as e:  # the slot expires by itself after slot_ttl; the tokens stay spent
             log.info("quota slot %s not settled (it expires): %s", slot.call_id, e)
 

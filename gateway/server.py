@@ -63,9 +63,11 @@ MAX_ATTACH_RACES = 3  # new attempts started by other gateways in a row before g
 
 @dataclass
 class UsedTokens:
-    """What a call is charged against its tenant's tokens_per_minute when it ends."""
+    """What a call is charged against its tenant's tokens_per_minute when it ends: the tokens
+    it was sent, and the prompt of the request it attached to unless paid (gateway/quotas.py)."""
 
     num_tokens: int = 0
+    request_key: str = ""  # set once the call attached to the request
 
 
 class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
@@ -145,7 +147,7 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
                 yield response
         finally:
             if slot is not None:
-                self._in_background(self.admission.release(slot, used.num_tokens))
+                self._in_background(self.admission.release(slot, used.num_tokens, used.request_key))
 
     async def _follow(self, request: generate_pb2.GenerateRequest, request_id: str,
                       context: grpc.aio.ServicerContext, call: CallTrace, tenant: Tenant,
@@ -163,6 +165,7 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
             with call.enqueue(queued):
                 digest = request_digest(request, tenant.name)
                 follow, is_new, route = await self._attach(queued, digest, depth, resume_from, request_id)
+                used.request_key = key
             log.debug("request %s: %s entry %s", request_id, "enqueued" if is_new else "following",
                       follow.entry_id.decode())
             follow.time_remaining = context.time_remaining
@@ -172,10 +175,8 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
                 is_done = response.HasField("final")
                 if is_done:
                     response.final.tenant = tenant.name
-                    if is_new:  # the call that created the generation pays for its prompt
-                        used.num_tokens += response.final.usage.prompt_tokens
-                        if self.metrics is not None:
-                            self.metrics.observe_route(request.model, route, response.final.usage)
+                    if is_new and self.metrics is not None:
+                        self.metrics.observe_route(request.model, route, response.final.usage)
                 else:
                     used.num_tokens += len(response.chunk.token_ids)
                 yield response

@@ -18,8 +18,8 @@ or test runs can share one Redis. ``{p}`` below is that prefix.
 |                          |         | _TTL_S       |                           |                          |
 | {p}:workers              | group   | (on each     | worker XGROUP CREATE/XACK | gateway XINFO/XPENDING   |
 |                          |         |  stream)     |                           |                          |
-| {p}:request:{request_id} | hash    | lease (*)    | gateway ATTACH, worker    | gateways, workers        |
-|                          |         |              | OWN/STEP scripts          |                          |
+| {p}:request:{request_id} | hash    | lease (*)    | gateway ATTACH, SETTLE;   | gateways, workers        |
+|                          |         |              | worker OWN/STEP scripts   |                          |
 | {p}:log:{consumer}       | hash    | longest      | that worker's STEP, OWN   | gateways READ_LOG, OWN   |
 |                          |         | result TTL   | of a taker                |                          |
 | {p}:out:{consumer}       | channel | -            | that worker's STEP        | every gateway PSUBSCRIBE |
@@ -242,7 +242,11 @@ Tenant quotas (gateway/quotas.py; only with --auth-tokens-file)
   most unless it is in debt). One script checks both and takes a slot and the tokens
   together, or neither; another (SETTLE) ends a call: it frees the slot and gives back what
   the call reserved but did not use, or takes what it used beyond (a long prompt): the
-  bucket may go below zero.
+  bucket may go below zero. A call's use includes the prompt of the request it attached to,
+  once per generation: the worker writes the prompt's token count into the record when it
+  admits the request (``Record.PROMPT_TOKENS``, STEP's PROMPT section, only while it owns
+  the record), and SETTLE charges it to the first call that ends after that
+  (``Record.PROMPT_BILLED``, HSETNX), whether that call saw the final or left early.
 
 Worker heartbeat
   Each worker's HEARTBEAT script, about every half second and whenever its load changes
@@ -374,6 +378,11 @@ class Record:
     OWNER = "owner"  # consumer name of the worker holding the current attempt ("" = released)
     LOG = "log"  # the worker log hash holding the request's events and progress (`LogField`)
     DELIVERIES = "deliveries"  # takeovers from an owner that died holding it, over all attempts
+    # The prompt's tokens as the worker counted them, written when it admits the request (STEP's
+    # PROMPT section), and "1" once a call of the tenant was charged for them (gateway/quotas.py
+    # SETTLE): every generation's prompt is billed once, to the first call that ends after it.
+    PROMPT_TOKENS = "prompt_tokens"
+    PROMPT_BILLED = "prompt_billed"
 
 
 class LogField:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -123,28 +124,32 @@ def make_stats(**fields: Any) -> EngineStats:
 
 
 class CountingEngine:
-    """Emits token 7 ("x") once per step per request until max_tokens: enough to stream."""
+    """Emits token 7 ("x") once per step per request until max_tokens: enough to stream. Every
+    prompt counts as num_prompt_tokens; a step takes step_s at least."""
 
-    def __init__(self) -> None:
+    def __init__(self, num_prompt_tokens: int = 1, step_s: float = 0.0) -> None:
         self._running: dict[str, tuple[int, int]] = {}  # request_id -> (max_tokens, generated)
+        self.num_prompt_tokens, self.step_s = num_prompt_tokens, step_s
 
     adapters: tuple[str, ...] = ()  # no LoRA adapters
 
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams, **kwargs: Any) -> Admitted:
         self._running[request_id] = (params.max_tokens, 0)
-        return Admitted(seed=params.seed or 1)
+        return Admitted(seed=params.seed or 1, num_prompt_tokens=self.num_prompt_tokens)
 
     def abort(self, request_id: str) -> None:
         self._running.pop(request_id, None)
 
     def step(self) -> list[RequestOutput]:
+        if self.step_s:
+            time.sleep(self.step_s)
         outputs = []
         for request_id, (max_tokens, done) in list(self._running.items()):
             out = RequestOutput(request_id, token_ids=[7], text="x")
             self._running[request_id] = (max_tokens, done + 1)
             if done + 1 == max_tokens:
                 out.finish_reason = FinishReason.LENGTH
-                out.usage = Usage(prompt_tokens=1, completion_tokens=max_tokens)
+                out.usage = Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=max_tokens)
                 del self._running[request_id]
             outputs.append(out)
         return outputs

@@ -102,6 +102,21 @@ def test_a_takeover_moves_the_log_and_revokes_the_old_owners_writes(client: redi
     assert not client.exists(keys.revoked("a"))
 
 
+def test_a_rounds_prompt_count_goes_into_the_record_only_while_its_worker_owns_it(
+        client: redis.Redis, prefix: str) -> None:
+    """What the gateway bills a tenant for its prompt (gateway/quotas.py SETTLE)."""
+    keys = Keys(prefix, DEFAULT_MODEL_NAME)
+    entry_id = enqueue(client, keys, "r")
+    assert own(client, keys, "a", "r", entry_id)[0] == b"own"
+    outbox = Outbox()
+    outbox.prompts.update({"r": 40, "gone": 7})  # "gone": its record expired (or was never made)
+    assert step(client, keys, "b", outbox) == ["ok"]  # b does not own r
+    assert not client.hexists(keys.record("r"), Record.PROMPT_TOKENS)
+    assert step(client, keys, "a", outbox) == ["ok"]
+    assert client.hget(keys.record("r"), Record.PROMPT_TOKENS) == b"40"
+    assert not client.exists(keys.record("gone"))  # not created again without a TTL
+
+
 def test_the_publisher_sends_a_round_again_without_a_request_taken_over_since(client: redis.Redis,
                                                                              prefix: str) -> None:
     keys = Keys(prefix, DEFAULT_MODEL_NAME)

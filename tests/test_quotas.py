@@ -176,6 +176,45 @@ def test_a_call_pays_its_prompt_and_output_and_a_replay_on_another_gateway_pays_
     assert expected <= left <= expected + refill() < 49, left
 
 
+def test_a_call_that_leaves_after_its_first_token_pays_its_prompt_and_a_resume_does_not_pay_it_again(
+        tmp_path: Path, make_gateway: MakeGateway, sync_redis: redis.Redis, redis_url: str,
+        prefix: str) -> None:
+    """The worker writes the prompt's 40 tokens into the record when it admits the request;
+    the first call to end after that pays them (SETTLE), whether or not it saw the final."""
+    config = WorkerConfig(redis_url=redis_url, key_prefix=prefix, worker_id="counting", drain_timeout_s=5.0,
+                          claim_block_ms=50)
+    worker = WorkerThread(CountingEngine(num_prompt_tokens=40, step_s=0.05), config).start()
+    try:
+        token = new_token()
+        path = write_tenants(tmp_path / "t.json", {TENANT: {"tokens": [token], "tokens_per_minute": 100}})
+        first, second = make_gateway(auth_tokens_file=path), make_gateway(auth_tokens_file=path)
+        record = Keys(prefix).record(f"{TENANT}/early")
+        request = build_request("hi", max_tokens=50, request_id="early")
+        started = time.monotonic()
+        channel, stub = stub_for(first.target)
+        with channel:
+            stream = stub.Generate(request, timeout=10, metadata=bearer(token))
+            assert next(stream).HasField("chunk")
+            stream.cancel()  # gone after its first token, 49 before its final
+        wait_until(lambda: sync_redis.hget(record, "prompt_billed") == b"1", timeout=5)
+        wait_until(lambda: bucket_tokens(sync_redis, prefix) < 90, timeout=5)
+        left = bucket_tokens(sync_redis, prefix)
+        # 100 - 40 (prompt) - the chunks it was sent (1 to a few: the worker steps every 50 ms);
+        # before the prompt was billed here it stayed at 100 - those chunks
+        assert 100 - 40 - 10 <= left <= 100 - 40 - 1 + (time.monotonic() - started) * 100 / 60, left
+        request.resume_from_index = 1  # the rest, on the other gateway: 49 chunks, not the prompt again
+        channel, stub = stub_for(second.target)
+        resumed = time.monotonic()
+        with channel:
+            responses = list(stub.Generate(request, timeout=20, metadata=bearer(token)))
+        assert len(responses) == 50 and responses[-1].final.usage.prompt_tokens == 40
+        wait_until(lambda: bucket_tokens(sync_redis, prefix) <= left - 49 + (time.monotonic() - resumed) * 2,
+                   timeout=5)
+        assert bucket_tokens(sync_redis, prefix) >= left - 50  # a second 40 would be far below
+    finally:
+        worker.stop()
+
+
 def test_a_long_prompt_puts_the_bucket_in_debt_and_the_next_call_waits(
         tmp_path: Path, make_gateway: MakeGateway, sync_redis: redis.Redis, prefix: str) -> None:
     """SETTLE takes what a call used beyond its reservation, below zero if need be."""

@@ -120,6 +120,9 @@ def test_a_tenants_call_streams_replays_and_parks_under_the_gateway_and_worker_u
         assert admin.hget(KEYS.record("acme/order-1"), Record.FINAL) == b"4"
         replay = list(stub.Generate(resumed_at(order_1, 2), metadata=meta, timeout=20))
         assert tokens_of(replay) == sim_token_ids(7, 2, 2)  # from the log, not generated again
+        # STEP wrote the prompt's tokens into the record, SETTLE billed them once (HSETNX)
+        assert admin.hget(KEYS.record("acme/order-1"), Record.PROMPT_TOKENS) is not None
+        wait_until(lambda: admin.hget(KEYS.record("acme/order-1"), Record.PROMPT_BILLED) == b"1", timeout=5)
         assert stub.GetServerInfo(generate_pb2.GetServerInfoRequest(), metadata=meta, timeout=5)
 
         order_2 = build_request("hi", max_tokens=100, seed=8, request_id="order-2")

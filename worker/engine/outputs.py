@@ -38,6 +38,8 @@ class Resume:
 class Admitted:
     seed: int  # the sampling seed in use (drawn when the request gave none)
     text: str = ""  # text already streamed for the resumed tokens ("" for a new request)
+    # The prompt's tokens after truncation: what its tenant is billed for (gateway/quotas.py).
+    num_prompt_tokens: int = 0
 
 
 @dataclass

@@ -148,7 +148,7 @@ class SimEngine:
             self._ready.append(self._final(req, reason))
         else:
             self._waiting[request_id] = req
-        return Admitted(req.seed, "".join(texts))
+        return Admitted(req.seed, "".join(texts), num_prompt)
 
     def abort(self, request_id: str) -> None:
         """Thread-safe; the next step returns the request's ABORT output (waiting or running)."""

@@ -113,7 +113,7 @@ class TextEngine:
             seq.stop_text = state
             self.engine.submit(seq)
             self._states[request_id] = state
-        return Admitted(seq.seed, text)
+        return Admitted(seq.seed, text, len(ids))
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)

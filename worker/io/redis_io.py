@@ -63,6 +63,7 @@ class Outbox:
     logged: dict[str, list[queue_pb2.TokenEvent]] = field(default_factory=dict)  # request id -> events
     published: list[queue_pb2.TokenEvent] = field(default_factory=list)  # errors: not logged
     progress: dict[str, bytes] = field(default_factory=dict)  # request id -> queue.Progress
+    prompts: dict[str, int] = field(default_factory=dict)  # request id -> its prompt's tokens (billing)
     ends: list[End] = field(default_factory=list)
     drops: list[str] = field(default_factory=list)  # log fields of expired results
     forget: list[str] = field(default_factory=list)  # revoked request ids this worker dropped
@@ -88,6 +89,7 @@ class Outbox:
             self.logged.setdefault(request_id, []).extend(events)
         self.published += other.published
         self.progress.update(other.progress)  # the later progress knows more
+        self.prompts.update(other.prompts)
         self.ends += other.ends
         self.drops += other.drops
         self.forget += other.forget
@@ -99,6 +101,7 @@ class Outbox:
         return Outbox({r: events for r, events in self.logged.items() if r not in request_ids},
                       [e for e in self.published if e.request_id not in request_ids],
                       {r: p for r, p in self.progress.items() if r not in request_ids},
+                      {r: n for r, n in self.prompts.items() if r not in request_ids},
                       [e for e in self.ends if e.request_id not in request_ids],
                       self.drops, self.forget)
 
@@ -119,6 +122,9 @@ class Outbox:
         args.append(len(self.progress))
         for request_id, progress in self.progress.items():
             args += [request_id, progress]
+        args.append(len(self.prompts))
+        for request_id, num_tokens in self.prompts.items():
+            args += [request_id, num_tokens]
         args += [len(self.published), *(log_value(e) for e in self.published)]
         args.append(len(self.ends))
         for e in self.ends:
@@ -128,7 +134,8 @@ class Outbox:
         return args
 
     def __bool__(self) -> bool:
-        return bool(self.logged or self.published or self.progress or self.ends or self.drops or self.forget)
+        return bool(self.logged or self.published or self.progress or self.prompts or self.ends or self.drops
+                    or self.forget)
 
 
 def _consecutive(events: list[queue_pb2.TokenEvent]) -> list[list[queue_pb2.TokenEvent]]:
