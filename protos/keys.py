@@ -100,10 +100,12 @@ The request record and its log: one generation per request id
   ``{request_id}:p`` the `queue.Progress` (seed, first-token time: O(1), written when it
   changes, never the tokens so far). One HSET per worker round logs every request's
   events, so a round costs O(new tokens) whatever the output length. A claim (OWN
-  script) moves the request's fields into the claimant's log, so a request's whole log
-  is always in one hash; the owner HDELs them once the result TTL passed, and the hash
-  itself expires (its TTL, the longest result TTL, is renewed with every heartbeat) when
-  its worker is gone. A resume reads the chunks it needs with READ_LOG (HMGET of
+  script) copies the request's fields into the claimant's log and points the record at it,
+  so a request's whole log is always in the one hash its record names; a worker writes
+  only its own log (deploy/redis: a per-worker user may be refused every other). Each
+  owner HDELs its fields once the result TTL passed (a live owner that was taken over: at
+  once, when it drops the request), and the hash itself expires (its TTL, the longest
+  result TTL, is renewed with every heartbeat) when its worker is gone. A resume reads the chunks it needs with READ_LOG (HMGET of
   ``{request_id}:{K..}``): its cost is what it returns, never HGETALL.
 
 Request ids are per tenant

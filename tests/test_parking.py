@@ -18,5 +18,5 @@ def test_a_full_lot_refuses_a_park_and_forgets_what_was_taken_over() -> None:
     assert lot.park(make_tracked("a")) and lot.park(make_tracked("b"))
     assert not lot.park(make_tracked("c"))  # bounded: the consumer abandons "c" instead
     assert len(lot) == 2
-    assert lot.drop({"a"}) == 1 and len(lot) == 1
+    assert [t.request_id for t in lot.drop({"a"})] == ["a"] and len(lot) == 1
     assert lot.park(make_tracked("c"))

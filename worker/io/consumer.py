@@ -352,13 +352,16 @@ class Consumer:
         revoked = self._publisher.revoked()
         if not revoked:
             return
+        dropped = self._parked.drop(revoked)
         for key, tracked in list(self._running.items()):
             if tracked.request_id in revoked:
                 tracked.is_handed_off = True
                 self.engine.abort(key)
-        dropped = self._parked.drop(revoked)
-        log.warning("another worker took over %d requests (%d parked here); dropped them", len(revoked),
-                    dropped)
+                dropped.append(tracked)
+        # The taker copied their fields into its own log (OWN writes no other worker's log).
+        self._outbox.drops += [f for t in dropped for f in LogField.all_of(t.request_id, t.seq)]
+        log.warning("another worker took over %d requests; dropped them (%d were running or parked here)",
+                    len(revoked), len(dropped))
         self._count_taken_over(len(revoked))
         self._outbox.forget += list(revoked)
 

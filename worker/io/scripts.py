@@ -4,8 +4,8 @@ Ownership (protos/keys.py, "Fencing"): a worker process is one consumer of the g
 ``{worker_id}.{incarnation}``. It is alive while its score in the registry (a sorted set,
 expiry in Redis-clock ms) is in the future. A sweeper that finds a consumer dead fences it
 (RECLAIM: adds it to the fenced set and scores it 0 in the registry) and XCLAIMs its entries
-in the same script. A claim takes a request's record (OWN: sets ``owner``, moves the
-request's log into the claimant's log hash, and names the request in the previous owner's
+in the same script. A claim takes a request's record (OWN: sets ``owner``, copies the
+request's log into the claimant's log hash, never writing another worker's, and names the request in the previous owner's
 revoked set when that owner had not released it). Every round of a worker is one STEP script
 that first checks both: a fenced worker writes nothing, and the requests revoked from it are
 left out of the round. Scripts run atomically, so a round is either entirely before a
@@ -23,7 +23,6 @@ from protos.keys import (
     FENCE_MARK,
     RECORD_LEASE_S,
     STREAM_DATA_FIELD,
-    WORKER_KEY_MARK,
     LogField,
     Record,
 )
@@ -199,10 +198,8 @@ for i = 3, #ARGV, 3 do
         if values[j] then flat[#flat + 1] = name; flat[#flat + 1] = values[j] end
       end
       if #flat > 0 then hset_all(mine, flat) end
-      hdel_all(from, names)
     elseif from and from ~= mine and values[nxt + 1] then
       redis.call('HSET', mine, names[nxt + 1], values[nxt + 1])
-      redis.call('HDEL', from, names[nxt + 1])
     end
     redis.call('HSET', rec, '{Record.OWNER}', me, '{Record.LOG}', mine)
     local item = {{'own', deliveries, values[nxt + 1] or false}}
@@ -216,7 +213,8 @@ return reply
 # Fence dead consumers and XCLAIM their pending entries. KEYS: registry, fenced set.
 # ARGV: group, claimant, fence TTL ms, count, key prefix, then the streams, '--', then the
 # consumers to check. A consumer whose registry score is in the future is alive and skipped;
-# the others are fenced (their heartbeat hash deleted) and up to `count` of their entries
+# the others are fenced (their heartbeat hash is left to expire: a worker writes no other
+# worker's heartbeat, and only the registry says who is alive) and up to `count` of their entries
 # claimed. Returns {stream, entry id, data or '', deliveries} per entry and, last, the fenced
 # names that had nothing left pending (the caller removes them from the group).
 # RECLAIM: ARGV = group, me, fence ttl, count, prefix, the shared streams (CLAIM_ORDER), "--",
@@ -256,7 +254,6 @@ for _, name in ipairs(consumers) do
     -- Dead (score 0) until nothing of it is left: the registry names it to the next sweeps even
     -- where it never had an entry delivered from a shared stream (XINFO CONSUMERS lists only those).
     redis.call('ZADD', registry, 0, name)
-    redis.call('DEL', prefix .. '{WORKER_KEY_MARK}' .. name)
     local routed, streams = {{}}, {{}}
     for c, cls in ipairs(classes) do
       routed[c] = prefix .. ':routed:' .. cls .. ':' .. name
