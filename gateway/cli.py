@@ -15,7 +15,7 @@ import sys
 import grpc
 from redis.exceptions import RedisError
 
-from gateway import adapter_admin, bench
+from gateway import adapter_admin, bench, redis_acl
 from gateway.client import TokenRelayClient, add_generation_args, generation_params, print_stream
 from gateway.launcher import Stack, StackConfig
 from protos.metrics import DEFAULT_GATEWAY_PORT
@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                              description=adapter_admin.__doc__,
                              formatter_class=argparse.RawDescriptionHelpFormatter)
     adapter_admin.add_arguments(adapter)
+    acl = sub.add_parser("acl", help="print the Redis ACL rules of a per-worker user",
+                         description=redis_acl.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    redis_acl.add_arguments(acl)
     return p
 
 
@@ -120,7 +123,8 @@ def demo(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        commands = {"up": up, "demo": demo, "bench": bench.bench, "adapter": adapter_admin.run}
+        commands = {"up": up, "demo": demo, "bench": bench.bench, "adapter": adapter_admin.run,
+                    "acl": redis_acl.run}
         return commands[args.command](args)
     except (RuntimeError, TimeoutError, ValueError, FileNotFoundError, RedisError) as e:
         print(f"tokenrelay {args.command}: {e}", file=sys.stderr)

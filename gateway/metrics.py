@@ -108,6 +108,12 @@ class GatewayMetrics:
             RATIO_BUCKETS)
         self.route_cached = histogram("route_cached_prompt_ratio", "Routed requests: cached_prompt_tokens / "
                                       "prompt_tokens the worker reported.", RATIO_BUCKETS)
+        # Not by tenant: the router drops them before any call sees them; model is the default's.
+        self.refused_events = Counter(
+            "tokenrelay_refused_worker_events", "Token events a worker published for a request whose "
+            "record names another worker's log: dropped (a worker taken over, or a misbehaving one).",
+            m, registry=registry)
+        self.refused_events.labels(self.model)  # exported at 0 from the start: an alert reads it
         self.queue_oldest_age = gauge("queue_oldest_waiting_age_seconds",
                                       "Age of the oldest request not claimed yet (0 when none waits).")
 
@@ -149,6 +155,9 @@ class GatewayMetrics:
         if route.kind == "prefix" and usage.prompt_tokens:
             self.route_predicted.labels(model).observe(route.predicted_fraction)
             self.route_cached.labels(model).observe(usage.cached_prompt_tokens / usage.prompt_tokens)
+
+    def count_refused_events(self, num_events: int) -> None:
+        self.refused_events.labels(self.model).inc(num_events)
 
     def count_rejected(self, tenant: str, error: GatewayError, model: str = "") -> None:
         self.rejected.labels(model or self.model, tenant, rejection_reason(error)).inc()

@@ -11,6 +11,15 @@ worker whether anyone follows the request (PUBSUB NUMSUB), so an unfollowed one 
 Several calls of this gateway may follow one request (a client resumed before the gateway
 noticed its old call was gone): each gets every event.
 
+An event is taken only from the out channel of the worker whose log the request's record
+names (`Record.LOG`, set when a worker claims the request, before it publishes anything):
+the first event of a request from a worker, and the first after a takeover, is held while
+the router reads that one field (HMGET, once per request and owner); events of a request
+from any other worker are dropped and counted (`on_refused`). So a worker that may publish
+only on its own channel (a per-worker Redis user: deploy/redis) cannot put tokens into a
+stream it does not run, and a late event of an owner that was taken over is not relayed
+(the log it was copied into fills any gap).
+
 Each call's queue is bounded (`max_queued_events`): a call that reads slower than its
 request generates loses what is queued, and gets `RESYNC` instead, so its relay re-reads
 what it missed from the log; memory stays bounded whatever a worker sends.
@@ -25,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -33,6 +43,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from gateway.errors import GatewayError, Unavailable
+from protos.keys import Keys, Record
 from protos.redis_conn import Backoff
 from protos.tokenrelay.v1 import queue_pb2
 
@@ -54,6 +65,10 @@ TICK: Final = Tick()
 # What a call's queue receives: worker events, RESYNC, TICK, or the error that ends the call.
 CallItem = queue_pb2.TokenEvent | Resync | Tick | GatewayError
 SUBSCRIBE_TIMEOUT_S = 5.0
+# After a worker's events for a request were refused, its further events for that request are
+# dropped this long without reading the record again (a misbehaving worker cannot make every
+# gateway read Redis once per event it publishes).
+REFUSED_FOR_S = 1.0
 DEFAULT_MAX_QUEUED_EVENTS = 1024
 DEFAULT_TICK_S = 1.0
 
@@ -80,20 +95,26 @@ def offer(queue: asyncio.Queue[CallItem], item: CallItem) -> None:
 
 
 class ReplyRouter:
-    def __init__(self, client: aioredis.Redis, home: str, channel_of: Callable[[str], str], out_pattern: str,
-                 *,
+    def __init__(self, client: aioredis.Redis, keys: Keys, home: str, *,
                  max_backoff_s: float = 2.0, max_queued_events: int = DEFAULT_MAX_QUEUED_EVENTS,
                  tick_s: float = DEFAULT_TICK_S,
                  on_ready_change: Callable[[bool], Any] | None = None) -> None:
-        """home: the gateway's own channel (`Keys.gateway`); channel_of(request_id): the
-        request's presence channel (`Keys.events`); out_pattern: every worker's out channel
-        (`Keys.out_pattern`); tick_s: how often an idle call gets TICK."""
-        self._client, self._home, self._channel_of, self._out_pattern = client, home, channel_of, out_pattern
+        """home: the gateway's own channel (`Keys.gateway`); tick_s: how often an idle call gets
+        TICK. Calls follow a request's presence channel (`Keys.events`); events come from every
+        worker's out channel (`Keys.out_pattern`)."""
+        self._client, self._keys, self._home = client, keys, home
+        self._channel_of, self._out_pattern = keys.events, keys.out_pattern
+        self._out_mark = keys.out("")  # an out channel's name is this + the worker's consumer name
         self._max_backoff_s = max_backoff_s
         self._max_queued = max(2, max_queued_events)
         self._tick_s = tick_s
         self._on_ready_change = on_ready_change
         self._calls: dict[str, list[CallQueue]] = {}  # request id -> its followers
+        self._sources: dict[str, str] = {}  # request id -> the consumer whose log its record names
+        self._checking: dict[str, dict[str, list[queue_pb2.TokenEvent]]] = {}  # held while a check runs
+        self._refused: dict[str, dict[str, float]] = {}  # request id -> consumer -> refused until (monotonic)
+        self._checks: set[asyncio.Task[None]] = set()
+        self.on_refused: Callable[[int], Any] | None = None  # called with each count of events dropped
         self._confirmed: dict[str, asyncio.Future[None]] = {}  # channel -> its SUBSCRIBE confirmation
         self._pubsub: Any = None
         self._ready = asyncio.Event()
@@ -119,7 +140,7 @@ class ReplyRouter:
         return self.is_ready
 
     async def close(self) -> None:
-        tasks = [t for t in (self._task, self._ticker) if t is not None]
+        tasks = [t for t in (self._task, self._ticker, *self._checks) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -160,6 +181,9 @@ class ReplyRouter:
         channel = self._channel_of(request_id)
         self._calls.pop(request_id, None)
         self._confirmed.pop(channel, None)
+        self._sources.pop(request_id, None)
+        self._checking.pop(request_id, None)
+        self._refused.pop(request_id, None)
         if self._pubsub is not None and self.is_ready:
             task = asyncio.ensure_future(self._unsubscribe(request_id, channel))
             # A lost UNSUBSCRIBE ends with the connection; a cancelled one with the gateway.
@@ -239,16 +263,66 @@ class ReplyRouter:
             if future is not None and not future.done():
                 future.set_result(None)
 
-    def _dispatch(self, channel: bytes, data: bytes) -> None:
+    def _dispatch(self, channel: bytes | str, data: bytes) -> None:
         try:
             batch = queue_pb2.TokenEventBatch.FromString(data)
         except Exception:  # a foreign publisher must not kill the router
             log.error("ignoring unreadable message on %r", channel)
             return
-        calls = self._calls
+        calls, sources = self._calls, self._sources
+        name = channel.decode(errors="replace") if isinstance(channel, bytes) else channel
+        consumer = name[len(self._out_mark):]
         for event in batch.events:
-            for queue in calls.get(event.request_id, ()):
-                offer(queue, event)
+            queues = calls.get(event.request_id)
+            if not queues:
+                continue
+            if sources.get(event.request_id) == consumer:
+                for queue in queues:
+                    offer(queue, event)
+            else:
+                self._check_source(event, consumer)
+
+    def _check_source(self, event: queue_pb2.TokenEvent, consumer: str) -> None:
+        """An event from a worker not (yet) known to run its request: hold it while the record
+        is read, or drop it if that worker was refused a moment ago."""
+        request_id = event.request_id
+        held = self._checking.setdefault(request_id, {}).get(consumer)
+        if held is not None:
+            if len(held) < self._max_queued:  # beyond: dropped, the relay fills the gap from the log
+                held.append(event)
+            return
+        if time.monotonic() < self._refused.get(request_id, {}).get(consumer, 0.0):
+            self._count_refused(1)
+            return
+        self._checking[request_id][consumer] = [event]
+        task = asyncio.ensure_future(self._check(request_id, consumer))
+        self._checks.add(task)
+        task.add_done_callback(self._checks.discard)
+
+    async def _check(self, request_id: str, consumer: str) -> None:
+        try:
+            log_key = (await self._client.hmget(self._keys.record(request_id), [Record.LOG]))[0]
+        except RedisError:
+            log_key = None  # as refused: the relay re-reads the log after a gap or a resync
+        held = self._checking.get(request_id, {}).pop(consumer, [])
+        if request_id not in self._calls:  # nobody follows it any more
+            return
+        owner = log_key.decode() if isinstance(log_key, bytes) else log_key
+        if owner == self._keys.log(consumer):
+            self._sources[request_id] = consumer
+            self._refused.get(request_id, {}).pop(consumer, None)
+            for event in held:
+                for queue in self._calls.get(request_id, ()):
+                    offer(queue, event)
+            return
+        self._refused.setdefault(request_id, {})[consumer] = time.monotonic() + REFUSED_FOR_S
+        log.warning("dropped %d events of request %s from worker %s: its record names %s", len(held),
+                    request_id, consumer, owner or "no worker's log")
+        self._count_refused(len(held))
+
+    def _count_refused(self, num_events: int) -> None:
+        if self.on_refused is not None:
+            self.on_refused(num_events)
 
     def _set_ready(self, is_ready: bool) -> None:
         if is_ready == self.is_ready:

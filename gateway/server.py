@@ -311,8 +311,8 @@ class Gateway:
         self.config = config
         self.client = connect(config)
         self.queue = RequestQueue(self.client, config)
-        self.router = ReplyRouter(self.client, config.keys.gateway(config.gateway_id), config.keys.events,
-                                  config.keys.out_pattern, max_backoff_s=config.max_backoff_s,
+        self.router = ReplyRouter(self.client, config.keys, config.keys.gateway(config.gateway_id),
+                                  max_backoff_s=config.max_backoff_s,
                                   max_queued_events=config.max_queued_events,
                                   tick_s=min(DEFAULT_TICK_S, config.liveness_check_s / 2),
                                   on_ready_change=self._on_ready_change)
@@ -321,6 +321,7 @@ class Gateway:
         metrics, interceptors = None, []
         if self.metrics_server.is_enabled:
             metrics = GatewayMetrics(self.metrics_server.registry)
+            self.router.on_refused = metrics.count_refused_events
             interceptors.append(GrpcMetricsInterceptor(self.metrics_server.registry))
         self.server = grpc.aio.server(interceptors=interceptors, options=server_options(config),
                                       maximum_concurrent_rpcs=config.max_concurrent_rpcs)

@@ -105,8 +105,9 @@ The request record and its log: one generation per request id
   only its own log (deploy/redis: a per-worker user may be refused every other). Each
   owner HDELs its fields once the result TTL passed (a live owner that was taken over: at
   once, when it drops the request), and the hash itself expires (its TTL, the longest
-  result TTL, is renewed with every heartbeat) when its worker is gone. A resume reads the chunks it needs with READ_LOG (HMGET of
-  ``{request_id}:{K..}``): its cost is what it returns, never HGETALL.
+  result TTL, is renewed with every heartbeat) when its worker is gone. A resume reads the
+  chunks it needs with READ_LOG (HMGET of ``{request_id}:{K..}``): its cost is what it
+  returns, never HGETALL.
 
 Request ids are per tenant
   Below, ``{request_id}`` is the request's key: ``{tenant}/{request_id}`` with
@@ -279,6 +280,9 @@ WORKER_KEY_MARK = ":worker:"
 # a dead worker's index is never read (only live workers are scored), just left to expire.
 PREFIX_INDEX_TTL_S = 3600
 FENCE_MARK = "*"  # the member of {p}:revoked:{consumer} that fences the whole consumer
+# A consumer name is {worker_id}.{incarnation}, the incarnation this many hex digits: a
+# per-worker Redis user's patterns name its keys as {worker_id}.?????? (gateway/redis_acl.py).
+INCARNATION_LEN = 6
 
 
 def check_name(what: str, name: str) -> None:

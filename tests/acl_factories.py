@@ -17,6 +17,7 @@ from typing import Any
 import redis
 
 from gateway.config import GatewayConfig
+from gateway.redis_acl import worker_user_line
 from gateway.redis_server import EmbeddedRedis, free_port
 from protos.keys import FENCE_MARK, STREAM_DATA_FIELD, Keys, PriorityClass, Record
 from protos.tokenrelay.v1 import generate_pb2, queue_pb2
@@ -30,6 +31,9 @@ USERS_ACL = ROOT / "deploy" / "redis" / "users.acl"
 PREFIX = "tokenrelay"  # the ACL's patterns are for the default prefix
 KEYS = Keys(PREFIX, DEFAULT_MODEL_NAME)  # the test workers' model
 ADMIN = ("admin", "test-admin-password")  # test-only: set up and inspect the server
+# Test-only users of one worker each (gateway/redis_acl.py): worker id -> (user, password).
+OWN_USERS = {worker_id: (f"worker-{worker_id}", f"test-{worker_id}-password")
+             for worker_id in ("wa", "wb", "dead")}
 _PASSWORD = re.compile(r"^user (\S+) .*?>(\S+)", re.MULTILINE)
 # A refusal: NOPERM for a command sent by the client, "The user executing the script can't
 # run this command / publish to the channel / access ... the keys" for a call inside a script.
@@ -55,14 +59,17 @@ def find_redis7() -> str | None:
 
 
 def url(user: str, port: int, scheme: str = "redis", query: str = "") -> str:
-    password = ADMIN[1] if user == ADMIN[0] else acl_passwords()[user]
-    return f"{scheme}://{user}:{password}@127.0.0.1:{port}/0{query}"
+    passwords = {ADMIN[0]: ADMIN[1], **dict(OWN_USERS.values()), **acl_passwords()}
+    return f"{scheme}://{user}:{passwords[user]}@127.0.0.1:{port}/0{query}"
 
 
 def acl_with_admin(tmp: Path) -> Path:
-    """users.acl unchanged, plus a test admin user."""
+    """users.acl unchanged, plus a test admin user and the per-worker users of OWN_USERS."""
+    own = [worker_user_line(user, PREFIX, worker_id, f">{password}")
+           for worker_id, (user, password) in OWN_USERS.items()]
     path = tmp / "users.acl"
-    path.write_text(USERS_ACL.read_text() + f"\nuser {ADMIN[0]} on >{ADMIN[1]} ~* &* +@all\n")
+    admin = f"user {ADMIN[0]} on >{ADMIN[1]} ~* &* +@all"
+    path.write_text(USERS_ACL.read_text() + "\n".join([admin, *own]) + "\n")
     return path
 
 
@@ -190,12 +197,28 @@ GATEWAY_DENIED = [
     ("PUBLISH", KEYS.out(W), "x"), ("PUBLISH", KEYS.events(RID), "x"), ("SUBSCRIBE", KEYS.aborts),
     ("SUBSCRIBE", KEYS.out(W)), ("PSUBSCRIBE", f"{PREFIX}:*"), ("SUBSCRIBE", "other:events:1"),
 ]
+# A worker with its own user (gateway/redis_acl.py), OWN_USERS["wa"], on the keys of consumer W,
+# another worker's: it may not write its heartbeat, log, prefix index or revoked set, nor
+# publish on its out channel (it keeps what the re-claim of a dead W needs: SADD the fence,
+# XCLAIM, read the log).
+OWN_WORKER_DENIED = [
+    ("HSET", KEYS.worker(W), "model", "x"), ("DEL", KEYS.worker(W)), ("PEXPIRE", KEYS.worker(W), "1"),
+    ("HSET", KEYS.log(W), f"{RID}:1", "x"), ("HDEL", KEYS.log(W), f"{RID}:0"), ("PEXPIRE", KEYS.log(W), "1"),
+    ("PUBLISH", KEYS.out(W), "x"), ("ZADD", KEYS.prefixes(W), "1", "x"),
+    ("SREM", KEYS.revoked(W), "other"), ("SMEMBERS", KEYS.revoked(W)),
+    ("HSET", KEYS.worker("wa"), "model", "x"),  # not one of wa's consumers either: no incarnation
+    *WORKER_DENIED,  # and all a shared worker user is refused
+]
 DENIED = ([("worker", c) for c in WORKER_DENIED] + [("gateway", c) for c in GATEWAY_DENIED] + [
+    (OWN_USERS["wa"][0], c) for c in OWN_WORKER_DENIED] + [
     ("autoscaler", ("XADD", R, "*", "data", "x")), ("autoscaler", ("XLEN", "tokenrelay:other")),
     ("autoscaler", ("HGETALL", KEYS.record("1"))), ("autoscaler", ("SUBSCRIBE", KEYS.aborts)),
     ("default", ("GET", R)), ("default", ("XLEN", R))])
 # (user, a script it loads itself): Redis checks every call inside against the user's rights.
 SCRIPT_DENIED = [
+    (OWN_USERS["wa"][0], f"return redis.call('PUBLISH', '{KEYS.out(W)}', 'x')"),
+    (OWN_USERS["wa"][0], f"return redis.call('HSET', '{KEYS.log(W)}', '{RID}:1', 'x')"),
+    (OWN_USERS["wa"][0], f"return redis.call('HSET', '{KEYS.worker(W)}', 'model', 'x')"),
     ("worker", f"return redis.call('DEL', '{R}')"),
     ("worker", f"return redis.call('PUBLISH', '{KEYS.aborts}', 'x')"),
     ("worker", f"return redis.call('HSET', '{KEYS.tenant_tokens('acme')}', 'tokens', '1e9')"),

@@ -152,3 +152,13 @@ def test_a_token_budget_below_max_num_seqs_is_refused() -> None:
 
     with pytest.raises(ValueError, match=r"max_num_batched_tokens \(8\) must be >= max_num_seqs \(16\)"):
         EngineConfig(max_num_seqs=16, max_num_batched_tokens=8)
+
+
+def test_acl_prints_a_per_worker_user_line_and_refuses_a_glob_in_the_worker_id() -> None:
+    out = subprocess.run([sys.executable, "-m", "gateway.cli", "acl", "worker", "--worker-id", "w1",
+                          "--password-sha256", "ab" * 32], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    assert out.startswith(f"user worker-w1 on #{'ab' * 32} resetkeys") and "&tokenrelay:out:w1.?????? " in out
+    bad = subprocess.run([sys.executable, "-m", "gateway.cli", "acl", "worker", "--worker-id", "w*"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "worker id" in bad.stderr and "Traceback" not in bad.stderr

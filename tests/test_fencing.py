@@ -72,7 +72,8 @@ def test_a_fenced_consumer_writes_nothing(client: redis.Redis, prefix: str) -> N
     assert client.hget(keys.log("live"), "r" + LogField.NEXT) == b"1"
 
 
-def test_a_takeover_copies_the_log_and_revokes_the_old_owners_writes(client: redis.Redis, prefix: str) -> None:
+def test_a_takeover_copies_the_log_and_revokes_the_old_owners_writes(client: redis.Redis,
+                                                                     prefix: str) -> None:
     keys = Keys(prefix, DEFAULT_MODEL_NAME)
     entry_id = enqueue(client, keys, "r")
     assert own(client, keys, "a", "r", entry_id)[0] == b"own"

@@ -22,6 +22,7 @@ import redis
 from gateway.auth import ANONYMOUS
 from gateway.config import GatewayConfig
 from gateway.queue import EntryState, RequestQueue
+from gateway.redis_acl import worker_rules, worker_user_line
 from gateway.redis_server import EmbeddedRedis
 from gateway.replies import ReplyRouter
 from protos.convert import build_request
@@ -34,10 +35,12 @@ from tests.acl_factories import (
     DENIED,
     KEYS,
     NO_REDIS7,
+    OWN_USERS,
     PREFIX,
     REFUSED,
     REQUEST_KEY,
     SCRIPT_DENIED,
+    USERS_ACL,
     WORKER,
     Stack,
     TLSRedis,
@@ -173,14 +176,17 @@ def test_prefix_routing_moves_and_a_dead_workers_routed_stream_under_the_gateway
     assert refusals(admin) == []
 
 
+@pytest.mark.parametrize("own_users", [False, True], ids=["shared-user", "user-per-worker"])
 def test_a_worker_takes_over_a_dead_workers_call_under_the_worker_user(
-        acl_redis: EmbeddedRedis, admin: redis.Redis, stack: Stack) -> None:
+        acl_redis: EmbeddedRedis, admin: redis.Redis, stack: Stack, own_users: bool) -> None:
     """The re-claim and fencing paths: a worker (real Claimer, Heartbeat, STEP with REOWN)
     claims a call and streams two chunks, then dies; a live worker's RECLAIM fences it and
-    XCLAIMs the entry, OWN moves its log, the call ends with every token once; the zombie's
-    next STEP and HEARTBEAT are refused by the scripts (not by the ACL: same user)."""
+    XCLAIMs the entry, OWN copies its log, the call ends with every token once; the zombie's
+    next STEP and HEARTBEAT are refused by the scripts (not by the ACL). With a user per worker
+    (gateway/redis_acl.py) neither writes a key of the other's."""
+    dead_user, taker_user = (OWN_USERS["dead"][0], OWN_USERS["wa"][0]) if own_users else ("worker", "worker")
     gateway = stack.gateway(url("gateway", acl_redis.port), liveness_check_s=0.2)
-    dead_config = WorkerConfig(redis_url=url("worker", acl_redis.port), key_prefix=PREFIX, worker_id="dead")
+    dead_config = WorkerConfig(redis_url=url(dead_user, acl_redis.port), key_prefix=PREFIX, worker_id="dead")
     dead = dead_config.consumer_name
     dead_client = sync_client(dead_config.redis_url, timeout_s=2)
     is_fenced = threading.Event()
@@ -203,7 +209,8 @@ def test_a_worker_takes_over_a_dead_workers_call_under_the_worker_user(
             step = dead_client.register_script(STEP)
             assert step(args=outbox.args(PREFIX, dead, is_resent=True)) == [b"ok"]
             admin.zadd(KEYS.registry, {dead: 0})  # its heartbeat expired: it died
-            stack.worker(url("worker", acl_redis.port), sim_engine(), reconcile_interval_s=0.2)
+            stack.worker(url(taker_user, acl_redis.port), sim_engine(), reconcile_interval_s=0.2,
+                         worker_id="wa")
             assert tokens_of(call.result(timeout=30)) == sim_token_ids(9, 0, 6)
         assert admin.smembers(KEYS.fenced) == {dead.encode()}
         assert 0 < admin.pttl(KEYS.worker(dead)) <= 5000  # not deleted by the taker: it expires
@@ -229,7 +236,7 @@ def test_the_gateways_rarer_paths_run_under_its_user(acl_redis: EmbeddedRedis, a
     async def run() -> None:
         client = async_client(config.redis_url, timeout_s=2)
         queue = RequestQueue(client, config)
-        router = ReplyRouter(client, KEYS.gateway(config.gateway_id), KEYS.events, KEYS.out_pattern)
+        router = ReplyRouter(client, KEYS, KEYS.gateway(config.gateway_id))
         try:
             assert await router.start(timeout_s=5)
             calls = await router.follow("acme/r")
@@ -242,7 +249,8 @@ def test_the_gateways_rarer_paths_run_under_its_user(acl_redis: EmbeddedRedis, a
             assert await queue.entry_state(found.entry_id, found.stream) is EntryState.ORPHANED
             assert (await queue.queue_gauges(KEYS.model))[:2] == (0, 1)
             batch = queue_pb2.TokenEventBatch(events=[sim_chunk("acme/r", 3, 0)])
-            worker.publish(KEYS.out("w.1"), batch.SerializeToString())
+            admin.hset(KEYS.record("acme/r"), Record.LOG, KEYS.log("w.1"))  # as w.1's OWN did
+            worker.publish(KEYS.out("w.1"), batch.SerializeToString())  # taken after an HMGET of the record
             assert (await asyncio.wait_for(calls.get(), 5)).seq == 0
             admin.xack(KEYS.requests, KEYS.group, found.entry_id)  # abandoned: no final
             admin.xdel(KEYS.requests, found.entry_id)
@@ -366,6 +374,16 @@ def test_a_users_script_is_refused_what_the_user_is_refused(acl_redis: EmbeddedR
         refused(client, ("EVALSHA", sha, "0"))
     finally:
         client.close()
+
+
+def test_users_acl_gives_the_shared_worker_user_the_rules_the_per_worker_ones_narrow() -> None:
+    """deploy/redis/users.acl's worker line is gateway/redis_acl.py's, so the two cannot drift."""
+    line = next(x for x in USERS_ACL.read_text().splitlines() if x.startswith("user worker "))
+    assert line == worker_user_line("worker")
+    own = worker_rules(PREFIX, "w1")
+    assert "tokenrelay:out:w1.?????? " in own and "tokenrelay:out:* " not in own
+    with pytest.raises(ValueError, match="worker id"):
+        worker_rules(PREFIX, "w*")
 
 
 def test_default_user_answers_ping_without_a_password(acl_redis: EmbeddedRedis) -> None:

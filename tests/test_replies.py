@@ -8,7 +8,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from gateway.replies import RESYNC, TICK, ReplyRouter, offer
-from protos.keys import Keys
+from protos.keys import Keys, Record
 from protos.tokenrelay.v1 import queue_pb2
 
 
@@ -29,7 +29,7 @@ def test_a_flooded_call_keeps_a_bounded_queue_and_is_told_to_resync() -> None:
 
 
 def router(client: aioredis.Redis, keys: Keys) -> ReplyRouter:
-    return ReplyRouter(client, keys.gateway("g"), keys.events, keys.out_pattern, max_queued_events=16)
+    return ReplyRouter(client, keys, keys.gateway("g"), max_queued_events=16)
 
 
 def test_a_call_cancelled_mid_subscribe_leaves_no_subscription(redis_url: str, prefix: str) -> None:
@@ -68,24 +68,43 @@ def test_a_call_cancelled_mid_subscribe_leaves_no_subscription(redis_url: str, p
     assert asyncio.run(go()) == (0, 0)
 
 
-def test_events_of_every_worker_reach_the_calls_that_follow_them(redis_url: str, prefix: str) -> None:
+def test_a_calls_events_come_only_from_the_worker_its_record_names(redis_url: str, prefix: str) -> None:
+    """w1 runs "r" (its record names w1's log); w2 publishes events for "r" too (a misbehaving
+    worker): refused. w3 takes "r" over (OWN points the record at its log): its events are
+    taken, and the late event of w1 is not."""
     keys = Keys(prefix)
 
-    async def go() -> list[int]:
+    async def go() -> tuple[list[int], list[int]]:
         client = aioredis.Redis.from_url(redis_url)
         replies = router(client, keys)
+        refused: list[int] = []
+        replies.on_refused = refused.append
         assert await replies.start(timeout_s=5)
         calls = await replies.follow("r")
+        await client.hset(keys.record("r"), Record.LOG, keys.log("w1"))
+
+        async def publish(worker: str, *events: queue_pb2.TokenEvent) -> None:
+            batch = queue_pb2.TokenEventBatch(events=list(events))
+            await client.publish(keys.out(worker), batch.SerializeToString())
+
         other = queue_pb2.TokenEvent(request_id="x")  # a request this gateway does not follow
-        batch = queue_pb2.TokenEventBatch(worker_id="w", events=[event(0), other])
-        await client.publish(keys.out("w1"), batch.SerializeToString())
-        await client.publish(keys.out("w2"), queue_pb2.TokenEventBatch(events=[event(1)]).SerializeToString())
-        got = [(await asyncio.wait_for(calls.get(), 5)).seq for _ in range(2)]
+        await publish("w1", event(0), other)
+        await publish("w2", event(1))
+        got = [(await asyncio.wait_for(calls.get(), 5)).seq]
+        await client.hset(keys.record("r"), Record.LOG, keys.log("w3"))
+        await publish("w3", event(1))
+        got.append((await asyncio.wait_for(calls.get(), 5)).seq)
+        await publish("w1", event(2))
+        await publish("w2", event(2))  # refused a moment ago: dropped without reading the record
+        await publish("w3", event(3))
+        got.append((await asyncio.wait_for(calls.get(), 5)).seq)
         replies.unfollow("r", calls)
         await replies.close()
         await client.aclose()
-        return got
-    assert asyncio.run(go()) == [0, 1]
+        return got, refused
+    got, refused = asyncio.run(go())
+    assert got == [0, 1, 3]
+    assert sum(refused) == 3  # w2's two events and w1's late one
 
 
 def test_only_an_idle_call_gets_ticks(redis_url: str, prefix: str) -> None:
@@ -96,7 +115,7 @@ def test_only_an_idle_call_gets_ticks(redis_url: str, prefix: str) -> None:
 
     async def go() -> tuple[list[Any], list[Any], list[Any]]:
         client = aioredis.Redis.from_url(redis_url)
-        replies = ReplyRouter(client, keys.gateway("g"), keys.events, keys.out_pattern, tick_s=0.05)
+        replies = ReplyRouter(client, keys, keys.gateway("g"), tick_s=0.05)
         try:
             assert await replies.start(timeout_s=5)
             idle, busy, streaming = (await replies.follow("idle"), await replies.follow("busy"),

@@ -6,7 +6,14 @@ import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from protos.keys import DEFAULT_PREFIX, Keys, check_model_name, check_name, default_instance_id
+from protos.keys import (
+    DEFAULT_PREFIX,
+    INCARNATION_LEN,
+    Keys,
+    check_model_name,
+    check_name,
+    default_instance_id,
+)
 from protos.logs import check_log_format
 from protos.metrics import check_metrics_options
 from protos.redis_conn import DEFAULT_REDIS_URL, check_redis_url
@@ -34,7 +41,7 @@ class WorkerConfig:
     # Drawn per process: with worker_id it names this process's consumer (`consumer_name`), so
     # a restart under the same worker_id is a new consumer and a zombie of the old one stays
     # fenced (protos/keys.py, "Fencing").
-    incarnation: str = field(default_factory=lambda: secrets.token_hex(3))
+    incarnation: str = field(default_factory=lambda: secrets.token_hex(INCARNATION_LEN // 2))
     # On SIGTERM: how long running requests may take to finish. Then they are
     # left to another live worker to resume, or failed with UNAVAILABLE if none is alive.
     drain_timeout_s: float = 30.0

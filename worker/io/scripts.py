@@ -5,11 +5,12 @@ Ownership (protos/keys.py, "Fencing"): a worker process is one consumer of the g
 expiry in Redis-clock ms) is in the future. A sweeper that finds a consumer dead fences it
 (RECLAIM: adds it to the fenced set and scores it 0 in the registry) and XCLAIMs its entries
 in the same script. A claim takes a request's record (OWN: sets ``owner``, copies the
-request's log into the claimant's log hash, never writing another worker's, and names the request in the previous owner's
-revoked set when that owner had not released it). Every round of a worker is one STEP script
-that first checks both: a fenced worker writes nothing, and the requests revoked from it are
-left out of the round. Scripts run atomically, so a round is either entirely before a
-re-claim (and the new owner resumes after everything it published) or refused.
+request's log into the claimant's log hash, never writing another worker's, and names the
+request in the previous owner's revoked set when that owner had not released it). Every
+round of a worker is one STEP script that first checks both: a fenced worker writes nothing,
+and the requests revoked from it are left out of the round. Scripts run atomically, so a
+round is either entirely before a re-claim (and the new owner resumes after everything it
+published) or refused.
 
 Why scripts and not a pipeline: the check and the writes must be one atomic step, and one
 EVALSHA per round replaces one HSET and one PUBLISH per request (bench-e2e measured 2.1
