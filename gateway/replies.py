@@ -114,6 +114,7 @@ class ReplyRouter:
         self._checking: dict[str, dict[str, list[queue_pb2.TokenEvent]]] = {}  # held while a check runs
         self._refused: dict[str, dict[str, float]] = {}  # request id -> consumer -> refused until (monotonic)
         self._checks: set[asyncio.Task[None]] = set()
+        self._to_check: list[tuple[str, str]] = []  # (request id, consumer) for the next batch of checks
         self.on_refused: Callable[[int], Any] | None = None  # called with each count of events dropped
         self._confirmed: dict[str, asyncio.Future[None]] = {}  # channel -> its SUBSCRIBE confirmation
         self._pubsub: Any = None
@@ -295,15 +296,29 @@ class ReplyRouter:
             self._count_refused(1)
             return
         self._checking[request_id][consumer] = [event]
-        task = asyncio.ensure_future(self._check(request_id, consumer))
-        self._checks.add(task)
-        task.add_done_callback(self._checks.discard)
+        self._to_check.append((request_id, consumer))
+        if len(self._to_check) == 1:  # the checks of the messages dispatched meanwhile join it
+            task = asyncio.ensure_future(self._check_all())
+            self._checks.add(task)
+            task.add_done_callback(self._checks.discard)
 
-    async def _check(self, request_id: str, consumer: str) -> None:
+    async def _check_all(self) -> None:
+        """One round trip for every check asked since the last: when a burst of requests starts,
+        their first events come together (bench-e2e, 16 streams: one HMGET each added ~5 ms to
+        the first token)."""
+        await asyncio.sleep(0)  # let the pub/sub reader dispatch what it already received
+        batch, self._to_check = self._to_check, []
+        pipe = self._client.pipeline(transaction=False)
+        for request_id, _ in batch:
+            pipe.hmget(self._keys.record(request_id), [Record.LOG])
         try:
-            log_key = (await self._client.hmget(self._keys.record(request_id), [Record.LOG]))[0]
+            found: list[Any] = await pipe.execute()
         except RedisError:
-            log_key = None  # as refused: the relay re-reads the log after a gap or a resync
+            found = [[None]] * len(batch)  # as refused: the relay re-reads the log after a gap or a resync
+        for (request_id, consumer), (log_key,) in zip(batch, found, strict=True):
+            self._checked(request_id, consumer, log_key)
+
+    def _checked(self, request_id: str, consumer: str, log_key: bytes | str | None) -> None:
         held = self._checking.get(request_id, {}).pop(consumer, [])
         if request_id not in self._calls:  # nobody follows it any more
             return
