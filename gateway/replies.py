@@ -12,10 +12,12 @@ Several calls of this gateway may follow one request (a client resumed before th
 noticed its old call was gone): each gets every event.
 
 An event is taken only from the out channel of the worker whose log the request's record
-names (`Record.LOG`, set when a worker claims the request, before it publishes anything):
-the first event of a request from a worker, and the first after a takeover, is held while
-the router reads that one field (HMGET, once per request and owner); events of a request
-from any other worker are dropped and counted (`on_refused`). So a worker that may publish
+names (`Record.LOG`, set when a worker claims the request, before it publishes anything).
+The router reads that one field (HMGET; the checks asked together share one pipeline) when
+a worker's round says it admitted the request (`TokenEventBatch.admitted`, sent before the
+prefill), so the first token finds its worker known; an event from a worker not known yet
+(a notice lost in a reconnect, a takeover) is held while the record is read. Events of a
+request from any other worker are dropped and counted (`on_refused`). So a worker that may publish
 only on its own channel (a per-worker Redis user: deploy/redis) cannot put tokens into a
 stream it does not run, and a late event of an owner that was taken over is not relayed
 (the log it was copied into fills any gap).
@@ -273,6 +275,9 @@ class ReplyRouter:
         calls, sources = self._calls, self._sources
         name = channel.decode(errors="replace") if isinstance(channel, bytes) else channel
         consumer = name[len(self._out_mark):]
+        for request_id in batch.admitted:  # a worker took it: check its record before its first token
+            if request_id in calls and sources.get(request_id) != consumer:
+                self._check_source(request_id, consumer)
         for event in batch.events:
             queues = calls.get(event.request_id)
             if not queues:
@@ -281,21 +286,21 @@ class ReplyRouter:
                 for queue in queues:
                     offer(queue, event)
             else:
-                self._check_source(event, consumer)
+                self._check_source(event.request_id, consumer, event)
 
-    def _check_source(self, event: queue_pb2.TokenEvent, consumer: str) -> None:
-        """An event from a worker not (yet) known to run its request: hold it while the record
-        is read, or drop it if that worker was refused a moment ago."""
-        request_id = event.request_id
+    def _check_source(self, request_id: str, consumer: str,
+                      event: queue_pb2.TokenEvent | None = None) -> None:
+        """An event (or a notice, event None) from a worker not (yet) known to run its request:
+        hold it while the record is read, or drop it if that worker was refused a moment ago."""
         held = self._checking.setdefault(request_id, {}).get(consumer)
         if held is not None:
-            if len(held) < self._max_queued:  # beyond: dropped, the relay fills the gap from the log
+            if event is not None and len(held) < self._max_queued:  # beyond: the relay fills the gap
                 held.append(event)
             return
         if time.monotonic() < self._refused.get(request_id, {}).get(consumer, 0.0):
-            self._count_refused(1)
+            self._count_refused(0 if event is None else 1)
             return
-        self._checking[request_id][consumer] = [event]
+        self._checking[request_id][consumer] = [] if event is None else [event]
         self._to_check.append((request_id, consumer))
         if len(self._to_check) == 1:  # the checks of the messages dispatched meanwhile join it
             task = asyncio.ensure_future(self._check_all())
@@ -331,6 +336,8 @@ class ReplyRouter:
                     offer(queue, event)
             return
         self._refused.setdefault(request_id, {})[consumer] = time.monotonic() + REFUSED_FOR_S
+        if not held:  # a notice alone: nothing was dropped
+            return
         log.warning("dropped %d events of request %s from worker %s: its record names %s", len(held),
                     request_id, consumer, owner or "no worker's log")
         self._count_refused(len(held))

@@ -133,18 +133,29 @@ def chunk_to_pb(index: int, token_ids: list[int], text: str,
 
 
 _EVENTS_TAG = b"\x12"  # TokenEventBatch.events: field 2, length-delimited
+_ADMITTED_TAG = b"\x1a"  # TokenEventBatch.admitted: field 3, length-delimited
 
 
-def log_value(event: queue_pb2.TokenEvent) -> bytes:
-    """The event as a worker log stores it (protos/keys.py): framed as a one-event
-    TokenEventBatch, so a round's published batch is the concatenation of its events' values."""
-    data = event.SerializeToString()
-    size, prefix = len(data), bytearray(_EVENTS_TAG)
+def _framed(tag: bytes, data: bytes) -> bytes:
+    """A length-delimited field: tag, varint length, data."""
+    size, prefix = len(data), bytearray(tag)
     while size >= 0x80:
         prefix.append(size & 0x7F | 0x80)
         size >>= 7
     prefix.append(size)
     return bytes(prefix) + data
+
+
+def admitted_value(request_id: str) -> bytes:
+    """TokenEventBatch.admitted = [request_id] as bytes: a worker's round appends it to the
+    events it publishes (protos/keys.py), like a logged event."""
+    return _framed(_ADMITTED_TAG, request_id.encode())
+
+
+def log_value(event: queue_pb2.TokenEvent) -> bytes:
+    """The event as a worker log stores it (protos/keys.py): framed as a one-event
+    TokenEventBatch, so a round's published batch is the concatenation of its events' values."""
+    return _framed(_EVENTS_TAG, event.SerializeToString())
 
 
 def event_from_log(value: bytes) -> queue_pb2.TokenEvent:

@@ -107,19 +107,27 @@ def test_a_takeover_copies_the_log_and_revokes_the_old_owners_writes(client: red
     assert client.hget(keys.log("b"), "r" + LogField.NEXT) == b"3"
 
 
-def test_a_rounds_prompt_count_goes_into_the_record_only_while_its_worker_owns_it(
+def test_an_admission_goes_into_the_record_and_is_announced_only_while_its_worker_owns_it(
         client: redis.Redis, prefix: str) -> None:
     """What the gateway bills a tenant for its prompt (gateway/quotas.py SETTLE)."""
     keys = Keys(prefix, DEFAULT_MODEL_NAME)
     entry_id = enqueue(client, keys, "r")
     assert own(client, keys, "a", "r", entry_id)[0] == b"own"
     outbox = Outbox()
-    outbox.prompts.update({"r": 40, "gone": 7})  # "gone": its record expired (or was never made)
+    outbox.admitted.update({"r": 40, "gone": 7})  # "gone": its record expired (or was never made)
+    pubsub = client.pubsub()
+    pubsub.psubscribe(keys.out_pattern)
+    assert pubsub.get_message(timeout=5)["type"] == "psubscribe"
     assert step(client, keys, "b", outbox) == ["ok"]  # b does not own r
     assert not client.hexists(keys.record("r"), Record.PROMPT_TOKENS)
     assert step(client, keys, "a", outbox) == ["ok"]
     assert client.hget(keys.record("r"), Record.PROMPT_TOKENS) == b"40"
     assert not client.exists(keys.record("gone"))  # not created again without a TTL
+    # a's round told the gateways it admitted r (b's published nothing: it wrote nothing)
+    message = pubsub.get_message(timeout=5)
+    assert message["channel"] == keys.out("a").encode()
+    assert list(queue_pb2.TokenEventBatch.FromString(message["data"]).admitted) == ["r"]
+    pubsub.close()
 
 
 def test_the_publisher_sends_a_round_again_without_a_request_taken_over_since(client: redis.Redis,

@@ -107,6 +107,35 @@ def test_a_calls_events_come_only_from_the_worker_its_record_names(redis_url: st
     assert sum(refused) == 3  # w2's two events and w1's late one
 
 
+def test_a_workers_admission_notice_checks_the_record_before_the_first_token(redis_url: str,
+                                                                            prefix: str) -> None:
+    """A round that admits "r" says so (TokenEventBatch.admitted): the router reads the record
+    then, so the first token needs no read (here the record is gone by then: it is taken all
+    the same, from the worker that was checked)."""
+    keys = Keys(prefix)
+
+    async def go() -> int:
+        client = aioredis.Redis.from_url(redis_url)
+        replies = router(client, keys)
+        assert await replies.start(timeout_s=5)
+        calls = await replies.follow("r")
+        await client.hset(keys.record("r"), Record.LOG, keys.log("w1"))
+        notice = queue_pb2.TokenEventBatch(admitted=["r", "not-followed"])
+        await client.publish(keys.out("w1"), notice.SerializeToString())
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if not replies._checking.get("r"):  # the check is done
+                break
+        await client.delete(keys.record("r"))
+        await client.publish(keys.out("w1"), queue_pb2.TokenEventBatch(events=[event(0)]).SerializeToString())
+        seq = (await asyncio.wait_for(calls.get(), 5)).seq
+        replies.unfollow("r", calls)
+        await replies.close()
+        await client.aclose()
+        return seq
+    assert asyncio.run(go()) == 0
+
+
 def test_only_an_idle_call_gets_ticks(redis_url: str, prefix: str) -> None:
     """TICK is the relay's clock for its liveness checks (gateway/relay.py): one per tick_s into
     a call offered nothing since the last tick whose queue is empty; none piled up behind

@@ -318,8 +318,8 @@ class Consumer:
         if (tracked.record.seed, tracked.record.worker_id) != (admitted.seed, self.config.worker_id):
             tracked.record.seed, tracked.record.worker_id = admitted.seed, self.config.worker_id
             self._outbox.progress[qr.request_id] = tracked.progress()
-        if admitted.num_prompt_tokens:  # billed once the worker knows it, even if the caller leaves
-            self._outbox.prompts[qr.request_id] = admitted.num_prompt_tokens
+        # billed once the worker knows it, even if the caller leaves; the gateways check its record now
+        self._outbox.admitted[qr.request_id] = admitted.num_prompt_tokens
         if admitted.text:
             tracked.text_parts.append(admitted.text)
         self._heartbeat.log_ttl_ms = max(self._heartbeat.log_ttl_ms, tracked.result_ttl_ms)

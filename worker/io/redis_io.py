@@ -26,7 +26,7 @@ from typing import Any
 
 import redis
 
-from protos.convert import log_value
+from protos.convert import admitted_value, log_value
 from protos.keys import Heartbeat as HeartbeatField
 from protos.redis_conn import Backoff, sync_client
 from protos.tokenrelay.v1 import queue_pb2
@@ -63,7 +63,8 @@ class Outbox:
     logged: dict[str, list[queue_pb2.TokenEvent]] = field(default_factory=dict)  # request id -> events
     published: list[queue_pb2.TokenEvent] = field(default_factory=list)  # errors: not logged
     progress: dict[str, bytes] = field(default_factory=dict)  # request id -> queue.Progress
-    prompts: dict[str, int] = field(default_factory=dict)  # request id -> its prompt's tokens (billing)
+    # request id -> its prompt's tokens: admitted this round (billing, and the gateways' notice)
+    admitted: dict[str, int] = field(default_factory=dict)
     ends: list[End] = field(default_factory=list)
     drops: list[str] = field(default_factory=list)  # log fields of expired results
     forget: list[str] = field(default_factory=list)  # revoked request ids this worker dropped
@@ -89,7 +90,7 @@ class Outbox:
             self.logged.setdefault(request_id, []).extend(events)
         self.published += other.published
         self.progress.update(other.progress)  # the later progress knows more
-        self.prompts.update(other.prompts)
+        self.admitted.update(other.admitted)
         self.ends += other.ends
         self.drops += other.drops
         self.forget += other.forget
@@ -101,7 +102,7 @@ class Outbox:
         return Outbox({r: events for r, events in self.logged.items() if r not in request_ids},
                       [e for e in self.published if e.request_id not in request_ids],
                       {r: p for r, p in self.progress.items() if r not in request_ids},
-                      {r: n for r, n in self.prompts.items() if r not in request_ids},
+                      {r: n for r, n in self.admitted.items() if r not in request_ids},
                       [e for e in self.ends if e.request_id not in request_ids],
                       self.drops, self.forget)
 
@@ -122,9 +123,9 @@ class Outbox:
         args.append(len(self.progress))
         for request_id, progress in self.progress.items():
             args += [request_id, progress]
-        args.append(len(self.prompts))
-        for request_id, num_tokens in self.prompts.items():
-            args += [request_id, num_tokens]
+        args.append(len(self.admitted))
+        for request_id, num_tokens in self.admitted.items():
+            args += [request_id, num_tokens, admitted_value(request_id)]
         args += [len(self.published), *(log_value(e) for e in self.published)]
         args.append(len(self.ends))
         for e in self.ends:
@@ -134,7 +135,7 @@ class Outbox:
         return args
 
     def __bool__(self) -> bool:
-        return bool(self.logged or self.published or self.progress or self.prompts or self.ends or self.drops
+        return bool(self.logged or self.published or self.progress or self.admitted or self.ends or self.drops
                     or self.forget)
 
 

@@ -56,7 +56,9 @@ end
 #   LOG    request_id, first seq, k, k events (each framed as a one-event TokenEventBatch)
 #                                                    logged as {request_id}:{seq}, then published
 #   PROG   request_id, Progress bytes
-#   PROMPT request_id, prompt tokens                 into its record while this worker owns it
+#   ADMIT  request_id, prompt tokens, notice        the count into its record while this worker owns
+#                                                    it, and the framed notice (TokenEventBatch.admitted)
+#                                                    published with the round
 #   PUB    framed event                              published only (errors)
 #   END    request_id (or ''), record key (or ''), final seq (or ''), ttl ms, stream, entry id
 #   DROP   log field names whose results expired
@@ -123,8 +125,9 @@ for _ = 1, n do
   local rec = prefix .. ':request:' .. ARGV[i]
   if redis.call('HGET', rec, '{Record.OWNER}') == me then
     redis.call('HSET', rec, '{Record.PROMPT_TOKENS}', ARGV[i + 1])
+    msg[#msg + 1] = ARGV[i + 2]
   end
-  i = i + 2
+  i = i + 3
 end
 n = tonumber(ARGV[i])
 for j = i + 1, i + n do msg[#msg + 1] = ARGV[j] end
