@@ -298,7 +298,8 @@ class ReplyRouter:
                 held.append(event)
             return
         if time.monotonic() < self._refused.get(request_id, {}).get(consumer, 0.0):
-            self._count_refused(0 if event is None else 1)
+            if event is not None:
+                self._count_refused(1)
             return
         self._checking[request_id][consumer] = [] if event is None else [event]
         self._to_check.append((request_id, consumer))

@@ -124,9 +124,11 @@ Delivery guarantee: every chunk exactly once to a caller that keeps resending.
   PUBLISHes every event of the round in one ``queue.TokenEventBatch`` on
   ``{p}:out:{consumer}``. A script is atomic, so an event is logged before anyone hears
   of it, and an entry leaves the stream only once its final is logged. Every gateway
-  PSUBSCRIBEs ``{p}:out:*`` once and hands events to its calls by request id
-  (gateway/replies.py): a call registers locally before it reads the log or enqueues
-  anything, so an event is either in the log it reads or arrives after (or both:
+  PSUBSCRIBEs ``{p}:out:*`` once and hands events to its calls by request id, taking a
+  request's events only from the out channel of the worker whose log its record names (the
+  round that admits a request announces it, ``TokenEventBatch.admitted``, so the gateway
+  reads the record during the prefill; gateway/replies.py): a call registers locally before
+  it reads the log or enqueues anything, so an event is either in the log it reads or arrives after (or both:
   duplicates are dropped by ``seq``). Events carry a per-request ``seq`` 0, 1, 2, ...
   that every attempt continues: a chunk's seq is its index and the final's is the number
   of chunks (errors take none, and are published, not logged), so a caller resuming at
