@@ -337,10 +337,8 @@ class ReplyRouter:
                     offer(queue, event)
             return
         self._refused.setdefault(request_id, {})[consumer] = time.monotonic() + REFUSED_FOR_S
-        if not held:  # a notice alone: nothing was dropped
-            return
-        log.warning("dropped %d events of request %s from worker %s: its record names %s", len(held),
-                    request_id, consumer, owner or "no worker's log")
+        log.warning("request %s: refused worker %s (%d events dropped): the request's record names %s",
+                    request_id, consumer, len(held), owner or "no worker's log")
         self._count_refused(len(held))
 
     def _count_refused(self, num_events: int) -> None:
