@@ -7,7 +7,7 @@ every worker's heartbeat, log, prefix index and revoked set, and publish on ever
 channel. A user per worker (`worker_rules(prefix, worker_id)`) narrows those to its own
 consumers' names, ``{worker_id}.??????`` (the incarnation: protos/keys.py INCARNATION_LEN), so
 that, with the gateway taking a request's events only from the out channel of the worker its
-record names (gateway/replies.py), a worker cannot put tokens into a stream it does not run by
+record names (gateway/sources.py), a worker cannot put tokens into a stream it does not run by
 publishing them. It keeps what the re-claim of dead workers needs (fence them, XCLAIM their
 entries, read their logs): deploy/redis/README.md says what that leaves open.
 

@@ -11,16 +11,10 @@ worker whether anyone follows the request (PUBSUB NUMSUB), so an unfollowed one 
 Several calls of this gateway may follow one request (a client resumed before the gateway
 noticed its old call was gone): each gets every event.
 
-An event is taken only from the out channel of the worker whose log the request's record
-names (`Record.LOG`, set when a worker claims the request, before it publishes anything).
-The router reads that one field (HMGET; the checks asked together share one pipeline) when
-a worker's round says it admitted the request (`TokenEventBatch.admitted`, sent before the
-prefill), so the first token finds its worker known; an event from a worker not known yet
-(a notice lost in a reconnect, a takeover) is held while the record is read. Events of a
-request from any other worker are dropped and counted (`on_refused`). So a worker that may publish
-only on its own channel (a per-worker Redis user: deploy/redis) cannot put tokens into a
-stream it does not run, and a late event of an owner that was taken over is not relayed
-(the log it was copied into fills any gap).
+An event is relayed only from the out channel of the worker whose log the request's record
+names (gateway/sources.py): the round that admits a request announces it, so that worker is
+known before its first token; an event from any other worker is held while the record is
+read, then relayed or dropped.
 
 Each call's queue is bounded (`max_queued_events`): a call that reads slower than its
 request generates loses what is queued, and gets `RESYNC` instead, so its relay re-reads
@@ -36,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -45,7 +38,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from gateway.errors import GatewayError, Unavailable
-from protos.keys import Keys, Record
+from gateway.sources import Sources
+from protos.keys import Keys
 from protos.redis_conn import Backoff
 from protos.tokenrelay.v1 import queue_pb2
 
@@ -67,10 +61,6 @@ TICK: Final = Tick()
 # What a call's queue receives: worker events, RESYNC, TICK, or the error that ends the call.
 CallItem = queue_pb2.TokenEvent | Resync | Tick | GatewayError
 SUBSCRIBE_TIMEOUT_S = 5.0
-# After a worker's events for a request were refused, its further events for that request are
-# dropped this long without reading the record again (a misbehaving worker cannot make every
-# gateway read Redis once per event it publishes).
-REFUSED_FOR_S = 1.0
 DEFAULT_MAX_QUEUED_EVENTS = 1024
 DEFAULT_TICK_S = 1.0
 
@@ -112,12 +102,7 @@ class ReplyRouter:
         self._tick_s = tick_s
         self._on_ready_change = on_ready_change
         self._calls: dict[str, list[CallQueue]] = {}  # request id -> its followers
-        self._sources: dict[str, str] = {}  # request id -> the consumer whose log its record names
-        self._checking: dict[str, dict[str, list[queue_pb2.TokenEvent]]] = {}  # held while a check runs
-        self._refused: dict[str, dict[str, float]] = {}  # request id -> consumer -> refused until (monotonic)
-        self._checks: set[asyncio.Task[None]] = set()
-        self._to_check: list[tuple[str, str]] = []  # (request id, consumer) for the next batch of checks
-        self.on_refused: Callable[[int], Any] | None = None  # called with each count of events dropped
+        self.sources = Sources(client, keys, self._deliver, self._max_queued)
         self._confirmed: dict[str, asyncio.Future[None]] = {}  # channel -> its SUBSCRIBE confirmation
         self._pubsub: Any = None
         self._ready = asyncio.Event()
@@ -143,7 +128,7 @@ class ReplyRouter:
         return self.is_ready
 
     async def close(self) -> None:
-        tasks = [t for t in (self._task, self._ticker, *self._checks) if t is not None]
+        tasks = [t for t in (self._task, self._ticker, *self.sources.tasks) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -184,9 +169,7 @@ class ReplyRouter:
         channel = self._channel_of(request_id)
         self._calls.pop(request_id, None)
         self._confirmed.pop(channel, None)
-        self._sources.pop(request_id, None)
-        self._checking.pop(request_id, None)
-        self._refused.pop(request_id, None)
+        self.sources.forget(request_id)
         if self._pubsub is not None and self.is_ready:
             task = asyncio.ensure_future(self._unsubscribe(request_id, channel))
             # A lost UNSUBSCRIBE ends with the connection; a cancelled one with the gateway.
@@ -272,78 +255,25 @@ class ReplyRouter:
         except Exception:  # a foreign publisher must not kill the router
             log.error("ignoring unreadable message on %r", channel)
             return
-        calls, sources = self._calls, self._sources
+        calls, sources = self._calls, self.sources
         name = channel.decode(errors="replace") if isinstance(channel, bytes) else channel
         consumer = name[len(self._out_mark):]
         for request_id in batch.admitted:  # a worker took it: check its record before its first token
-            if request_id in calls and sources.get(request_id) != consumer:
-                self._check_source(request_id, consumer)
+            if request_id in calls and sources.known.get(request_id) != consumer:
+                sources.check(request_id, consumer)
         for event in batch.events:
             queues = calls.get(event.request_id)
             if not queues:
                 continue
-            if sources.get(event.request_id) == consumer:
+            if sources.known.get(event.request_id) == consumer:
                 for queue in queues:
                     offer(queue, event)
             else:
-                self._check_source(event.request_id, consumer, event)
+                sources.check(event.request_id, consumer, event)
 
-    def _check_source(self, request_id: str, consumer: str,
-                      event: queue_pb2.TokenEvent | None = None) -> None:
-        """An event (or a notice, event None) from a worker not (yet) known to run its request:
-        hold it while the record is read, or drop it if that worker was refused a moment ago."""
-        held = self._checking.setdefault(request_id, {}).get(consumer)
-        if held is not None:
-            if event is not None and len(held) < self._max_queued:  # beyond: the relay fills the gap
-                held.append(event)
-            return
-        if time.monotonic() < self._refused.get(request_id, {}).get(consumer, 0.0):
-            if event is not None:
-                self._count_refused(1)
-            return
-        self._checking[request_id][consumer] = [] if event is None else [event]
-        self._to_check.append((request_id, consumer))
-        if len(self._to_check) == 1:  # the checks of the messages dispatched meanwhile join it
-            task = asyncio.ensure_future(self._check_all())
-            self._checks.add(task)
-            task.add_done_callback(self._checks.discard)
-
-    async def _check_all(self) -> None:
-        """One round trip for every check asked since the last: when a burst of requests starts,
-        their first events come together (bench-e2e, 16 streams: one HMGET each added ~5 ms to
-        the first token)."""
-        await asyncio.sleep(0)  # let the pub/sub reader dispatch what it already received
-        batch, self._to_check = self._to_check, []
-        pipe = self._client.pipeline(transaction=False)
-        for request_id, _ in batch:
-            pipe.hmget(self._keys.record(request_id), [Record.LOG])
-        try:
-            found: list[Any] = await pipe.execute()
-        except RedisError:
-            found = [[None]] * len(batch)  # as refused: the relay re-reads the log after a gap or a resync
-        for (request_id, consumer), (log_key,) in zip(batch, found, strict=True):
-            self._checked(request_id, consumer, log_key)
-
-    def _checked(self, request_id: str, consumer: str, log_key: bytes | str | None) -> None:
-        held = self._checking.get(request_id, {}).pop(consumer, [])
-        if request_id not in self._calls:  # nobody follows it any more
-            return
-        owner = log_key.decode() if isinstance(log_key, bytes) else log_key
-        if owner == self._keys.log(consumer):
-            self._sources[request_id] = consumer
-            self._refused.get(request_id, {}).pop(consumer, None)
-            for event in held:
-                for queue in self._calls.get(request_id, ()):
-                    offer(queue, event)
-            return
-        self._refused.setdefault(request_id, {})[consumer] = time.monotonic() + REFUSED_FOR_S
-        log.warning("request %s: refused worker %s (%d events dropped): the request's record names %s",
-                    request_id, consumer, len(held), owner or "no worker's log")
-        self._count_refused(len(held))
-
-    def _count_refused(self, num_events: int) -> None:
-        if self.on_refused is not None:
-            self.on_refused(num_events)
+    def _deliver(self, event: queue_pb2.TokenEvent) -> None:
+        for queue in self._calls.get(event.request_id, ()):
+            offer(queue, event)
 
     def _set_ready(self, is_ready: bool) -> None:
         if is_ready == self.is_ready:

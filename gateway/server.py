@@ -321,7 +321,7 @@ class Gateway:
         metrics, interceptors = None, []
         if self.metrics_server.is_enabled:
             metrics = GatewayMetrics(self.metrics_server.registry)
-            self.router.on_refused = metrics.count_refused_events
+            self.router.sources.on_refused = metrics.count_refused_events
             interceptors.append(GrpcMetricsInterceptor(self.metrics_server.registry))
         self.server = grpc.aio.server(interceptors=interceptors, options=server_options(config),
                                       maximum_concurrent_rpcs=config.max_concurrent_rpcs)

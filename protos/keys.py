@@ -127,7 +127,7 @@ Delivery guarantee: every chunk exactly once to a caller that keeps resending.
   PSUBSCRIBEs ``{p}:out:*`` once and hands events to its calls by request id, taking a
   request's events only from the out channel of the worker whose log its record names (the
   round that admits a request announces it, ``TokenEventBatch.admitted``, so the gateway
-  reads the record during the prefill; gateway/replies.py): a call registers locally before
+  reads the record during the prefill; gateway/sources.py): a call registers locally before
   it reads the log or enqueues anything, so an event is either in the log it reads or arrives after (or both:
   duplicates are dropped by ``seq``). Events carry a per-request ``seq`` 0, 1, 2, ...
   that every attempt continues: a chunk's seq is its index and the final's is the number

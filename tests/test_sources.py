@@ -1,0 +1,80 @@
+"""gateway/sources.py through the reply router, on real Redis: a request's events are relayed
+only from the worker its record names."""
+
+from __future__ import annotations
+
+import asyncio
+
+import redis.asyncio as aioredis
+
+from protos.keys import Keys, Record
+from protos.tokenrelay.v1 import queue_pb2
+from tests.test_replies import event, router
+
+
+def test_a_calls_events_come_only_from_the_worker_its_record_names(redis_url: str, prefix: str) -> None:
+    """w1 runs "r" (its record names w1's log); w2 publishes events for "r" too (a misbehaving
+    worker): refused. w3 takes "r" over (OWN points the record at its log): its events are
+    taken, and the late event of w1 is not."""
+    keys = Keys(prefix)
+
+    async def go() -> tuple[list[int], list[int]]:
+        client = aioredis.Redis.from_url(redis_url)
+        replies = router(client, keys)
+        refused: list[int] = []
+        replies.sources.on_refused = refused.append
+        assert await replies.start(timeout_s=5)
+        calls = await replies.follow("r")
+        await client.hset(keys.record("r"), Record.LOG, keys.log("w1"))
+
+        async def publish(worker: str, *events: queue_pb2.TokenEvent) -> None:
+            batch = queue_pb2.TokenEventBatch(events=list(events))
+            await client.publish(keys.out(worker), batch.SerializeToString())
+
+        other = queue_pb2.TokenEvent(request_id="x")  # a request this gateway does not follow
+        await publish("w1", event(0), other)
+        await publish("w2", event(1))
+        got = [(await asyncio.wait_for(calls.get(), 5)).seq]
+        await client.hset(keys.record("r"), Record.LOG, keys.log("w3"))
+        await publish("w3", event(1))
+        got.append((await asyncio.wait_for(calls.get(), 5)).seq)
+        await publish("w1", event(2))
+        await publish("w2", event(2))  # refused a moment ago: dropped without reading the record
+        await publish("w3", event(3))
+        got.append((await asyncio.wait_for(calls.get(), 5)).seq)
+        replies.unfollow("r", calls)
+        await replies.close()
+        await client.aclose()
+        return got, refused
+    got, refused = asyncio.run(go())
+    assert got == [0, 1, 3]
+    assert sum(refused) == 3  # w2's two events and w1's late one
+
+
+def test_a_workers_admission_notice_checks_the_record_before_the_first_token(redis_url: str,
+                                                                            prefix: str) -> None:
+    """A round that admits "r" says so (TokenEventBatch.admitted): the router reads the record
+    then, so the first token needs no read (here the record is gone by then: it is taken all
+    the same, from the worker that was checked)."""
+    keys = Keys(prefix)
+
+    async def go() -> int:
+        client = aioredis.Redis.from_url(redis_url)
+        replies = router(client, keys)
+        assert await replies.start(timeout_s=5)
+        calls = await replies.follow("r")
+        await client.hset(keys.record("r"), Record.LOG, keys.log("w1"))
+        notice = queue_pb2.TokenEventBatch(admitted=["r", "not-followed"])
+        await client.publish(keys.out("w1"), notice.SerializeToString())
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if "r" in replies.sources.known:  # the check is done
+                break
+        await client.delete(keys.record("r"))
+        await client.publish(keys.out("w1"), queue_pb2.TokenEventBatch(events=[event(0)]).SerializeToString())
+        seq = (await asyncio.wait_for(calls.get(), 5)).seq
+        replies.unfollow("r", calls)
+        await replies.close()
+        await client.aclose()
+        return seq
+    assert asyncio.run(go()) == 0
