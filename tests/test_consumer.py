@@ -17,6 +17,7 @@ from protos.convert import build_request, log_value
 from protos.keys import STREAM_DATA_FIELD, Heartbeat, Keys, LogField, Record
 from protos.tokenrelay.v1 import generate_pb2, queue_pb2
 from tests import factories
+from tests.factories import CountingEngine
 from tests.service import WorkerThread, wait_until
 from worker.config import DEFAULT_MODEL_NAME, WorkerConfig
 from worker.engine.outputs import Admitted
@@ -306,6 +307,28 @@ def test_a_dead_workers_request_is_reclaimed_and_resumed_without_a_gap(
                timeout=5)
     names = lambda: {c["name"] for c in client.xinfo_consumers(keys.requests, keys.group)}  # noqa: E731
     wait_until(lambda: b"ghost" not in names() and "ghost" not in names(), timeout=5)  # tidied up
+
+
+def test_a_worker_leaving_with_an_entry_it_never_took_stays_registered_for_the_sweep(
+        client: redis.Redis, prefix: str, replies: Replies,
+        start_worker: Callable[..., WorkerThread]) -> None:
+    """An XREADGROUP reached Redis and the OWN after it did not (Redis went down between them):
+    the entry is pending under a worker that does not know it. That worker stopping cleanly
+    must leave the registry scored dead, not removed, so a sweep re-claims the entry (a chaos
+    run lost a request when it left: nothing swept it)."""
+    keys = Keys(prefix, DEFAULT_MODEL_NAME)
+    replies.follow(keys, "r")
+    enqueue(client, keys, "r", max_tokens=3)
+    first_consumer = "first.abc123"
+    assert claim_as(client, keys, first_consumer)  # the claim that reached Redis
+    first = start_worker(CountingEngine(), worker_id="first", incarnation="abc123", reconcile_interval_s=600)
+    wait_until(lambda: client.zscore(keys.registry, first_consumer), timeout=10)
+    first.stop()  # it never looked at its own pending entries (reconciliation is 10 min away)
+    assert client.zscore(keys.registry, first_consumer) == 0  # dead, not gone
+    start_worker(CountingEngine(), **FAST_SWEEP)
+    events = replies(1, timeout=15)["r"]
+    assert kinds(events) == ["chunk", "chunk", "chunk", "final"]
+    wait_until(lambda: client.zscore(keys.registry, first_consumer) is None, timeout=10)  # then swept away
 
 
 @pytest.mark.slow

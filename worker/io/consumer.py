@@ -23,6 +23,7 @@ Redis was reachable is lost.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import logging
 import threading
@@ -153,8 +154,9 @@ class Consumer:
             raise
         finally:
             self._aborts.close()
-            self._publisher.close()
-            self._heartbeat.close(left_pending=self.is_fenced or self._handed_over)
+            self._publisher.close()  # its last round acknowledged what ended
+            left_pending = self.is_fenced or self._handed_over or self._has_forgotten_entries()
+            self._heartbeat.close(left_pending=left_pending)
             self._metrics_server.stop()
             self.tracing.shutdown()
         log.info("worker %s stopped after %d requests", self.config.worker_id, self.num_finished)
@@ -213,6 +215,25 @@ class Consumer:
             if not handoff:  # else left pending for another worker, which parks it in turn
                 self._end(tracked)
         self._flush()
+
+    def _has_forgotten_entries(self) -> bool:
+        """Entries still pending under this consumer as it leaves: a claim whose OWN never reached
+        Redis (it went down between the XREADGROUP and the script) left one this worker does not
+        know of. It then leaves the registry scored dead, not removed, so the next sweep re-claims
+        them; removed, nothing would ever sweep its routed streams (a chaos run lost a request
+        so: the entry stayed pending under a consumer nobody looked at). Unknown (Redis down): as
+        if there were some."""
+        group, me = self.keys.group, self.config.consumer_name
+        try:
+            for stream in self.keys.claim_streams(me):
+                with contextlib.suppress(redis.ResponseError):  # no stream or group: nothing there
+                    if self._client.xpending_range(stream, group, min="-", max="+", count=1, consumername=me):
+                        log.warning("leaving entries pending under %s (claimed, never taken): the next "
+                                    "sweep re-claims them", me)
+                        return True
+        except redis.RedisError:
+            return True
+        return False
 
     def _drop_all(self) -> None:
         """Fenced: every request belongs to another worker now; write nothing more for any."""
