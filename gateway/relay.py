@@ -102,7 +102,7 @@ async def relay(follow: Follow, calls: asyncio.Queue[CallItem], queue: RequestQu
             except TimeoutError:
                 await _move(follow)
                 continue
-            if not isinstance(item, Tick):
+            if not isinstance(item, Tick | Resync):  # a resubscription says nothing of the claim
                 follow.move_at = None  # a worker has it (or the call ends): it stays where it is
         else:
             item = await calls.get()

@@ -103,6 +103,31 @@ def error(code: int, entry_id: bytes = ENTRY) -> queue_pb2.TokenEvent:
                                 error=queue_pb2.RequestError(code=code, message="worker said no"))
 
 
+def test_a_resync_does_not_cancel_the_move_of_an_unclaimed_routed_attempt() -> None:
+    """A resubscription (Redis restarted) while a routed attempt waits for its worker says nothing
+    of whether the worker claimed it: the move to the shared stream still happens at move_at (a
+    RESYNC once cancelled it, and the call waited on a worker that had left)."""
+    moved: list[tuple[str, bytes]] = []
+
+    async def go() -> list[str]:
+        calls: asyncio.Queue = asyncio.Queue()
+        calls.put_nowait(RESYNC)
+
+        async def move(stream: str, entry_id: bytes) -> tuple[bytes, str]:
+            moved.append((stream, entry_id))
+            calls.put_nowait(chunk(0))  # a worker of the shared stream runs it
+            calls.put_nowait(final(1))
+            return b"2-0", "shared"
+
+        follow = Follow("r", ENTRY, 0, stream="routed", move=move, move_at=time.monotonic() + 0.2)
+        responses = relay(follow, calls, FakeQueue(), read_log=False,  # type: ignore[arg-type]
+                          liveness_check_s=1.0, max_outage_s=1.0)
+        async with asyncio.timeout(5):
+            return [r.chunk.text if r.HasField("chunk") else "final" async for r in responses]
+    assert asyncio.run(go()) == ["<0>", "final"]
+    assert moved == [("routed", ENTRY)]
+
+
 def run_relay(items: list, queue: FakeQueue | None = None, *, liveness_s: float = 1.0, resume_from: int = 0,
               read_log: bool = False, next_attempt: Any = None) -> list[str]:
     async def go() -> list[str]:
