@@ -174,7 +174,8 @@ Fencing: a zombie's writes fail
   clock) is in the future; the heartbeat has its own thread, so a publisher waiting for
   Redis never stops it. Every worker sweeps about once a second: the registry's members
   past their expiry (a worker is in it from its first heartbeat, before its first claim, until
-  nothing of it is left: one that drains and hands requests over scores itself 0 as it leaves),
+  nothing of it is left: one that drains and hands requests over, or finds entries still
+  pending under it that it never took (its claim's OWN was lost), scores itself 0 as it leaves),
   and at every tenth sweep the group's consumers too (XINFO CONSUMERS: a consumer the registry
   lost with the last second of an AOF). The RECLAIM script takes the candidates not alive in
   the registry and, atomically, fences each (the
