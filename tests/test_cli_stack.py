@@ -3,6 +3,7 @@ real processes, an embedded Redis, the default model; nothing may be left runnin
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -53,17 +54,29 @@ def test_demo_streams_an_answer_and_cleans_up(marked_env: dict[str, str]) -> Non
     assert "generated tokens" in proc.stderr
 
 
-def test_up_serves_the_client_cli_and_stops_cleanly_on_ctrl_c(marked_env: dict[str, str]) -> None:
-    target, metrics_port = f"127.0.0.1:{free_port()}", free_port()
-    up = subprocess.Popen([sys.executable, "-m", "gateway.cli", "up", "--listen", target, "--metrics-port",
-                           str(metrics_port)], cwd=ROOT, env=marked_env, stdout=subprocess.PIPE,
-                          stderr=subprocess.DEVNULL, text=True)
+@contextlib.contextmanager
+def tokenrelay_up(env: dict[str, str], *args: str) -> Iterator[str]:
+    """`tokenrelay up ARGS` until its "tokenrelay is up" line (yielded); then Ctrl-C must stop it
+    with status 0. Killed if the test failed first."""
+    up = subprocess.Popen([sys.executable, "-m", "gateway.cli", "up", *args], cwd=ROOT, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         assert up.stdout is not None
-        for line in up.stdout:  # ends if `up` exits early; the pytest timeout bounds a hang
-            if "tokenrelay is up" in line:
-                break
-        assert up.poll() is None, "tokenrelay up exited during start-up"
+        # ends if `up` exits early; the pytest timeout bounds a hang
+        line = next((line for line in up.stdout if "tokenrelay is up" in line), "")
+        assert up.poll() is None and line, "tokenrelay up exited during start-up"
+        yield line
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=60) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+
+
+def test_up_serves_the_client_cli_and_stops_cleanly_on_ctrl_c(marked_env: dict[str, str]) -> None:
+    target, metrics_port = f"127.0.0.1:{free_port()}", free_port()
+    with tokenrelay_up(marked_env, "--listen", target, "--metrics-port", str(metrics_port)):
         client = subprocess.run(
             [sys.executable, "-m", "gateway.client", "--target", target, "--chat", "--max-tokens", "12",
              "--temperature", "0", "What is the capital of France?"],
@@ -74,36 +87,16 @@ def test_up_serves_the_client_cli_and_stops_cleanly_on_ctrl_c(marked_env: dict[s
         for port in (metrics_port, metrics_port + 1):  # the gateway's, then the worker's
             scrape = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
             assert "tokenrelay_" in scrape
-        up.send_signal(signal.SIGINT)
-        assert up.wait(timeout=60) == 0
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
 
 
 def test_up_on_port_0_reports_the_port_the_gateway_bound(marked_env: dict[str, str]) -> None:
     """Port 0: the gateway binds a free port itself and the launcher dials what it printed
     (choosing a port for it raced with other processes' connections)."""
-    up = subprocess.Popen([sys.executable, "-m", "gateway.cli", "up", "--listen", "127.0.0.1:0",
-                           "--workers", "0"], cwd=ROOT, env=marked_env, stdout=subprocess.PIPE,
-                          stderr=subprocess.DEVNULL, text=True)
-    try:
-        assert up.stdout is not None
-        target = ""
-        for line in up.stdout:  # ends if `up` exits early; the pytest timeout bounds a hang
-            if "tokenrelay is up" in line:
-                target = line.split("gRPC on ")[1].split(",")[0]
-                break
+    with tokenrelay_up(marked_env, "--listen", "127.0.0.1:0", "--workers", "0") as line:
+        target = line.split("gRPC on ")[1].split(",")[0]
         host, _, port = target.rpartition(":")
         assert host == "127.0.0.1" and int(port) > 0, target
         with grpc.insecure_channel(target) as channel:
             health = health_pb2_grpc.HealthStub(channel)
             status = health.Check(health_pb2.HealthCheckRequest(), timeout=10).status
         assert status == health_pb2.HealthCheckResponse.SERVING
-        up.send_signal(signal.SIGINT)
-        assert up.wait(timeout=60) == 0
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()

@@ -23,7 +23,6 @@ Redis was reachable is lost.
 
 from __future__ import annotations
 
-import contextlib
 import heapq
 import logging
 import threading
@@ -46,7 +45,7 @@ from worker.io.claim import Claimer, Owned, claim_capacity
 from worker.io.listener import AbortListener
 from worker.io.metrics import WorkerMetrics
 from worker.io.parking import POLL_INTERVAL_S, FollowCheck, ParkingLot
-from worker.io.reclaim import Claimed, other_workers_alive
+from worker.io.reclaim import Claimed, has_pending, other_workers_alive
 from worker.io.redis_io import Heartbeat as HeartbeatThread
 from worker.io.redis_io import Outbox, Publisher, connect, heartbeat_fields
 from worker.io.tracing import RequestSpans
@@ -155,7 +154,7 @@ class Consumer:
         finally:
             self._aborts.close()
             self._publisher.close()  # its last round acknowledged what ended
-            left_pending = self.is_fenced or self._handed_over or self._has_forgotten_entries()
+            left_pending = self.is_fenced or self._handed_over or has_pending(self._client, self.config)
             self._heartbeat.close(left_pending=left_pending)
             self._metrics_server.stop()
             self.tracing.shutdown()
@@ -215,25 +214,6 @@ class Consumer:
             if not handoff:  # else left pending for another worker, which parks it in turn
                 self._end(tracked)
         self._flush()
-
-    def _has_forgotten_entries(self) -> bool:
-        """Entries still pending under this consumer as it leaves: a claim whose OWN never reached
-        Redis (it went down between the XREADGROUP and the script) left one this worker does not
-        know of. It then leaves the registry scored dead, not removed, so the next sweep re-claims
-        them; removed, nothing would ever sweep its routed streams (a chaos run lost a request
-        so: the entry stayed pending under a consumer nobody looked at). Unknown (Redis down): as
-        if there were some."""
-        group, me = self.keys.group, self.config.consumer_name
-        try:
-            for stream in self.keys.claim_streams(me):
-                with contextlib.suppress(redis.ResponseError):  # no stream or group: nothing there
-                    if self._client.xpending_range(stream, group, min="-", max="+", count=1, consumername=me):
-                        log.warning("leaving entries pending under %s (claimed, never taken): the next "
-                                    "sweep re-claims them", me)
-                        return True
-        except redis.RedisError:
-            return True
-        return False
 
     def _drop_all(self) -> None:
         """Fenced: every request belongs to another worker now; write nothing more for any."""
