@@ -33,7 +33,7 @@ from redis.exceptions import RedisError
 
 from gateway.errors import DataLoss, GatewayError, OutOfRange, Unavailable, WorkerError, redis_unavailable
 from gateway.queue import EntryState, RequestQueue
-from gateway.replies import CallItem, Resync, Tick
+from gateway.replies import CallItem, Full, Resync, Tick
 from protos.tokenrelay.v1 import generate_pb2, queue_pb2
 
 # Consecutive GONE answers before the attempt counts as ended: the first may race with
@@ -102,10 +102,15 @@ async def relay(follow: Follow, calls: asyncio.Queue[CallItem], queue: RequestQu
             except TimeoutError:
                 await _move(follow)
                 continue
+            if isinstance(item, Full):  # its worker has no room: it would wait for a slot there
+                await _move(follow)
+                continue
             if not isinstance(item, Tick | Resync):  # a resubscription says nothing of the claim
                 follow.move_at = None  # a worker has it (or the call ends): it stays where it is
         else:
             item = await calls.get()
+        if isinstance(item, Full):  # too late: a worker took the attempt
+            continue
         if isinstance(item, Tick):
             if follow.gap_deadline is not None or time.monotonic() - heard_at < liveness_check_s:
                 continue  # a gap is judged above

@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import redis.asyncio as aioredis
@@ -56,10 +56,17 @@ class Tick:
     asyncio.timeout was ~6% of the gateway's CPU (py-spy, fleet bench, 2026-12-03)."""
 
 
+class Full:
+    """Queued into a call whose attempt waits, unclaimed, in the own stream of a worker that just
+    said it has no room (TokenEventBatch.room = 0; gateway/routing.py): move it now, not after
+    --route-max-wait-ms."""
+
+
 RESYNC: Final = Resync()
 TICK: Final = Tick()
-# What a call's queue receives: worker events, RESYNC, TICK, or the error that ends the call.
-CallItem = queue_pb2.TokenEvent | Resync | Tick | GatewayError
+FULL: Final = Full()
+# What a call's queue receives: worker events, RESYNC, TICK, FULL, or the error that ends the call.
+CallItem = queue_pb2.TokenEvent | Resync | Tick | Full | GatewayError
 SUBSCRIBE_TIMEOUT_S = 5.0
 DEFAULT_MAX_QUEUED_EVENTS = 1024
 DEFAULT_TICK_S = 1.0
@@ -109,6 +116,8 @@ class ReplyRouter:
         self._tried = asyncio.Event()  # the first connection attempt ended, either way
         self._task: asyncio.Task[None] | None = None
         self._ticker: asyncio.Task[None] | None = None
+        # Called with (consumer, room, admitted request ids) for each round that says its room.
+        self.on_room: Callable[[str, int, Sequence[str]], Any] | None = None
 
     @property
     def is_ready(self) -> bool:
@@ -261,6 +270,8 @@ class ReplyRouter:
         for request_id in batch.admitted:  # a worker took it: check its record before its first token
             if request_id in calls and sources.known.get(request_id) != consumer:
                 sources.check(request_id, consumer)
+        if self.on_room is not None and batch.HasField("room"):
+            self.on_room(consumer, batch.room, batch.admitted)
         for event in batch.events:
             queues = calls.get(event.request_id)
             if not queues:

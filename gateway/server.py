@@ -88,6 +88,8 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
         self._background: set[asyncio.Task[None]] = set()
         self.server_info = ServerInfoView(config, queue, self.models)
         self.prefix_router = PrefixRouter(queue, self.models) if config.routing == "prefix" else None
+        if self.prefix_router is not None:
+            router.on_room = self.prefix_router.on_room
 
     async def Generate(self, request: generate_pb2.GenerateRequest | MalformedRequest,  # noqa: N802
                        context: grpc.aio.ServicerContext) -> AsyncIterator[generate_pb2.GenerateResponse]:
@@ -166,6 +168,8 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
                 digest = request_digest(request, tenant.name)
                 follow, is_new, route = await self._attach(queued, digest, depth, resume_from, request_id)
                 used.request_key = key
+            if is_new and follow.move_at is not None and self.prefix_router is not None:
+                self.prefix_router.wait_claim(route, key, calls)
             log.debug("request %s: %s entry %s", request_id, "enqueued" if is_new else "following",
                       follow.entry_id.decode())
             follow.time_remaining = context.time_remaining
@@ -186,7 +190,7 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
         finally:
             self.router.unfollow(key, calls)
             if route.consumer and self.prefix_router is not None:
-                self.prefix_router.release(route)
+                self.prefix_router.release(route, calls)
             if follow is not None and not is_done:
                 # Cancelled, disconnected, deadline passed or failed here: the worker parks it.
                 self.abort_later(key, "the caller went away", follow.entry_id)

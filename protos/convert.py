@@ -152,6 +152,12 @@ def admitted_value(request_id: str) -> bytes:
     return _framed(_ADMITTED_TAG, request_id.encode())
 
 
+def room_value(room: int) -> bytes:
+    """TokenEventBatch.room = room as bytes: appended to a round's published events (a later
+    value in the concatenation wins, so a merged backlog says the latest room)."""
+    return queue_pb2.TokenEventBatch(room=room).SerializeToString()
+
+
 def log_value(event: queue_pb2.TokenEvent) -> bytes:
     """The event as a worker log stores it (protos/keys.py): framed as a one-event
     TokenEventBatch, so a round's published batch is the concatenation of its events' values."""

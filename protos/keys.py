@@ -164,7 +164,10 @@ Routing (protos/routing.py; the gateway's --routing prefix)
   a class before the shared one (HIGH first, as above). Routing is a preference, never a
   wait: an entry its worker has not claimed within the gateway's --route-max-wait-ms is
   moved to the shared stream by the gateway following the call (MOVE script: atomically,
-  only while no worker has it), and a dead worker's routed streams are emptied by the
+  only while no worker has it), at once for one routed by load alone when its worker's round
+  says it has no room (``TokenEventBatch.room`` = 0: what it would claim next, sent with every
+  round that publishes anything; gateways also route by it, fresher than the heartbeats),
+  and a dead worker's routed streams are emptied by the
   sweeper that fences it (its pending entries re-claimed like any others, the rest moved),
   then deleted. So queue depth, KEDA's lag and shedding see the work: a routed entry waits
   only on a live worker with room, and at most the wait bound.

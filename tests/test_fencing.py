@@ -130,6 +130,28 @@ def test_an_admission_goes_into_the_record_and_is_announced_only_while_its_worke
     pubsub.close()
 
 
+def test_a_round_says_the_workers_room_with_what_it_publishes_and_never_alone(
+        client: redis.Redis, prefix: str) -> None:
+    """TokenEventBatch.room: what gateways route by and move waiting calls on (gateway/routing.py)."""
+    keys = Keys(prefix, DEFAULT_MODEL_NAME)
+    pubsub = client.pubsub()
+    pubsub.psubscribe(keys.out_pattern)
+    assert pubsub.get_message(timeout=5)["type"] == "psubscribe"
+    quiet = Outbox(progress={"r": b""}, room=3)  # logs nothing, publishes nothing
+    assert step(client, keys, "a", quiet) == ["ok"]
+    first, later = Outbox(room=5), Outbox(room=0)
+    first.log(chunk_event("r", 0))
+    later.log(chunk_event("r", 1))
+    first.merge(later)  # a backlog sent as one round says the latest room
+    assert step(client, keys, "a", first) == ["ok"]
+    message = pubsub.get_message(timeout=5)
+    batch = queue_pb2.TokenEventBatch.FromString(message["data"])
+    assert [e.seq for e in batch.events] == [0, 1]
+    assert batch.HasField("room") and batch.room == 0
+    assert pubsub.get_message(timeout=0.2) is None  # the quiet round published nothing
+    pubsub.close()
+
+
 def test_the_publisher_sends_a_round_again_without_a_request_taken_over_since(client: redis.Redis,
                                                                              prefix: str) -> None:
     keys = Keys(prefix, DEFAULT_MODEL_NAME)

@@ -11,6 +11,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import redis
@@ -190,6 +191,59 @@ def test_a_poll_with_room_for_every_stream_is_one_command_when_empty_and_keeps_t
     assert claimer.take(room, is_idle=False) == []
 
 
+def test_a_poll_never_claims_more_than_its_room_when_both_streams_of_a_class_hold_entries(
+        client: redis.Redis, redis_url: str, prefix: str) -> None:
+    """XREADGROUP's COUNT is per stream: one read of a class's two streams took up to twice the
+    room, and what was claimed beyond it waited in the engine for a whole answer to end."""
+    keys = Keys(prefix, MODEL)
+    config = WorkerConfig(redis_url=redis_url, key_prefix=prefix, worker_id="w")
+    me = config.consumer_name
+    claimer = Claimer(client, config)
+    num_streams = len(keys.claim_streams(me))
+    claimer.take(num_streams, is_idle=False)  # creates the groups; sweep and reconcile run now
+    for stream, name in ((keys.routed(me, PriorityClass.NORMAL), "own"), (keys.requests, "shared")):
+        for n in range(num_streams + 2):
+            queued = queue_pb2.QueuedRequest(request_id=f"{name}-{n}")
+            client.xadd(stream, {b"data": queued.SerializeToString()})
+    # a first look takes one entry of each stream, as far as the room goes; then the streams it
+    # found something in are read further, in claim order
+    for room, expected in ((2, ["own-0", "shared-0"]),  # less room than streams
+                           (num_streams + 1, [f"own-{n}" for n in range(1, num_streams + 1)] + ["shared-1"])):
+        taken = [c.request.request_id for c in claimer.take(room, is_idle=False) if c.request]
+        assert taken == expected
+    pending = [client.xpending(s, keys.group)["pending"] for s in (keys.routed(me, PriorityClass.NORMAL),
+                                                                    keys.requests)]
+    assert pending == [num_streams + 1, 2]
+
+
+def test_a_worker_that_says_it_has_no_room_is_not_routed_to_by_load_until_it_says_it_has(
+        client: redis.Redis, redis_url: str, prefix: str) -> None:
+    keys = Keys(prefix, MODEL)
+    register(client, keys, "a")
+    register(client, keys, "b", num_running=1)
+    request = build_request("short: no prefix to gain", max_tokens=3)
+    request.model = MODEL
+
+    async def go() -> list[str]:
+        config = GatewayConfig(redis_url=redis_url, key_prefix=prefix)
+        aio = connect(config)
+        try:
+            queue = RequestQueue(aio, config)
+            router = PrefixRouter(queue, Models(queue, config))
+            queued = queue_pb2.QueuedRequest(request=request, cache_scope=SCOPE)
+            chosen = [(await router.choose(queued)).consumer]  # the least loaded
+            router.on_room("a", 0, [])  # its round, newer than its heartbeat: no room
+            chosen.append((await router.choose(queued)).consumer)
+            router.on_room("b", 0, [])
+            chosen.append((await router.choose(queued)).consumer)  # nobody: the shared stream
+            router.on_room("a", 4, [])
+            chosen.append((await router.choose(queued)).consumer)
+            return chosen
+        finally:
+            await aio.aclose()
+    assert asyncio.run(go()) == ["a", "b", "", "a"]
+
+
 # -- whole paths ----------------------------------------------------------------------------------
 
 def generate(stub: generate_pb2_grpc.TokenRelayStub,
@@ -264,6 +318,31 @@ def test_a_routed_request_its_worker_does_not_claim_moves_to_the_shared_stream_w
     assert wait_s <= took < wait_s + 5  # it was routed to "stuck" first, and moved after the wait
     assert client.hget(keys.record("moved"), Record.STREAM) == keys.requests.encode()
     assert client.xlen(keys.routed("stuck", PriorityClass.NORMAL)) == 0
+
+
+def test_a_request_routed_by_load_moves_at_once_when_its_worker_says_it_has_no_room(
+        make_gateway: Callable[..., GatewayThread], start_worker: Callable[..., WorkerThread],
+        client: redis.Redis, prefix: str) -> None:
+    """"full" is the least loaded by its heartbeat, so a request with no prefix to gain is routed
+    to it; its next round says it has no room (TokenEventBatch.room = 0): the call moves the
+    request to the shared stream then, not after --route-max-wait-ms."""
+    keys = Keys(prefix, MODEL)
+    register(client, keys, "full")
+    register(client, keys, "bystander", num_running=2)
+    wait_s = 20.0
+    channel, stub = stub_for(make_gateway(route_max_wait_ms=wait_s * 1000).target)
+    request = build_request("no prefix to gain", max_tokens=3, request_id="load")
+    request.model = MODEL
+    with channel, ThreadPoolExecutor(1) as pool:
+        wait_until(workers_ready(stub, 2), timeout=10)
+        started = time.monotonic()
+        call = pool.submit(generate, stub, request)
+        wait_until(lambda: client.xlen(keys.routed("full", PriorityClass.NORMAL)) == 1, timeout=10)
+        worker = start_worker(CountingEngine(), claim_block_ms=20)  # reads only the shared stream
+        client.publish(keys.out("full"), queue_pb2.TokenEventBatch(room=0).SerializeToString())
+        assert served_by(call.result(timeout=wait_s / 2)) == worker.config.worker_id
+    assert time.monotonic() - started < wait_s / 2
+    assert client.hget(keys.record("load"), Record.STREAM) == keys.requests.encode()
 
 
 def test_a_dead_workers_routed_requests_are_served_by_another_with_nothing_lost(

@@ -2,9 +2,10 @@
 
 In order: the entries of dead workers (a sweep at start-up and about every sweep_interval_s,
 which fences them), entries pending under this worker that it forgot (reconciliation, every
-reconcile_interval_s), then new entries (XREADGROUP ">") stream by stream, the highest priority class
-first, a lower class only while capacity is left, and within a class this worker's own stream
-(what gateways routed to it: protos/keys.py, "Routing") before the shared one. Only an idle
+reconcile_interval_s), then new entries (XREADGROUP ">", never more than its room) stream by
+stream, the highest priority class first, a lower class only while capacity is left, and within
+a class this worker's own stream (what gateways routed to it: protos/keys.py, "Routing") before
+the shared one. Only an idle
 worker that found nothing blocks, on every stream at once (one entry of each at most:
 XREADGROUP's COUNT is per stream), then claims what keeps arriving in a burst. Then, for
 all of them in one round trip, the OWN script takes their records (owner, log, progress),
@@ -150,26 +151,35 @@ class Claimer:
         pipe.pexpire(key, PREFIX_INDEX_TTL_S * 1000)
 
     def _read(self, count: int) -> list[Claimed]:
-        """New entries without blocking, the highest priority class first: one XREADGROUP per
-        class over this worker's own stream and the shared one (so routing adds no command to a
-        poll). COUNT is per stream, so a class may give up to 2 x `count` (what a gateway routed
-        here, because this worker had room, and the shared stream's next).
+        """Up to `count` new entries without blocking, the highest priority class first and within
+        a class this worker's own stream (what gateways routed here) before the shared one.
 
-        With room for one entry of every stream, one XREADGROUP over all of them (COUNT 1 each)
-        looks first, and only the classes it found something in are read further: a busy worker
-        polls every step, almost always in vain, and that poll is then one command, not one per
-        class (bench-fleet at 8 workers x 32 streams: 3 XREADGROUPs per step were a third of
-        the Redis commands per token)."""
-        pairs = list(zip(self._streams[::2], self._streams[1::2], strict=True))
+        Never more than `count`: XREADGROUP's COUNT is per stream, and an entry claimed beyond
+        the free slots waits in the engine until a running request finishes. One read over a
+        class's two streams took up to twice the room: `make bench-fleet`'s 8 x 256 point with
+        64-token answers then kept requests ~5.5 s (one whole answer) before their first token
+        while other workers had room (2026-12-07, 2-core Zen 4).
+
+        So a first look takes at most one entry of each stream: one XREADGROUP (COUNT 1) over as
+        many streams as there is room for, in claim order, the next ones while room is left. Then
+        the streams it found something in are read further, each alone, in claim order. A busy
+        worker polls every step, almost always in vain, and with room for every stream that poll
+        is one command, not one per stream or class (bench-fleet at 8 workers x 32 streams: 3
+        XREADGROUPs per step were a third of the Redis commands per token)."""
         entries: list[Claimed] = []
-        if count >= len(self._streams):
-            entries = self._xreadgroup(dict.fromkeys(self._streams, ">"), 1, block_ms=None)
-            found = {c.stream for c in entries}
-            pairs = [pair for pair in pairs if found.intersection(pair)]
-        for own, shared in pairs:
+        found: set[str] = set()
+        i = 0
+        while i < len(self._streams) and len(entries) < count:
+            probe = self._streams[i:i + count - len(entries)]
+            i += len(probe)
+            got = self._xreadgroup(dict.fromkeys(probe, ">"), 1, block_ms=None)
+            entries += got
+            found |= {c.stream for c in got}
+        for stream in self._streams:
             if len(entries) >= count:
                 break
-            entries += self._xreadgroup({own: ">", shared: ">"}, count - len(entries), block_ms=None)
+            if stream in found:
+                entries += self._xreadgroup({stream: ">"}, count - len(entries), block_ms=None)
         return sorted(entries, key=lambda c: self._order[c.stream])  # stable: each stream's order kept
 
     def _wait(self, block_ms: int) -> list[Claimed]:

@@ -26,7 +26,7 @@ from typing import Any
 
 import redis
 
-from protos.convert import admitted_value, log_value
+from protos.convert import admitted_value, log_value, room_value
 from protos.keys import Heartbeat as HeartbeatField
 from protos.redis_conn import Backoff, sync_client
 from protos.tokenrelay.v1 import queue_pb2
@@ -68,6 +68,9 @@ class Outbox:
     ends: list[End] = field(default_factory=list)
     drops: list[str] = field(default_factory=list)  # log fields of expired results
     forget: list[str] = field(default_factory=list)  # revoked request ids this worker dropped
+    # What the worker would claim after the round (claim_capacity): published with whatever the
+    # round publishes (TokenEventBatch.room), never a publish of its own.
+    room: int | None = None
 
     def log(self, event: queue_pb2.TokenEvent) -> None:
         """Log the event (a chunk or the final) in the worker's log, then publish it."""
@@ -94,6 +97,8 @@ class Outbox:
         self.ends += other.ends
         self.drops += other.drops
         self.forget += other.forget
+        if other.room is not None:  # the later round knows better
+            self.room = other.room
 
     def without(self, request_ids: set[str]) -> Outbox:
         """This round minus every write for `request_ids` (taken over by other workers)."""
@@ -104,7 +109,7 @@ class Outbox:
                       {r: p for r, p in self.progress.items() if r not in request_ids},
                       {r: n for r, n in self.admitted.items() if r not in request_ids},
                       [e for e in self.ends if e.request_id not in request_ids],
-                      self.drops, self.forget)
+                      self.drops, self.forget, self.room)
 
     def args(self, prefix: str, consumer: str, *, known: list[str] | None = None,
              is_resent: bool = False) -> list[bytes | str | int]:
@@ -126,7 +131,10 @@ class Outbox:
         args.append(len(self.admitted))
         for request_id, num_tokens in self.admitted.items():
             args += [request_id, num_tokens, admitted_value(request_id)]
-        args += [len(self.published), *(log_value(e) for e in self.published)]
+        published = [log_value(e) for e in self.published]
+        if self.room is not None and (self.logged or self.published or self.admitted):
+            published.append(room_value(self.room))
+        args += [len(published), *published]
         args.append(len(self.ends))
         for e in self.ends:
             args += [e.request_id, e.record, "" if e.final_seq is None else e.final_seq, e.ttl_ms, e.stream,

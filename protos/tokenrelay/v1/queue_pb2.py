@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.tokenrelay.v1 import generate_pb2 as protos_dot_tokenrelay_dot_v1_dot_generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n protos/tokenrelay/v1/queue.proto\x12\x13tokenrelay.v1.queue\x1a#protos/tokenrelay/v1/generate.proto\"\xfb\x02\n\rQueuedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\x07request\x18\x03 \x01(\x0b\x32\x1e.tokenrelay.v1.GenerateRequest\x12\x15\n\renqueued_unix\x18\x04 \x01(\x01\x12\x15\n\rdeadline_unix\x18\x05 \x01(\x01\x12\x12\n\ngateway_id\x18\x06 \x01(\t\x12\x14\n\x0cresult_ttl_s\x18\x07 \x01(\x01\x12K\n\rtrace_context\x18\x08 \x03(\x0b\x32\x34.tokenrelay.v1.queue.QueuedRequest.TraceContextEntry\x12\x11\n\ttimeout_s\x18\t \x01(\x01\x12\x0e\n\x06tenant\x18\n \x01(\t\x12\x13\n\x0b\x63\x61\x63he_scope\x18\x0b \x01(\x0c\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\x02\x10\x03R\rreply_channel\"M\n\x0cRequestError\x12,\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x1e.tokenrelay.v1.queue.ErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xc9\x01\n\nTokenEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\r\x12%\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x14.tokenrelay.v1.ChunkH\x00\x12%\n\x05\x66inal\x18\x04 \x01(\x0b\x32\x14.tokenrelay.v1.FinalH\x00\x12\x32\n\x05\x65rror\x18\x05 \x01(\x0b\x32!.tokenrelay.v1.queue.RequestErrorH\x00\x12\x10\n\x08\x65ntry_id\x18\x06 \x01(\x0c\x42\x06\n\x04kind\"g\n\x0fTokenEventBatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12/\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x1f.tokenrelay.v1.queue.TokenEvent\x12\x10\n\x08\x61\x64mitted\x18\x03 \x03(\t\"=\n\x05\x41\x62ort\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x10\n\x08\x65ntry_id\x18\x03 \x01(\x0c\"b\n\x08Progress\x12\x0c\n\x04seed\x18\x02 \x01(\x04\x12\x18\n\x10\x66irst_token_unix\x18\x05 \x01(\x01\x12\x11\n\tworker_id\x18\x06 \x01(\tJ\x04\x08\x01\x10\x02J\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05R\ttoken_ids*\xdc\x01\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x45RROR_CODE_INVALID_ARGUMENT\x10\x01\x12!\n\x1d\x45RROR_CODE_RESOURCE_EXHAUSTED\x10\x02\x12 \n\x1c\x45RROR_CODE_DEADLINE_EXCEEDED\x10\x03\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\x04\x12\x1a\n\x16\x45RROR_CODE_UNAVAILABLE\x10\x05\x12\x18\n\x14\x45RROR_CODE_NOT_FOUND\x10\x06\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n protos/tokenrelay/v1/queue.proto\x12\x13tokenrelay.v1.queue\x1a#protos/tokenrelay/v1/generate.proto\"\xfb\x02\n\rQueuedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\x07request\x18\x03 \x01(\x0b\x32\x1e.tokenrelay.v1.GenerateRequest\x12\x15\n\renqueued_unix\x18\x04 \x01(\x01\x12\x15\n\rdeadline_unix\x18\x05 \x01(\x01\x12\x12\n\ngateway_id\x18\x06 \x01(\t\x12\x14\n\x0cresult_ttl_s\x18\x07 \x01(\x01\x12K\n\rtrace_context\x18\x08 \x03(\x0b\x32\x34.tokenrelay.v1.queue.QueuedRequest.TraceContextEntry\x12\x11\n\ttimeout_s\x18\t \x01(\x01\x12\x0e\n\x06tenant\x18\n \x01(\t\x12\x13\n\x0b\x63\x61\x63he_scope\x18\x0b \x01(\x0c\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\x02\x10\x03R\rreply_channel\"M\n\x0cRequestError\x12,\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x1e.tokenrelay.v1.queue.ErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xc9\x01\n\nTokenEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\r\x12%\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x14.tokenrelay.v1.ChunkH\x00\x12%\n\x05\x66inal\x18\x04 \x01(\x0b\x32\x14.tokenrelay.v1.FinalH\x00\x12\x32\n\x05\x65rror\x18\x05 \x01(\x0b\x32!.tokenrelay.v1.queue.RequestErrorH\x00\x12\x10\n\x08\x65ntry_id\x18\x06 \x01(\x0c\x42\x06\n\x04kind\"\x83\x01\n\x0fTokenEventBatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12/\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x1f.tokenrelay.v1.queue.TokenEvent\x12\x10\n\x08\x61\x64mitted\x18\x03 \x03(\t\x12\x11\n\x04room\x18\x04 \x01(\rH\x00\x88\x01\x01\x42\x07\n\x05_room\"=\n\x05\x41\x62ort\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x10\n\x08\x65ntry_id\x18\x03 \x01(\x0c\"b\n\x08Progress\x12\x0c\n\x04seed\x18\x02 \x01(\x04\x12\x18\n\x10\x66irst_token_unix\x18\x05 \x01(\x01\x12\x11\n\tworker_id\x18\x06 \x01(\tJ\x04\x08\x01\x10\x02J\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05R\ttoken_ids*\xdc\x01\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x45RROR_CODE_INVALID_ARGUMENT\x10\x01\x12!\n\x1d\x45RROR_CODE_RESOURCE_EXHAUSTED\x10\x02\x12 \n\x1c\x45RROR_CODE_DEADLINE_EXCEEDED\x10\x03\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\x04\x12\x1a\n\x16\x45RROR_CODE_UNAVAILABLE\x10\x05\x12\x18\n\x14\x45RROR_CODE_NOT_FOUND\x10\x06\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_QUEUEDREQUEST_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_QUEUEDREQUEST_TRACECONTEXTENTRY']._serialized_options = b'8\001'
-  _globals['_ERRORCODE']._serialized_start=1028
-  _globals['_ERRORCODE']._serialized_end=1248
+  _globals['_ERRORCODE']._serialized_start=1057
+  _globals['_ERRORCODE']._serialized_end=1277
   _globals['_QUEUEDREQUEST']._serialized_start=95
   _globals['_QUEUEDREQUEST']._serialized_end=474
   _globals['_QUEUEDREQUEST_TRACECONTEXTENTRY']._serialized_start=402
@@ -44,10 +44,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REQUESTERROR']._serialized_end=553
   _globals['_TOKENEVENT']._serialized_start=556
   _globals['_TOKENEVENT']._serialized_end=757
-  _globals['_TOKENEVENTBATCH']._serialized_start=759
-  _globals['_TOKENEVENTBATCH']._serialized_end=862
-  _globals['_ABORT']._serialized_start=864
-  _globals['_ABORT']._serialized_end=925
-  _globals['_PROGRESS']._serialized_start=927
-  _globals['_PROGRESS']._serialized_end=1025
+  _globals['_TOKENEVENTBATCH']._serialized_start=760
+  _globals['_TOKENEVENTBATCH']._serialized_end=891
+  _globals['_ABORT']._serialized_start=893
+  _globals['_ABORT']._serialized_end=954
+  _globals['_PROGRESS']._serialized_start=956
+  _globals['_PROGRESS']._serialized_end=1054
 # @@protoc_insertion_point(module_scope)

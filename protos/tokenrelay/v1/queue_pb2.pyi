@@ -81,14 +81,16 @@ class TokenEvent(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., seq: _Optional[int] = ..., chunk: _Optional[_Union[_generate_pb2.Chunk, _Mapping]] = ..., final: _Optional[_Union[_generate_pb2.Final, _Mapping]] = ..., error: _Optional[_Union[RequestError, _Mapping]] = ..., entry_id: _Optional[bytes] = ...) -> None: ...
 
 class TokenEventBatch(_message.Message):
-    __slots__ = ("worker_id", "events", "admitted")
+    __slots__ = ("worker_id", "events", "admitted", "room")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    ROOM_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     events: _containers.RepeatedCompositeFieldContainer[TokenEvent]
     admitted: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, worker_id: _Optional[str] = ..., events: _Optional[_Iterable[_Union[TokenEvent, _Mapping]]] = ..., admitted: _Optional[_Iterable[str]] = ...) -> None: ...
+    room: int
+    def __init__(self, worker_id: _Optional[str] = ..., events: _Optional[_Iterable[_Union[TokenEvent, _Mapping]]] = ..., admitted: _Optional[_Iterable[str]] = ..., room: _Optional[int] = ...) -> None: ...
 
 class Abort(_message.Message):
     __slots__ = ("request_id", "reason", "entry_id")
