@@ -165,7 +165,7 @@ Routing (protos/routing.py; the gateway's --routing prefix)
   wait: an entry its worker has not claimed within the gateway's --route-max-wait-ms is
   moved to the shared stream by the gateway following the call (MOVE script: atomically,
   only while no worker has it), at once for one routed by load alone when its worker's round
-  says it has no room (``TokenEventBatch.room`` = 0: what it would claim next, sent with every
+  says it is full (``TokenEventBatch.room`` = 0: its free sequence slots, sent with every
   round that publishes anything; gateways also route by it, fresher than the heartbeats),
   and a dead worker's routed streams are emptied by the
   sweeper that fences it (its pending entries re-claimed like any others, the rest moved),

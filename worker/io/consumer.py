@@ -452,6 +452,6 @@ class Consumer:
         while self._expiring and self._expiring[0][0] <= now:
             self._outbox.drops += heapq.heappop(self._expiring)[1]
         if self._outbox and not self.is_fenced:
-            self._outbox.room = claim_capacity(stats)
+            self._outbox.room = max(0, stats.max_num_seqs - stats.num_running - stats.num_waiting)
             self._publisher.submit(self._outbox)
             self._outbox = Outbox()

@@ -68,8 +68,8 @@ class Outbox:
     ends: list[End] = field(default_factory=list)
     drops: list[str] = field(default_factory=list)  # log fields of expired results
     forget: list[str] = field(default_factory=list)  # revoked request ids this worker dropped
-    # What the worker would claim after the round (claim_capacity): published with whatever the
-    # round publishes (TokenEventBatch.room), never a publish of its own.
+    # The worker's free sequence slots after the round (TokenEventBatch.room): published with
+    # whatever the round publishes, never a publish of its own.
     room: int | None = None
 
     def log(self, event: queue_pb2.TokenEvent) -> None:
