@@ -176,8 +176,12 @@ class PrefixRouter:
             self._waiting.setdefault(route.consumer, {})[calls] = request_key
 
     def on_room(self, consumer: str, room: int, admitted: Sequence[str]) -> None:
-        """A round of `consumer` (gateway/replies.py): it would claim `room` more requests, and it
-        claimed `admitted`. At room 0 every call waiting on it unclaimed is told to move."""
+        """A round of `consumer` (gateway/replies.py): it has `room` free sequence slots, and it
+        claimed `admitted`. At room 0 (full) every call waiting on it unclaimed is told to move.
+        The count of what this gateway routed to it starts again: a request routed while the
+        worker was in its step, and not claimed yet, is then not counted against the room, so a
+        burst can still overfill a worker by up to a step's routes; those calls move at its
+        next round."""
         self._announced[consumer] = (room, time.time())
         self._routed_since_announced[consumer] = 0
         waiting = self._waiting.get(consumer)
