@@ -99,7 +99,8 @@ class GatewayMetrics:
         self.routed = counter("routed_requests", "New requests by route: prefix (to the worker holding "
                               "their prefix), load (to the least loaded worker), shared (all full).", "route")
         self.route_moves = counter("route_moves", "Routed requests moved to the shared stream: their worker "
-                                   "had not claimed them within --route-max-wait-ms.")
+                                   "had not claimed them within --route-max-wait-ms, or, routed "
+                                   "by load, it said it was full first.")
         # The two side by side show whether the workers' prefix indexes are stale: a routed request
         # predicted to match 90% of its prompt that finds 10% cached was a wasted preference.
         self.route_predicted = histogram(
