@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,10 +98,10 @@ class PrefixRouter:
         self._routed_since_read: Counter[str] = Counter()
         self._recent: dict[str, float] = {}  # consumer -> routes to it, decayed (_count_recent)
         self._recent_at = time.monotonic()
-        # consumer -> (room, unix time) of its last round (TokenEventBatch.room), and the calls
-        # this gateway routed to it since
+        # consumer -> (room, unix time) of its last round (TokenEventBatch.room), and the request
+        # keys this gateway routed to it that no round of it has said it admitted yet
         self._announced: dict[str, tuple[int, float]] = {}
-        self._routed_since_announced: Counter[str] = Counter()
+        self._unclaimed: dict[str, set[str]] = {}
         # consumer -> calls routed to it by load and not claimed yet -> their request key
         self._waiting: dict[str, dict[CallQueue, str]] = {}
         models.on_read.append(self._on_read)
@@ -136,7 +136,7 @@ class PrefixRouter:
             candidates, num_matched = roomy, 0
         consumer = candidates[best][0]
         self._routed_since_read[consumer] += 1
-        self._routed_since_announced[consumer] += 1
+        self._unclaimed.setdefault(consumer, set()).add(queued.request_id)
         self._count_recent(consumer)
         return Route(consumer, n, num_matched)
 
@@ -156,13 +156,19 @@ class PrefixRouter:
         self._recent[consumer] = self._recent.get(consumer, 0.0) + 1
         self._recent_at = now
 
-    def release(self, route: Route, calls: CallQueue | None = None) -> None:
+    def release(self, route: Route, request_key: str = "", calls: CallQueue | None = None) -> None:
         """A call this gateway routed ended: its request no longer weighs on its worker here (the
         next read of the heartbeats counts what still runs)."""
         if self._routed_since_read[route.consumer] > 0:
             self._routed_since_read[route.consumer] -= 1
+        self.moved(route.consumer, request_key)
         if calls is not None:
             self._waiting.get(route.consumer, {}).pop(calls, None)
+
+    def moved(self, consumer: str, request_key: str) -> None:
+        """A request this gateway routed to `consumer` left its stream unclaimed (or its call
+        ended): it no longer takes from that worker's room."""
+        self._unclaimed.get(consumer, set()).discard(request_key)
 
     def wait_claim(self, route: Route, request_key: str, calls: CallQueue) -> None:
         """A call whose new request this gateway routed by load (no prefix to gain) waits for its
@@ -178,22 +184,23 @@ class PrefixRouter:
     def on_room(self, consumer: str, room: int, admitted: Sequence[str]) -> None:
         """A round of `consumer` (gateway/replies.py): it has `room` free sequence slots, and it
         claimed `admitted`. At room 0 (full) every call waiting on it unclaimed is told to move.
-        The count of what this gateway routed to it starts again: a request routed while the
-        worker was in its step, and not claimed yet, is then not counted against the room, so a
-        burst can still overfill a worker by up to a step's routes; those calls move at its
-        next round."""
+        What this gateway routed to it and it has not admitted yet still takes from that room
+        (`_fresh_room`): the round counted only what it had claimed when it stepped."""
         self._announced[consumer] = (room, time.time())
-        self._routed_since_announced[consumer] = 0
+        claimed = set(admitted)
+        unclaimed = self._unclaimed.get(consumer)
+        if unclaimed and claimed:
+            unclaimed -= claimed
         waiting = self._waiting.get(consumer)
         if not waiting:
             return
-        if admitted:
-            claimed = set(admitted)
-            for calls in [c for c, key in waiting.items() if key in claimed]:
-                del waiting[calls]
+        for calls in [c for c, key in waiting.items() if key in claimed]:
+            del waiting[calls]
         if room == 0:
-            for calls in waiting:
+            for calls, key in waiting.items():
                 offer(calls, FULL)
+                if unclaimed:
+                    unclaimed.discard(key)  # it moves now
             waiting.clear()
 
     def _fresh_room(self, consumer: str, worker: generate_pb2.WorkerInfo) -> int:
@@ -203,7 +210,7 @@ class PrefixRouter:
         announced = self._announced.get(consumer)
         if announced is None or announced[1] < worker.heartbeat_unix:
             return self._room(consumer, worker)
-        return announced[0] - self._routed_since_announced[consumer]
+        return announced[0] - len(self._unclaimed.get(consumer, ()))
 
     def _busy(self, consumer: str, worker: generate_pb2.WorkerInfo) -> int:
         """Requests the worker runs or has admitted, and calls this gateway routed to it since."""
@@ -224,7 +231,7 @@ class PrefixRouter:
         live = {c for workers in by_model.values() for c, _ in workers}
         for gone in [c for c in self._announced if c not in live]:
             del self._announced[gone]
-            self._routed_since_announced.pop(gone, None)
+            self._unclaimed.pop(gone, None)
             self._waiting.pop(gone, None)
         self._queue.routed_streams = {
             model: tuple(s for c, _ in workers for s in self._queue.keys.routed_streams(c))
@@ -232,10 +239,11 @@ class PrefixRouter:
 
 
 def move_unclaimed(follow: Follow, queue: RequestQueue, request: generate_pb2.GenerateRequest,
-                   wait_s: float, moves: Any = None) -> None:
+                   wait_s: float, moves: Any = None, on_moved: Callable[[], Any] | None = None) -> None:
     """An attempt in a worker's own stream that its worker has not claimed within wait_s goes to
     the shared stream (the relay calls `follow.move` then; MOVE is atomic against a claim).
-    moves: the counter of moves (a prometheus Counter child), or None."""
+    moves: the counter of moves (a prometheus Counter child), or None; on_moved: called after a
+    move."""
     if not queue.is_routed(follow.stream):
         return
 
@@ -243,6 +251,8 @@ def move_unclaimed(follow: Follow, queue: RequestQueue, request: generate_pb2.Ge
         moved = await queue.move(routed, entry_id, request)
         if moved is not None and moves is not None:
             moves.inc()
+        if moved is not None and on_moved is not None:
+            on_moved()
         return moved
 
     follow.move, follow.move_at = move, time.monotonic() + wait_s

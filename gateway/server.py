@@ -190,7 +190,7 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
         finally:
             self.router.unfollow(key, calls)
             if route.consumer and self.prefix_router is not None:
-                self.prefix_router.release(route, calls)
+                self.prefix_router.release(route, key, calls)
             if follow is not None and not is_done:
                 # Cancelled, disconnected, deadline passed or failed here: the worker parks it.
                 self.abort_later(key, "the caller went away", follow.entry_id)
@@ -235,8 +235,10 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
         metrics, wait_s = self.metrics, self.config.route_max_wait_ms / 1000
         model = queued.request.model
         moves = metrics.route_moves.labels(model, queued.tenant) if metrics else None
+        router, key = self.prefix_router, queued.request_id
+        on_moved = (lambda: router.moved(route.consumer, key)) if router and route.consumer else None
         if not route.is_pinned:  # only its worker has the adapter: it waits there
-            move_unclaimed(follow, self.queue, queued.request, wait_s, moves)
+            move_unclaimed(follow, self.queue, queued.request, wait_s, moves, on_moved)
         if is_new and metrics is not None:
             metrics.routed.labels(model, queued.tenant, route.kind).inc()
         return follow, is_new, route

@@ -244,6 +244,44 @@ def test_a_worker_that_says_it_has_no_room_is_not_routed_to_by_load_until_it_say
     assert asyncio.run(go()) == ["a", "b", "", "a"]
 
 
+def test_what_a_gateway_routed_and_the_worker_has_not_admitted_yet_takes_from_its_rounds_room(
+        client: redis.Redis, redis_url: str, prefix: str) -> None:
+    """A round counts what its worker had claimed when it stepped; requests routed to it since
+    are still on their way, so they count against the room it said until it admits them."""
+    keys = Keys(prefix, MODEL)
+    register(client, keys, "a", max_num_seqs=8)
+    register(client, keys, "b", max_num_seqs=8, num_running=2)
+    request = build_request("short: no prefix to gain", max_tokens=3)
+    request.model = MODEL
+
+    async def go() -> list[str]:
+        config = GatewayConfig(redis_url=redis_url, key_prefix=prefix)
+        aio = connect(config)
+        try:
+            queue = RequestQueue(aio, config)
+            router = PrefixRouter(queue, Models(queue, config))
+            router.on_room("a", 8, [])
+            chosen = []
+            for n in range(4):
+                queued = queue_pb2.QueuedRequest(request_id=f"r{n}", request=request, cache_scope=SCOPE)
+                chosen.append((await router.choose(queued)).consumer)
+            router.on_room("a", 8, [])  # a round from before it claimed any of them
+            queued = queue_pb2.QueuedRequest(request_id="r4", request=request, cache_scope=SCOPE)
+            chosen.append((await router.choose(queued)).consumer)
+            router.on_room("a", 5, ["r0", "r1", "r3"])  # it took three of them
+            queued = queue_pb2.QueuedRequest(request_id="r5", request=request, cache_scope=SCOPE)
+            chosen.append((await router.choose(queued)).consumer)
+            return chosen
+        finally:
+            await aio.aclose()
+    # By load: the fewest taken slots plus the routes of the last seconds (`_recent`), a first
+    # on a tie. r0-r3 go a, a, b, a; then a's round from before it claimed them (8 free) still
+    # has r0, r1 and r3 on their way: 3 + 3 against b's 4, so r4 goes to b (counting them from
+    # the round on, a would score 0 + 3 and take it). Once a says it admitted them, 3 + 3 ties
+    # b's 4 + 2 and a takes r5.
+    assert asyncio.run(go()) == ["a", "a", "b", "a", "b", "a"]
+
+
 # -- whole paths ----------------------------------------------------------------------------------
 
 def generate(stub: generate_pb2_grpc.TokenRelayStub,
