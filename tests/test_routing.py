@@ -28,9 +28,7 @@ from protos.tokenrelay.v1 import generate_pb2, generate_pb2_grpc, queue_pb2
 from tests.factories import CountingEngine
 from tests.service import GatewayThread, WorkerProcess, WorkerThread, stub_for, wait_until, workers_ready
 from worker.config import DEFAULT_MODEL_NAME as MODEL
-from worker.config import WorkerConfig
 from worker.engine.sim import SimConfig, SimEngine, sim_token_ids
-from worker.io.claim import Claimer
 
 SYSTEM = "You are the support assistant of shop number {n}. " * 12  # ~600 characters: 4+ chunks
 SCOPE = ANONYMOUS.cache_scope()  # what the gateway gives requests with authentication off
@@ -105,19 +103,33 @@ def index(client: redis.Redis, keys: Keys, consumer: str, request: generate_pb2.
     client.zadd(keys.prefixes(consumer), dict.fromkeys(hashes, 1))
 
 
-def choose(redis_url: str, prefix: str, request: generate_pb2.GenerateRequest) -> str:
-    async def go() -> str:
+def routes(redis_url: str, prefix: str, request: generate_pb2.GenerateRequest,
+           steps: list[str | tuple[str, int, list[str]]]) -> list[str]:
+    """Run `steps` on one gateway's router: a string routes `request` under that request id (the
+    worker chosen is returned, "" = the shared stream), (consumer, room, admitted) is a round of
+    that worker as the reply router passes it on."""
+    async def go() -> list[str]:
         config = GatewayConfig(redis_url=redis_url, key_prefix=prefix)
         aio = connect(config)
         try:
             queue = RequestQueue(aio, config)
             router = PrefixRouter(queue, Models(queue, config))
             request.model = MODEL
-            route = await router.choose(queue_pb2.QueuedRequest(request=request, cache_scope=SCOPE))
-            return route.consumer
+            chosen = []
+            for step in steps:
+                if isinstance(step, tuple):
+                    router.on_room(*step)
+                    continue
+                queued = queue_pb2.QueuedRequest(request_id=step, request=request, cache_scope=SCOPE)
+                chosen.append((await router.choose(queued)).consumer)
+            return chosen
         finally:
             await aio.aclose()
     return asyncio.run(go())
+
+
+def choose(redis_url: str, prefix: str, request: generate_pb2.GenerateRequest) -> str:
+    return routes(redis_url, prefix, request, [""])[0]
 
 
 def test_the_router_prefers_the_overlap_weighs_load_and_skips_full_and_dead_workers(
@@ -151,97 +163,15 @@ def test_the_router_prefers_the_overlap_weighs_load_and_skips_full_and_dead_work
     assert choose(redis_url, prefix, request) == ""  # one live worker: nothing to choose
 
 
-def test_a_workers_own_stream_comes_before_the_shared_one_of_its_class_never_before_a_higher_class(
-        client: redis.Redis, redis_url: str, prefix: str) -> None:
-    keys = Keys(prefix, MODEL)
-    config = WorkerConfig(redis_url=redis_url, key_prefix=prefix, worker_id="w")
-    me = config.consumer_name
-    high, normal, low = PriorityClass.HIGH, PriorityClass.NORMAL, PriorityClass.LOW
-    assert keys.claim_streams(me) == (keys.routed(me, high), keys.requests_of(high), keys.routed(me, normal),
-                                      keys.requests, keys.routed(me, low), keys.requests_of(low))
-    for stream, name in ((keys.requests, "shared-normal"), (keys.routed(me, normal), "own-normal"),
-                         (keys.requests_of(high), "shared-high")):
-        client.xadd(stream, {b"data": queue_pb2.QueuedRequest(request_id=name).SerializeToString()})
-    claimer = Claimer(client, config)
-    order = [c.request.request_id for _ in range(3) for c in claimer.take(1, is_idle=False) if c.request]
-    assert order == ["shared-high", "own-normal", "shared-normal"]
-
-
-def xreadgroup_calls(client: redis.Redis) -> int:
-    return int(client.info("commandstats").get("cmdstat_xreadgroup", {}).get("calls", 0))
-
-
-def test_a_poll_with_room_for_every_stream_is_one_command_when_empty_and_keeps_the_class_order(
-        client: redis.Redis, redis_url: str, prefix: str) -> None:
-    keys = Keys(prefix, MODEL)
-    config = WorkerConfig(redis_url=redis_url, key_prefix=prefix, worker_id="w")
-    claimer = Claimer(client, config)
-    room = len(keys.claim_streams(config.consumer_name)) + 2
-    claimer.take(room, is_idle=False)  # creates the groups; sweep and reconcile run now, not later
-    before = xreadgroup_calls(client)
-    assert claimer.take(room, is_idle=False) == []
-    assert xreadgroup_calls(client) - before == 1
-    for stream, names in ((keys.requests_of(PriorityClass.LOW), ["low-1", "low-2"]),
-                          (keys.requests, ["normal-1"]),
-                          (keys.requests_of(PriorityClass.HIGH), ["high-1", "high-2", "high-3"])):
-        for name in names:
-            client.xadd(stream, {b"data": queue_pb2.QueuedRequest(request_id=name).SerializeToString()})
-    taken = [c.request.request_id for c in claimer.take(room, is_idle=False) if c.request]
-    assert taken == ["high-1", "high-2", "high-3", "normal-1", "low-1", "low-2"]
-    assert claimer.take(room, is_idle=False) == []
-
-
-def test_a_poll_never_claims_more_than_its_room_when_both_streams_of_a_class_hold_entries(
-        client: redis.Redis, redis_url: str, prefix: str) -> None:
-    """XREADGROUP's COUNT is per stream: one read of a class's two streams took up to twice the
-    room, and what was claimed beyond it waited in the engine for a whole answer to end."""
-    keys = Keys(prefix, MODEL)
-    config = WorkerConfig(redis_url=redis_url, key_prefix=prefix, worker_id="w")
-    me = config.consumer_name
-    claimer = Claimer(client, config)
-    num_streams = len(keys.claim_streams(me))
-    claimer.take(num_streams, is_idle=False)  # creates the groups; sweep and reconcile run now
-    for stream, name in ((keys.routed(me, PriorityClass.NORMAL), "own"), (keys.requests, "shared")):
-        for n in range(num_streams + 2):
-            queued = queue_pb2.QueuedRequest(request_id=f"{name}-{n}")
-            client.xadd(stream, {b"data": queued.SerializeToString()})
-    # a first look takes one entry of each stream, as far as the room goes; then the streams it
-    # found something in are read further, in claim order
-    for room, expected in ((2, ["own-0", "shared-0"]),  # less room than streams
-                           (num_streams + 1, [f"own-{n}" for n in range(1, num_streams + 1)] + ["shared-1"])):
-        taken = [c.request.request_id for c in claimer.take(room, is_idle=False) if c.request]
-        assert taken == expected
-    pending = [client.xpending(s, keys.group)["pending"] for s in (keys.routed(me, PriorityClass.NORMAL),
-                                                                    keys.requests)]
-    assert pending == [num_streams + 1, 2]
-
-
 def test_a_worker_that_says_it_has_no_room_is_not_routed_to_by_load_until_it_says_it_has(
         client: redis.Redis, redis_url: str, prefix: str) -> None:
     keys = Keys(prefix, MODEL)
     register(client, keys, "a")
     register(client, keys, "b", num_running=1)
     request = build_request("short: no prefix to gain", max_tokens=3)
-    request.model = MODEL
-
-    async def go() -> list[str]:
-        config = GatewayConfig(redis_url=redis_url, key_prefix=prefix)
-        aio = connect(config)
-        try:
-            queue = RequestQueue(aio, config)
-            router = PrefixRouter(queue, Models(queue, config))
-            queued = queue_pb2.QueuedRequest(request=request, cache_scope=SCOPE)
-            chosen = [(await router.choose(queued)).consumer]  # the least loaded
-            router.on_room("a", 0, [])  # its round, newer than its heartbeat: no room
-            chosen.append((await router.choose(queued)).consumer)
-            router.on_room("b", 0, [])
-            chosen.append((await router.choose(queued)).consumer)  # nobody: the shared stream
-            router.on_room("a", 4, [])
-            chosen.append((await router.choose(queued)).consumer)
-            return chosen
-        finally:
-            await aio.aclose()
-    assert asyncio.run(go()) == ["a", "b", "", "a"]
+    # a's round is newer than its heartbeat (no room); then b's too: nobody, the shared stream
+    steps: list[str | tuple[str, int, list[str]]] = ["", ("a", 0, []), "", ("b", 0, []), "", ("a", 4, []), ""]
+    assert routes(redis_url, prefix, request, steps) == ["a", "b", "", "a"]
 
 
 def test_what_a_gateway_routed_and_the_worker_has_not_admitted_yet_takes_from_its_rounds_room(
@@ -252,34 +182,18 @@ def test_what_a_gateway_routed_and_the_worker_has_not_admitted_yet_takes_from_it
     register(client, keys, "a", max_num_seqs=8)
     register(client, keys, "b", max_num_seqs=8, num_running=2)
     request = build_request("short: no prefix to gain", max_tokens=3)
-    request.model = MODEL
-
-    async def go() -> list[str]:
-        config = GatewayConfig(redis_url=redis_url, key_prefix=prefix)
-        aio = connect(config)
-        try:
-            queue = RequestQueue(aio, config)
-            router = PrefixRouter(queue, Models(queue, config))
-            router.on_room("a", 8, [])
-            chosen = []
-            for n in range(4):
-                queued = queue_pb2.QueuedRequest(request_id=f"r{n}", request=request, cache_scope=SCOPE)
-                chosen.append((await router.choose(queued)).consumer)
-            router.on_room("a", 8, [])  # a round from before it claimed any of them
-            queued = queue_pb2.QueuedRequest(request_id="r4", request=request, cache_scope=SCOPE)
-            chosen.append((await router.choose(queued)).consumer)
-            router.on_room("a", 5, ["r0", "r1", "r3"])  # it took three of them
-            queued = queue_pb2.QueuedRequest(request_id="r5", request=request, cache_scope=SCOPE)
-            chosen.append((await router.choose(queued)).consumer)
-            return chosen
-        finally:
-            await aio.aclose()
+    steps: list[str | tuple[str, int, list[str]]] = [
+        ("a", 8, []), "r0", "r1", "r2", "r3",
+        ("a", 8, []),  # a round from before it claimed any of them
+        "r4",
+        ("a", 5, ["r0", "r1", "r3"]),  # it took three of them
+        "r5"]
     # By load: the fewest taken slots plus the routes of the last seconds (`_recent`), a first
     # on a tie. r0-r3 go a, a, b, a; then a's round from before it claimed them (8 free) still
     # has r0, r1 and r3 on their way: 3 + 3 against b's 4, so r4 goes to b (counting them from
     # the round on, a would score 0 + 3 and take it). Once a says it admitted them, 3 + 3 ties
     # b's 4 + 2 and a takes r5.
-    assert asyncio.run(go()) == ["a", "a", "b", "a", "b", "a"]
+    assert routes(redis_url, prefix, request, steps) == ["a", "a", "b", "a", "b", "a"]
 
 
 # -- whole paths ----------------------------------------------------------------------------------
