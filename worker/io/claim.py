@@ -5,9 +5,9 @@ which fences them), entries pending under this worker that it forgot (reconcilia
 reconcile_interval_s), then new entries (XREADGROUP ">", never more than its room) stream by
 stream, the highest priority class first, a lower class only while capacity is left, and within
 a class this worker's own stream (what gateways routed to it: protos/keys.py, "Routing") before
-the shared one. Only an idle
-worker that found nothing blocks, on every stream at once (one entry of each at most:
-XREADGROUP's COUNT is per stream), then claims what keeps arriving in a burst. Then, for
+the shared one. Only an idle worker that found nothing blocks, on every stream at once (one
+entry of each at most: XREADGROUP's COUNT is per stream; the read that wakes it returns the
+stream that woke it), then claims what keeps arriving in a burst. Then, for
 all of them in one round trip, the OWN script takes their records (owner, log, progress),
 PUBSUB NUMSUB says how many callers follow them, and their prefix hashes go into this
 worker's prefix index.

@@ -59,7 +59,7 @@ end
 #   ADMIT  request_id, prompt tokens, notice        the count into its record while this worker owns
 #                                                    it, and the framed notice (TokenEventBatch.admitted)
 #                                                    published with the round
-#   PUB    framed event                              published only (errors)
+#   PUB    framed event                              published only (errors; the round's room)
 #   END    request_id (or ''), record key (or ''), final seq (or ''), ttl ms, stream, entry id
 #   DROP   log field names whose results expired
 #   FORGET revoked request ids this worker has dropped
