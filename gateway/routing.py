@@ -161,11 +161,11 @@ class PrefixRouter:
         next read of the heartbeats counts what still runs)."""
         if self._routed_since_read[route.consumer] > 0:
             self._routed_since_read[route.consumer] -= 1
-        self.moved(route.consumer, request_key)
+        self.drop_unclaimed(route.consumer, request_key)
         if calls is not None:
             self._waiting.get(route.consumer, {}).pop(calls, None)
 
-    def moved(self, consumer: str, request_key: str) -> None:
+    def drop_unclaimed(self, consumer: str, request_key: str) -> None:
         """A request this gateway routed to `consumer` left its stream unclaimed (or its call
         ended): it no longer takes from that worker's room."""
         self._unclaimed.get(consumer, set()).discard(request_key)

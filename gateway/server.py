@@ -236,7 +236,7 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
         model = queued.request.model
         moves = metrics.route_moves.labels(model, queued.tenant) if metrics else None
         router, key = self.prefix_router, queued.request_id
-        on_moved = (lambda: router.moved(route.consumer, key)) if router and route.consumer else None
+        on_moved = (lambda: router.drop_unclaimed(route.consumer, key)) if router and route.consumer else None
         if not route.is_pinned:  # only its worker has the adapter: it waits there
             move_unclaimed(follow, self.queue, queued.request, wait_s, moves, on_moved)
         if is_new and metrics is not None:

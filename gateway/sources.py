@@ -100,6 +100,8 @@ class Sources:
                 self._deliver(event)
             return
         self._refused.setdefault(request_id, {})[consumer] = time.monotonic() + REFUSED_FOR_S
+        if not held:  # an announcement alone (a takeover raced it): nothing was dropped
+            return
         log.warning("request %s: refused worker %s (%d events dropped): the request's record names %s",
                     request_id, consumer, len(held), owner or "no worker's log")
         self._count_refused(len(held))
