@@ -103,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--route-max-wait-ms", type=float, default=_env("TOKENRELAY_ROUTE_MAX_WAIT_MS", 2000),
                    help="a routed request its worker has not claimed within this moves to the shared "
                         "queue [env TOKENRELAY_ROUTE_MAX_WAIT_MS]")
+    p.add_argument("--sweep-interval", type=float, default=_env("TOKENRELAY_SWEEP_INTERVAL_S", 1),
+                   help="seconds between two sweeps for dead workers, whose requests are queued again "
+                        "[env TOKENRELAY_SWEEP_INTERVAL_S]")
+    p.add_argument("--worker-heartbeat-ttl", type=float, default=_env("TOKENRELAY_HEARTBEAT_TTL_S", 5),
+                   help="the workers' --heartbeat-ttl: after a Redis outage the sweep waits this long "
+                        "[env TOKENRELAY_HEARTBEAT_TTL_S, as the workers']")
     p.add_argument("--event-loop", choices=EVENT_LOOPS, default=_env("TOKENRELAY_EVENT_LOOP", "auto"),
                    help="asyncio event loop: uvloop (less CPU per token, faster refusals), the standard "
                         "asyncio one, or auto = uvloop when installed [env TOKENRELAY_EVENT_LOOP]")
@@ -188,7 +194,8 @@ def config_from_args(argv: list[str] | None = None) -> tuple[GatewayConfig, str]
             max_prompt_bytes=args.max_prompt_bytes, max_messages=args.max_messages,
             max_stop_strings=args.max_stop_strings, max_stop_token_ids=args.max_stop_token_ids,
             max_queued_events=args.max_queued_events, event_loop=args.event_loop,
-            routing=args.routing, route_max_wait_ms=args.route_max_wait_ms)
+            routing=args.routing, route_max_wait_ms=args.route_max_wait_ms,
+            sweep_interval_s=args.sweep_interval, worker_heartbeat_ttl_s=args.worker_heartbeat_ttl)
     except ValueError as e:
         parser.error(str(e))
     return config, args.log_level

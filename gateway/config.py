@@ -56,6 +56,13 @@ class GatewayConfig:
     # gone without a final ends the attempt and the call starts the next one.
     # Healthy long generations stream events and never wait.
     liveness_check_s: float = 5.0
+    # Every gateway sweeps this often for dead workers, fences them and queues their requests
+    # again (gateway/sweeper.py): a request of a worker that died waits about this long plus
+    # the workers' --heartbeat-ttl.
+    sweep_interval_s: float = 1.0
+    # The workers' --heartbeat-ttl: after Redis failed or stalled the sweep waits this long, so
+    # that every live worker has renewed its heartbeat before anyone is judged dead.
+    worker_heartbeat_ttl_s: float = 5.0
     # A request's chunks and final stay in its record this long after it ended, so a
     # resend with its request_id is answered without generating again.
     result_ttl_s: float = 300.0
@@ -144,7 +151,8 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.depth_cache_ms < 0:
             raise ValueError(f"depth_cache_ms must be >= 0, got {self.depth_cache_ms}")
-        for name in ("redis_timeout_s", "liveness_check_s", "max_backoff_s", "result_ttl_s",
+        for name in ("redis_timeout_s", "liveness_check_s", "sweep_interval_s", "worker_heartbeat_ttl_s",
+                     "max_backoff_s", "result_ttl_s",
                      "max_redis_outage_s", "quota_slot_ttl_s", "min_client_ping_interval_s",
                      "keepalive_time_s"):
             if getattr(self, name) <= 0:

@@ -8,8 +8,8 @@ channel. A user per worker (`worker_rules(prefix, worker_id)`) narrows those to 
 consumers' names, ``{worker_id}.??????`` (the incarnation: protos/keys.py INCARNATION_LEN), so
 that, with the gateway taking a request's events only from the out channel of the worker its
 record names (gateway/sources.py), a worker cannot put tokens into a stream it does not run by
-publishing them. It keeps what the re-claim of dead workers needs (fence them, XCLAIM their
-entries, read their logs): deploy/redis/README.md says what that leaves open.
+publishing them. No worker user may XCLAIM, fence or deregister another worker: the gateways
+sweep for dead workers (gateway/sweeper.py). deploy/redis/README.md says what is still open.
 
     tokenrelay acl worker --worker-id w1 [--user worker-w1] [--key-prefix tokenrelay]
 
@@ -42,21 +42,17 @@ def worker_rules(prefix: str = DEFAULT_PREFIX, worker_id: str | None = None) -> 
     own = "*" if worker_id is None else f"{worker_id}.{'?' * INCARNATION_LEN}"
     return " ".join([
         # The scripts' declared keys (STEP declares none: its keys follow from its arguments).
-        f"(~{p}:log:{own} ~{p}:registry ~{p}:revoked:{own} ~{p}:worker:{own} ~{p}:fenced "
-        f"~{p}:consumer-models +evalsha)",
-        f"(~{p}:model:* ~{p}:routed:* +xgroup|create +xgroup|delconsumer +xinfo|consumers +xreadgroup "
-        "+xpending +xclaim +xrange +xack +xdel +xlen)",
-        f"(~{p}:routed:* +del)",  # a dead worker's emptied routed streams (RECLAIM)
+        f"(~{p}:log:{own} ~{p}:registry ~{p}:revoked:{own} ~{p}:worker:{own} ~{p}:consumer-models +evalsha)",
+        f"(~{p}:model:* ~{p}:routed:* +xgroup|create +xreadgroup +xpending +xrange +xack +xdel)",
         f"(~{p}:prefixes:{own} +zadd +zremrangebyrank +pexpire)",
         f"(~{p}:request:* +hget +hmget +hset +hsetnx +hincrby +pexpire)",
         f"(%R~{p}:log:* +hget +hmget)",  # a claim copies the last owner's log (OWN)
         f"(~{p}:log:{own} +hget +hmget +hset +hdel +pexpire)",
-        f"(~{p}:revoked:* +sadd +pexpire)",  # fence a dead worker, revoke a taken request
-        f"(~{p}:revoked:{own} +smembers +sismember +srem)",
-        f"(~{p}:fenced +sadd +pexpire)",
-        f"(~{p}:registry +zscore +zrangebyscore +zadd +zrem)",
+        # Fence marks: its own (STEP, HEARTBEAT) and a record owner's (OWN takes only a fenced one's).
+        f"(%R~{p}:revoked:* +sismember)",
+        f"(~{p}:registry +zrangebyscore +zadd +zrem)",
         f"(~{p}:worker:{own} +hset +pexpire +del)",
-        f"(~{p}:consumer-models +hset +hget +hmget +hdel)",
+        f"(~{p}:consumer-models +hset +hmget +hdel)",
         f"(%R~{p}:adapters:* +hgetall)",
         f"(&{p}:out:{own} +publish)",
         f"(&{p}:aborts &{p}:control:* +subscribe)",

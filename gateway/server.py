@@ -45,6 +45,7 @@ from gateway.relay import Follow, relay
 from gateway.replies import DEFAULT_TICK_S, ReplyRouter
 from gateway.routing import SHARED, PrefixRouter, Route, move_unclaimed
 from gateway.server_info import ServerInfoView
+from gateway.sweeper import Sweeper
 from gateway.tls import ServerCertificates, bind
 from gateway.tracing import CallTrace
 from gateway.wire import SERVICE_NAME, MalformedRequest, add_servicer, request_digest
@@ -351,6 +352,8 @@ class Gateway:
         self._health_tasks: set[asyncio.Task[None]] = set()
         self._queue_gauges: asyncio.Task[None] | None = None
         self._quota_refresh: asyncio.Task[None] | None = None
+        self.sweeper = Sweeper(self.client, config, self._served_models, self._on_swept)
+        self._sweeps: asyncio.Task[None] | None = None
 
     async def start(self, subscribe_timeout_s: float = 5.0) -> int:
         """Subscribe to the reply channel, then serve; returns the bound port.
@@ -371,6 +374,7 @@ class Gateway:
             self._queue_gauges = asyncio.create_task(metrics.read_queue(self._read_queue_gauges))
         if self.quotas is not None:
             self._quota_refresh = asyncio.create_task(self.quotas.refresh_forever())
+        self._sweeps = asyncio.create_task(self.sweeper.run())
         log.info("gateway %s listening on port %d", self.config.gateway_id, self.port)
         return self.port
 
@@ -378,7 +382,7 @@ class Gateway:
         """Stop admitting (health NOT_SERVING), let calls finish for grace_s, close Redis."""
         await self.health.enter_graceful_shutdown()
         await self.server.stop(self.config.shutdown_grace_s if grace_s is None else grace_s)
-        for task in (self._queue_gauges, self._quota_refresh):
+        for task in (self._queue_gauges, self._quota_refresh, self._sweeps):
             if task is not None:
                 task.cancel()
         self.metrics_server.stop()
@@ -386,6 +390,14 @@ class Gateway:
         await asyncio.to_thread(self.tracing.shutdown)  # exports the last spans: may wait on the collector
         await self.router.close()
         await self.client.aclose()
+
+    async def _served_models(self) -> list[str]:
+        return [model.name for model in await self.servicer.models.served()]
+
+    def _on_swept(self, num_fenced: int, num_requeued: int) -> None:
+        if (metrics := self.servicer.metrics) is not None:
+            metrics.fenced.inc(num_fenced)
+            metrics.requeued.inc(num_requeued)
 
     async def _read_queue_gauges(self) -> list[QueueGauges]:
         """Each served model's queue (gateway/metrics.py)."""

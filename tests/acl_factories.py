@@ -99,7 +99,7 @@ def enqueue(admin: redis.Redis, request_id: str, consumer: str = "", seed: int =
             max_tokens: int = 0) -> bytes:
     """What a gateway's ATTACH writes (an entry in `stream`, default the NORMAL shared one, and its
     record), then, with `consumer`, that consumer's XREADGROUP of it."""
-    request = generate_pb2.GenerateRequest(request_id=request_id, prompt="hi")
+    request = generate_pb2.GenerateRequest(request_id=request_id, prompt="hi", model=KEYS.model)
     request.sampling.seed = seed
     if max_tokens:
         request.stopping.max_tokens = max_tokens
@@ -164,7 +164,11 @@ WORKER_DENIED = [
     # A worker may not delete, trim or expire a request stream, nor enqueue, nor drop the group ...
     ("DEL", R), ("DEL", KEYS.requests_of(PriorityClass.HIGH)), ("UNLINK", R), ("XTRIM", R, "MAXLEN", "0"),
     ("PEXPIRE", R, "1"), ("XADD", R, "*", "data", "x"), ("XGROUP", "DESTROY", R, KEYS.group),
-    ("XADD", ROUTED, "*", "data", "x"), ("PEXPIRE", ROUTED, "1"),
+    ("XADD", ROUTED, "*", "data", "x"), ("PEXPIRE", ROUTED, "1"), ("DEL", ROUTED),
+    # ... nor take over, fence or tidy away another worker: the gateways' sweeper does that ...
+    ("XCLAIM", R, KEYS.group, "w.2", "0", "0-1"), ("XAUTOCLAIM", R, KEYS.group, "w.2", "0", "0"),
+    ("XGROUP", "DELCONSUMER", R, KEYS.group, W), ("XINFO", "CONSUMERS", R, KEYS.group),
+    ("SADD", KEYS.revoked(W), FENCE_MARK), ("SREM", KEYS.revoked(W), "other"), ("SADD", KEYS.fenced, W),
     # ... nor DEL anything but heartbeat hashes (records, logs and the registry: HSET, HDEL, ZREM) ...
     ("DEL", KEYS.record(RID)), ("DEL", KEYS.log(W)), ("DEL", KEYS.registry),
     # ... nor load adapters of its own accord (operators write that hash) ...
@@ -182,25 +186,26 @@ WORKER_DENIED = [
     ("CLIENT", "SETNAME", "w2"), ("PING",), ("FLUSHALL",), ("KEYS", "*"), ("SCAN", "0"), ("SCRIPT", "FLUSH"),
 ]
 GATEWAY_DENIED = [
-    # Nothing its code never sends (INCRBY, EXPIRE, EVAL and EXISTS were allowed once) ...
+    # Nothing its code never sends (INCRBY, EXPIRE, EVAL and EXISTS were allowed once; EXISTS is
+    # now, on heartbeat hashes only: the sweeper judges by them) ...
     ("INCRBY", KEYS.tenant_calls("acme"), "1"), ("INCRBY", "tokenrelay:quota:acme", "1"),
     ("EXPIRE", KEYS.record(RID), "60"), ("EVAL", "return 1", "0"), ("EXISTS", KEYS.record(RID)),
     ("CLIENT", "SETNAME", "g"), ("PING",), ("SCRIPT", "EXISTS", "0" * 40), ("SCRIPT", "FLUSH"),
     ("CONFIG", "GET", "*"), ("KEYS", "*"), ("HGETALL", KEYS.record(RID)), ("HGETALL", "other:request:1"),
-    # ... no worker's rights: acknowledge, delete, forge logs, heartbeats, the registry or fences ...
-    ("XACK", R, KEYS.group, "0-1"), ("XDEL", R, "0-1"), ("DEL", R), ("XGROUP", "DESTROY", R, KEYS.group),
-    ("HSET", KEYS.log(W), f"{RID}:0", "x"), ("HSET", KEYS.worker(W), "model", "x"),
-    ("ZADD", KEYS.registry, "1e15", "ghost"), ("SADD", KEYS.revoked(W), FENCE_MARK),
-    ("XACK", ROUTED, KEYS.group, "0-1"), ("DEL", ROUTED), ("ZADD", KEYS.prefixes(W), "1", "x"),
-    ("HSET", KEYS.consumer_models, W, "other-model"),
+    # ... no worker's rights (its sweeper acknowledges, re-queues and fences; it forges nothing):
+    # no stream deleted, no log, heartbeat, prefix index or served model written, no claim ...
+    ("DEL", R), ("XGROUP", "DESTROY", R, KEYS.group), ("XCLAIM", R, KEYS.group, "g", "0", "0-1"),
+    ("XREADGROUP", "GROUP", KEYS.group, "g", "STREAMS", R, ">"), ("HSET", KEYS.log(W), f"{RID}:0", "x"),
+    ("HSET", KEYS.worker(W), "model", "x"), ("DEL", KEYS.worker(W)), ("PEXPIRE", KEYS.worker(W), "1"),
+    ("ZADD", KEYS.prefixes(W), "1", "x"), ("HSET", KEYS.consumer_models, W, "other-model"),
     # ... and no forged tokens: it publishes only aborts, and subscribes only to its own channels.
     ("PUBLISH", KEYS.out(W), "x"), ("PUBLISH", KEYS.events(RID), "x"), ("SUBSCRIBE", KEYS.aborts),
     ("SUBSCRIBE", KEYS.out(W)), ("PSUBSCRIBE", f"{PREFIX}:*"), ("SUBSCRIBE", "other:events:1"),
 ]
 # A worker with its own user (gateway/redis_acl.py), OWN_USERS["wa"], on the keys of consumer W,
 # another worker's: it may not write its heartbeat, log, prefix index or revoked set, nor
-# publish on its out channel (it keeps what the re-claim of a dead W needs: SADD the fence,
-# XCLAIM, read the log).
+# publish on its out channel (it may read W's log, which a claim of W's request copies, and
+# W's fence mark).
 OWN_WORKER_DENIED = [
     ("HSET", KEYS.worker(W), "model", "x"), ("DEL", KEYS.worker(W)), ("PEXPIRE", KEYS.worker(W), "1"),
     ("HSET", KEYS.log(W), f"{RID}:1", "x"), ("HDEL", KEYS.log(W), f"{RID}:0"), ("PEXPIRE", KEYS.log(W), "1"),

@@ -22,6 +22,7 @@ from protos.keys import Keys
 from tests.service import (
     GatewayThread,
     MetricsStack,
+    SweeperThread,
     WorkerThread,
     flush_prefix,
     stub_for,
@@ -132,6 +133,17 @@ def make_gateway(redis_url: str, prefix: str) -> Iterator[Callable[..., GatewayT
     yield make
     for gateway in started:
         gateway.stop()
+
+
+@pytest.fixture
+def sweeper(redis_url: str, prefix: str) -> Iterator[SweeperThread]:
+    """A gateway's sweeper for workers that run without a gateway: every 0.1 s, for workers
+    with a heartbeat TTL of 0.5 s (FAST_SWEEP in the tests that use it)."""
+    config = GatewayConfig(redis_url=redis_url, key_prefix=prefix, sweep_interval_s=0.1,
+                           worker_heartbeat_ttl_s=0.5)
+    thread = SweeperThread(config).start()
+    yield thread
+    thread.stop()
 
 
 @pytest.fixture

@@ -20,7 +20,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from gateway.config import GatewayConfig
+from gateway.queue import connect as connect_redis
 from gateway.server import Gateway
+from gateway.sweeper import Sweeper
 from protos.keys import Keys
 from protos.tokenrelay.v1 import generate_pb2, generate_pb2_grpc
 from worker.config import DEFAULT_MODEL_NAME, WorkerConfig
@@ -56,6 +58,41 @@ class GatewayThread:
     def stop(self) -> None:
         if self.gateway is not None:
             self.call(self.gateway.stop(grace_s=1), timeout=30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
+
+
+class SweeperThread:
+    """A gateway's sweeper alone (gateway/sweeper.py), on its own event loop thread: what fences
+    dead workers and queues their requests again where a test runs workers without a gateway."""
+
+    def __init__(self, config: GatewayConfig, models: tuple[str, ...] = (DEFAULT_MODEL_NAME,)) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._client = connect_redis(config)
+        self.sweeper = Sweeper(self._client, config, self._served)
+        self._models = list(models)
+        self._thread = threading.Thread(target=self.loop.run_forever, name="sweeper", daemon=True)
+        self._task: asyncio.Future[None] | None = None
+
+    async def _served(self) -> list[str]:
+        return self._models
+
+    def start(self) -> SweeperThread:
+        self._thread.start()
+        self._task = asyncio.run_coroutine_threadsafe(self.sweeper.run(), self.loop)
+        return self
+
+    def __enter__(self) -> SweeperThread:
+        return self.start()
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        asyncio.run_coroutine_threadsafe(self._client.aclose(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
         self.loop.close()

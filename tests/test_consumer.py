@@ -12,13 +12,14 @@ from typing import Any
 import pytest
 import redis
 
+from gateway.config import GatewayConfig
 from gateway.redis_server import EmbeddedRedis
 from protos.convert import build_request, log_value
 from protos.keys import STREAM_DATA_FIELD, Heartbeat, Keys, LogField, Record
 from protos.tokenrelay.v1 import generate_pb2, queue_pb2
 from tests import factories
 from tests.factories import CountingEngine
-from tests.service import WorkerThread, wait_until
+from tests.service import SweeperThread, WorkerThread, wait_until
 from worker.config import DEFAULT_MODEL_NAME, WorkerConfig
 from worker.engine.outputs import Admitted
 from worker.engine.text_engine import EngineStats
@@ -243,9 +244,9 @@ def test_an_engine_failure_answers_every_caller_before_the_worker_dies(
     assert client.xlen(keys.requests) == 0
 
 
-# -- crash recovery: re-claiming a dead worker's requests -------------------------------------------
+# -- crash recovery: a dead worker's requests, queued again by a gateway's sweeper -------------------
 
-FAST_SWEEP = {"heartbeat_interval_s": 0.1, "heartbeat_ttl_s": 0.5, "sweep_interval_s": 0.1}
+FAST_SWEEP = {"heartbeat_interval_s": 0.1, "heartbeat_ttl_s": 0.5}  # the `sweeper` fixture's TTL
 
 
 def log_as(client: redis.Redis, keys: Keys, consumer: str, request_id: str, token_ids: list[int],
@@ -285,9 +286,9 @@ def greedy_ids(engine: Any, prompt: str, max_tokens: int) -> tuple[list[int], st
 
 
 @pytest.mark.slow
-def test_a_dead_workers_request_is_reclaimed_and_resumed_without_a_gap(
+def test_a_dead_workers_request_is_queued_again_and_resumed_without_a_gap(
         client: redis.Redis, prefix: str, replies: Replies, smollm_engine: Any,
-        make_worker: Callable[..., WorkerThread]) -> None:
+        make_worker: Callable[..., WorkerThread], sweeper: SweeperThread) -> None:
     keys = Keys(prefix, DEFAULT_MODEL_NAME)
     ref_ids, ref_text = greedy_ids(smollm_engine, "Once upon a time", 12)
     replies.follow(keys, "r")
@@ -311,11 +312,11 @@ def test_a_dead_workers_request_is_reclaimed_and_resumed_without_a_gap(
 
 def test_a_worker_leaving_with_an_entry_it_never_took_stays_registered_for_the_sweep(
         client: redis.Redis, prefix: str, replies: Replies,
-        start_worker: Callable[..., WorkerThread]) -> None:
+        start_worker: Callable[..., WorkerThread], redis_url: str) -> None:
     """An XREADGROUP reached Redis and the OWN after it did not (Redis went down between them):
     the entry is pending under a worker that does not know it. That worker stopping cleanly
-    must leave the registry scored dead, not removed, so a sweep re-claims the entry (a chaos
-    run lost a request when it left: nothing swept it)."""
+    must leave the registry scored dead, not removed, so a sweep queues the entry again (a
+    chaos run lost a request when it left: nothing swept it)."""
     keys = Keys(prefix, DEFAULT_MODEL_NAME)
     replies.follow(keys, "r")
     enqueue(client, keys, "r", max_tokens=3)
@@ -326,20 +327,23 @@ def test_a_worker_leaving_with_an_entry_it_never_took_stays_registered_for_the_s
     first.stop()  # it never looked at its own pending entries (reconciliation is 10 min away)
     assert client.zscore(keys.registry, first_consumer) == 0  # dead, not gone
     start_worker(CountingEngine(), **FAST_SWEEP)
-    events = replies(1, timeout=15)["r"]
-    assert kinds(events) == ["chunk", "chunk", "chunk", "final"]
-    wait_until(lambda: client.zscore(keys.registry, first_consumer) is None, timeout=10)  # then swept away
+    with SweeperThread(GatewayConfig(redis_url=redis_url, key_prefix=prefix, sweep_interval_s=0.1)):
+        events = replies(1, timeout=15)["r"]
+        assert kinds(events) == ["chunk", "chunk", "chunk", "final"]
+        wait_until(lambda: client.zscore(keys.registry, first_consumer) is None, timeout=10)  # swept away
 
 
 @pytest.mark.slow
 def test_requests_of_live_workers_are_left_alone_and_serial_killers_are_failed(
         client: redis.Redis, prefix: str, replies: Replies,
-        make_worker: Callable[..., WorkerThread]) -> None:
+        make_worker: Callable[..., WorkerThread], sweeper: SweeperThread) -> None:
     keys = Keys(prefix, DEFAULT_MODEL_NAME)
     replies.follow(keys, "busy", "poison")
     busy = enqueue(client, keys, "busy", max_tokens=2)
     assert claim_as(client, keys, "alive") == busy
-    client.zadd(keys.registry, {"alive": (time.time() + 60) * 1000})  # alive, only slow
+    client.zadd(keys.registry, {"alive": 0})  # alive (its heartbeat hash), only slow: however the
+    client.hset(keys.worker("alive"), "heartbeat_unix", time.time())  # registry scores it
+    client.pexpire(keys.worker("alive"), 60_000)
     poison = enqueue(client, keys, "poison", max_tokens=2)
     assert claim_as(client, keys, "third") == poison
     # Two workers died on it already (counted in its record, across attempts); the third
@@ -358,12 +362,14 @@ def test_requests_of_live_workers_are_left_alone_and_serial_killers_are_failed(
 @pytest.mark.slow
 def test_on_shutdown_unfinished_requests_are_handed_to_another_live_worker(
         client: redis.Redis, redis_url: str, prefix: str, replies: Replies, smollm_engine: Any,
-        make_worker: Callable[..., WorkerThread]) -> None:
+        make_worker: Callable[..., WorkerThread], sweeper: SweeperThread) -> None:
     keys = Keys(prefix, DEFAULT_MODEL_NAME)
     replies.follow(keys, "long")
     enqueue(client, keys, "long", max_tokens=100, ignore_eos=True)
     client.zadd(keys.registry, {"other": (time.time() + 60) * 1000})  # alive: hand over, do not fail
     client.hset(keys.consumer_models, "other", keys.model)  # ... as it serves this model
+    client.hset(keys.worker("other"), "heartbeat_unix", time.time())  # what the sweeper judges by
+    client.pexpire(keys.worker("other"), 60_000)
     leaving = make_worker(drain_timeout_s=0.3, **FAST_SWEEP)
     log = keys.log(leaving.config.consumer_name)
     wait_until(lambda: client.hexists(log, "long" + LogField.PROGRESS), timeout=30)  # it is generating
@@ -371,7 +377,7 @@ def test_on_shutdown_unfinished_requests_are_handed_to_another_live_worker(
     pending = client.xpending_range(keys.requests, keys.group, min="-", max="+", count=10)
     assert [p["consumer"] for p in pending] == [leaving.config.consumer_name.encode()]  # not acked
     assert client.zscore(keys.registry, leaving.config.consumer_name) == 0  # dead: any sweep finds it
-    client.zrem(keys.registry, "other")
+    client.delete(keys.worker("other"))  # it died meanwhile: the taker comes
     config = WorkerConfig(redis_url=redis_url, key_prefix=prefix, worker_id="taker", claim_block_ms=100,
                           **FAST_SWEEP)  # type: ignore[arg-type]
     taker = WorkerThread(smollm_engine, config).start()
@@ -388,7 +394,7 @@ def test_on_shutdown_unfinished_requests_are_handed_to_another_live_worker(
 @pytest.mark.slow
 def test_a_worker_restarted_under_the_same_id_resumes_what_its_earlier_run_left(
         client: redis.Redis, prefix: str, replies: Replies, smollm_engine: Any,
-        make_worker: Callable[..., WorkerThread]) -> None:
+        make_worker: Callable[..., WorkerThread], sweeper: SweeperThread) -> None:
     keys = Keys(prefix, DEFAULT_MODEL_NAME)
     ref_ids, _ = greedy_ids(smollm_engine, "Once upon a time", 10)
     replies.follow(keys, "r")
@@ -396,7 +402,7 @@ def test_a_worker_restarted_under_the_same_id_resumes_what_its_earlier_run_left(
     earlier = "fixed-id.0ld0ne"  # the consumer of the earlier run: it took it, streamed 4, died
     assert claim_as(client, keys, earlier) == entry_id
     log_as(client, keys, earlier, "r", ref_ids[:4], seed=3)
-    make_worker(worker_id="fixed-id")  # a new consumer: it finds the earlier one dead at its first sweep
+    make_worker(worker_id="fixed-id")  # a new consumer: the earlier one is dead and swept
     events = replies(1)["r"]
     assert [e.seq for e in events] == list(range(4, 11))
     assert [t for e in events if e.HasField("chunk") for t in e.chunk.token_ids] == ref_ids[4:]

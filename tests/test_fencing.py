@@ -1,5 +1,6 @@
-"""Fencing, revocation and reconciliation on real Redis: the scripts of worker/io/scripts.py, then
-whole workers (the simulated engine) with a zombie and a lost XACK."""
+"""Fencing and reconciliation on real Redis: the scripts of worker/io/scripts.py, then whole
+workers (the simulated engine) with a zombie and a lost XACK. The sweeper that fences dead
+workers is the gateways' (tests/test_sweeper.py)."""
 
 from __future__ import annotations
 
@@ -20,10 +21,9 @@ from protos.tokenrelay.v1 import generate_pb2, queue_pb2
 from tests.service import GatewayThread, WorkerProcess, WorkerThread, stub_for, wait_until, workers_ready
 from worker.config import DEFAULT_MODEL_NAME, WorkerConfig
 from worker.engine.sim import SimConfig, SimEngine, sim_token_ids
-from worker.io.claim import Claimer
-from worker.io.reclaim import CONSUMER_LIST_EVERY, reconcile
-from worker.io.redis_io import LOG_RENEW_S, Heartbeat, Outbox, Publisher
-from worker.io.scripts import OWN, RECLAIM, STEP
+from worker.io.pending import reconcile
+from worker.io.redis_io import LOG_RENEW_S, Heartbeat, Outbox
+from worker.io.scripts import OWN, STEP
 
 
 @pytest.fixture
@@ -38,10 +38,9 @@ def chunk_event(request_id: str, seq: int, token: int = 7) -> queue_pb2.TokenEve
                                 chunk=generate_pb2.Chunk(index=seq, token_ids=[token]))
 
 
-def step(client: redis.Redis, keys: Keys, consumer: str, outbox: Outbox,
-         known: list[str] | None = None) -> list[str]:
+def step(client: redis.Redis, keys: Keys, consumer: str, outbox: Outbox) -> list[str]:
     script = client.register_script(STEP)
-    reply = script(args=outbox.args(keys.prefix, consumer, known=known))
+    reply = script(args=outbox.args(keys.prefix, consumer))
     return [r.decode() for r in reply]
 
 
@@ -65,15 +64,15 @@ def test_a_fenced_consumer_writes_nothing(client: redis.Redis, prefix: str) -> N
     keys = Keys(prefix, DEFAULT_MODEL_NAME)
     outbox = Outbox()
     outbox.log(chunk_event("r", 0))
-    client.sadd(keys.revoked("zombie"), FENCE_MARK)  # what RECLAIM leaves for a consumer it fenced
+    client.sadd(keys.revoked("zombie"), FENCE_MARK)  # what a sweeper leaves for a consumer it fenced
     assert step(client, keys, "zombie", outbox) == ["fenced"]
     assert not client.exists(keys.log("zombie"))
     assert step(client, keys, "live", outbox) == ["ok"]
     assert client.hget(keys.log("live"), "r" + LogField.NEXT) == b"1"
 
 
-def test_a_takeover_copies_the_log_and_revokes_the_old_owners_writes(client: redis.Redis,
-                                                                     prefix: str) -> None:
+def test_a_claim_takes_a_record_only_from_a_fenced_owner_and_copies_its_log(client: redis.Redis,
+                                                                           prefix: str) -> None:
     keys = Keys(prefix, DEFAULT_MODEL_NAME)
     entry_id = enqueue(client, keys, "r")
     assert own(client, keys, "a", "r", entry_id)[0] == b"own"
@@ -82,7 +81,11 @@ def test_a_takeover_copies_the_log_and_revokes_the_old_owners_writes(client: red
         first.log(chunk_event("r", seq))
     first.progress["r"] = queue_pb2.Progress(seed=5, worker_id="a").SerializeToString()
     assert step(client, keys, "a", first) == ["ok"]
-    # b takes it over while a is alive (an entry delivered twice after an AOF loss)
+    # b is handed r's entry while a still runs it (an entry delivered twice after an AOF loss): a
+    # keeps it, and nothing of b's is written
+    assert own(client, keys, "b", "r", entry_id)[:2] == [b"busy", 0]
+    assert client.hget(keys.record("r"), Record.OWNER) == b"a" and not client.exists(keys.log("b"))
+    client.sadd(keys.revoked("a"), FENCE_MARK)  # then a sweeper fences a
     state, deliveries, progress, *chunks = own(client, keys, "b", "r", entry_id)
     assert (state, deliveries, queue_pb2.Progress.FromString(progress).seed) == (b"own", 1, 5)
     assert [event_from_log(c).seq for c in chunks] == [0, 1, 2]
@@ -91,20 +94,8 @@ def test_a_takeover_copies_the_log_and_revokes_the_old_owners_writes(client: red
     assert client.hget(keys.log("a"), "r" + LogField.NEXT) == b"3"  # a copy: b writes no log of a's
     late = Outbox()
     late.log(chunk_event("r", 3, token=99))
-    late.log(chunk_event("other", 0))
-    assert step(client, keys, "a", late) == ["revoked", "r"]  # the round is refused, and a is told
+    assert step(client, keys, "a", late) == ["fenced"]
     assert client.hget(keys.log("b"), "r" + LogField.NEXT) == b"3"  # nothing of a's spliced in
-    assert not client.hexists(keys.log("a"), "other" + LogField.NEXT)  # nothing at all was written
-    assert step(client, keys, "a", late.without({"r"}), known=["r"]) == ["ok"]  # the round without r
-    assert client.hget(keys.log("b"), "r" + LogField.NEXT) == b"3"
-    assert client.hget(keys.log("a"), "other" + LogField.NEXT) == b"1"
-    forget = Outbox()
-    forget.forget.append("r")
-    forget.drops += LogField.all_of("r", 3)  # what the consumer drops with a revoked request
-    step(client, keys, "a", forget, known=["r"])
-    assert not client.exists(keys.revoked("a"))
-    assert not client.hexists(keys.log("a"), "r" + LogField.NEXT)
-    assert client.hget(keys.log("b"), "r" + LogField.NEXT) == b"3"
 
 
 def test_an_admission_goes_into_the_record_and_is_announced_only_while_its_worker_owns_it(
@@ -152,44 +143,6 @@ def test_a_round_says_the_workers_room_with_what_it_publishes_and_never_alone(
     pubsub.close()
 
 
-def test_the_publisher_sends_a_round_again_without_a_request_taken_over_since(client: redis.Redis,
-                                                                             prefix: str) -> None:
-    keys = Keys(prefix, DEFAULT_MODEL_NAME)
-    config = WorkerConfig(redis_url="redis://unused", key_prefix=prefix, worker_id="a")
-    me = config.consumer_name
-    entry_id = enqueue(client, keys, "r")
-    client.xgroup_create(keys.requests, keys.group, id="0")
-    client.xreadgroup(keys.group, "b", {keys.requests: ">"})  # pending under b from here on
-    own(client, keys, me, "r", entry_id)
-    own(client, keys, "b", "r", entry_id)  # b takes r over; the publisher of `a` does not know yet
-    publisher = Publisher(client, config)
-    publisher.start()
-    try:
-        round_ = Outbox()
-        round_.log(chunk_event("r", 0))
-        round_.log(chunk_event("other", 0))
-        round_.end("r", keys.record("r"), keys.requests, entry_id, 1000, final_seq=1)
-        publisher.submit(round_)
-        wait_until(lambda: client.hexists(keys.log(me), "other" + LogField.NEXT), timeout=5)
-        assert publisher.revoked() == {"r"}  # told once
-        assert not client.hexists(keys.log(me), "r" + LogField.NEXT)  # nothing of r's written by a
-        assert client.hget(keys.record("r"), Record.OWNER) == b"b"  # nor its end
-        assert client.xpending(keys.requests, keys.group)["pending"] == 1  # b's entry is not acked
-        later = Outbox()
-        later.log(chunk_event("r", 1))  # produced before the consumer dropped r
-        later.log(chunk_event("other", 1))
-        publisher.submit(later)
-        dropped = Outbox()
-        dropped.forget.append("r")
-        publisher.submit(dropped)
-        wait_until(lambda: not client.exists(keys.revoked(me)), timeout=5)
-        assert client.hget(keys.log(me), "other" + LogField.NEXT) == b"2"
-        assert not client.hexists(keys.log(me), "r" + LogField.NEXT)
-        assert publisher.revoked() == set()
-    finally:
-        publisher.close()
-
-
 def test_own_acknowledges_finished_and_stale_attempts(client: redis.Redis, prefix: str) -> None:
     keys = Keys(prefix, DEFAULT_MODEL_NAME)
     entry_id = enqueue(client, keys, "done")
@@ -198,27 +151,6 @@ def test_own_acknowledges_finished_and_stale_attempts(client: redis.Redis, prefi
     old = enqueue(client, keys, "old")
     client.hset(keys.record("old"), Record.ENTRY, "99-0")  # a later attempt replaced it
     assert own(client, keys, "a", "old", old)[0] == b"stale"
-
-
-def test_reclaim_fences_dead_consumers_only(client: redis.Redis, prefix: str) -> None:
-    keys = Keys(prefix, DEFAULT_MODEL_NAME)
-    client.xgroup_create(keys.requests, keys.group, id="0", mkstream=True)
-    for name in ("alive", "dead"):
-        enqueue(client, keys, name)
-        client.xreadgroup(keys.group, name, {keys.requests: ">"}, count=1)
-    client.zadd(keys.registry, {"alive": (time.time() + 60) * 1000, "dead": (time.time() - 1) * 1000})
-    script = client.register_script(RECLAIM)
-    client.hset(keys.consumer_models, mapping={"dead": keys.model, "other-model": "m2"})
-    client.zadd(keys.registry, {"other-model": (time.time() - 1) * 1000})  # dead too, but not ours
-    *claimed, idle = script(keys=[keys.registry, keys.fenced, keys.consumer_models],
-                            args=[keys.group, "me", 86400000, 10, keys.prefix, keys.model,
-                                  *keys.request_streams, "--", "alive", "dead", "other-model"])
-    assert [c[0].decode() for c in claimed] == [keys.requests] and idle == [b"dead"]  # emptied: tidy it
-    assert client.smembers(keys.fenced) == {b"dead"} and client.zscore(keys.registry, "dead") is None
-    assert client.hkeys(keys.consumer_models) == [b"other-model"]  # its own model's sweepers fence it
-    assert client.smembers(keys.revoked("dead")) == {FENCE_MARK.encode()}
-    pending = client.xpending_range(keys.requests, keys.group, min="-", max="+", count=10)
-    assert sorted(p["consumer"] for p in pending) == [b"alive", b"me"]
 
 
 def test_reconcile_finds_pending_entries_the_worker_forgot(client: redis.Redis, redis_url: str,
@@ -325,45 +257,6 @@ def test_a_zombie_worker_is_fenced_and_no_stream_is_spliced(
         took_over += cut < num_tokens
         assert final.text == "".join(c.text for c in chunks), i  # the log agrees with what was streamed
     assert took_over >= 1  # the zombie held some streams
-
-
-def test_after_a_redis_outage_the_sweep_waits_a_heartbeat_ttl(client: redis.Redis, redis_url: str,
-                                                              prefix: str) -> None:
-    """Every heartbeat stopped with the outage: a sweep at once would fence live workers."""
-    config = WorkerConfig(redis_url=redis_url, key_prefix=prefix, worker_id="w", heartbeat_interval_s=0.1,
-                          heartbeat_ttl_s=0.5)
-    keys = config.keys
-    client.xgroup_create(keys.requests, keys.group, id="0", mkstream=True)
-    enqueue(client, keys, "r")
-    client.xreadgroup(keys.group, "silent", {keys.requests: ">"}, count=1)  # not in the registry
-    claimer = Claimer(client, config)
-    claimer.defer_sweep()  # as the consumer does after a failed claim
-    assert claimer.take(4, is_idle=False) == []
-    assert not client.smembers(keys.fenced)
-    time.sleep(0.6)
-    assert [c.request.request_id for c in claimer.take(4, is_idle=False) if c.request] == ["r"]
-    assert client.smembers(keys.fenced) == {b"silent"}
-
-
-def test_sweeps_find_the_dead_in_the_registry_and_list_the_groups_consumers_every_tenth(
-        client: redis.Redis, redis_url: str, prefix: str) -> None:
-    """A dead worker still in the registry is fenced at the next sweep; one the registry lost (a
-    Redis back without its last second) only at a sweep that lists the group's consumers."""
-    config = WorkerConfig(redis_url=redis_url, key_prefix=prefix, worker_id="w", sweep_interval_s=0.001)
-    keys = config.keys
-    client.xgroup_create(keys.requests, keys.group, id="0", mkstream=True)
-    claimer = Claimer(client, config)
-    assert claimer.take(4, is_idle=False) == []  # sweep 0 lists the consumers: nothing to find
-    for name in ("gone", "lost"):
-        enqueue(client, keys, name)
-        client.xreadgroup(keys.group, name, {keys.requests: ">"}, count=1)
-    client.zadd(keys.registry, {"gone": (time.time() - 5) * 1000})  # "lost" is in no registry
-    taken: list[list[str]] = []
-    for _ in range(CONSUMER_LIST_EVERY):  # sweeps 1 .. 10
-        time.sleep(0.002)
-        taken.append([c.request.request_id for c in claimer.take(4, is_idle=False) if c.request])
-    assert taken[0] == ["gone"] and taken[-1] == ["lost"] and not any(taken[1:-1])
-    assert client.smembers(keys.fenced) == {b"gone", b"lost"}
 
 
 def test_a_steady_heartbeat_writes_the_model_and_the_logs_ttl_only_when_needed(

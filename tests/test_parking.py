@@ -13,10 +13,10 @@ def make_tracked(request_id: str) -> Tracked:
     return Tracked.of(Keys("p"), "p:requests", f"1-{ord(request_id[0])}".encode(), request)
 
 
-def test_a_full_lot_refuses_a_park_and_forgets_what_was_taken_over() -> None:
+def test_a_full_lot_refuses_a_park_until_one_leaves() -> None:
     lot = ParkingLot(grace_s=10, max_parked=2)
     assert lot.park(make_tracked("a")) and lot.park(make_tracked("b"))
     assert not lot.park(make_tracked("c"))  # bounded: the consumer abandons "c" instead
     assert len(lot) == 2
-    assert [t.request_id for t in lot.drop({"a"})] == ["a"] and len(lot) == 1
+    assert [t.request_id for t in lot.take_all()] == ["a", "b"] and len(lot) == 0
     assert lot.park(make_tracked("c"))

@@ -185,11 +185,13 @@ def test_a_dead_workers_high_priority_entry_is_re_claimed_and_finished(
         wait_until(lambda: client.xlen(high) == 1, timeout=5)
         for stream in keys.request_streams:
             client.xgroup_create(stream, keys.group, id="0", mkstream=True)
-        # A worker claimed it and died at once: its heartbeat key never existed.
+        # A worker claimed it and died at once: registered (its first heartbeat does that before
+        # its first claim), its heartbeat hash expired.
+        client.zadd(keys.registry, {"ghost": 0})
         assert client.xreadgroup(keys.group, "ghost", {high: ">"}, count=1)
         engine = SlowEngine(num_tokens=4, step_s=0.01)
         start_worker(engine, claim_block_ms=50, claim_coalesce_ms=0, heartbeat_interval_s=0.1,
-                     heartbeat_ttl_s=0.5, sweep_interval_s=0.1)
+                     heartbeat_ttl_s=0.5)
         caller.join(20)
     assert [r.chunk.index for r in responses if r.HasField("chunk")] == [0, 1, 2, 3]
     assert responses[-1].final.finish_reason == generate_pb2.FINISH_REASON_LENGTH

@@ -62,7 +62,7 @@ from worker.config import WorkerConfig
 from worker.engine.sim import sim_token_ids
 from worker.io.claim import Claimer
 from worker.io.listener import AbortListener
-from worker.io.reclaim import other_workers_alive, reconcile
+from worker.io.pending import other_workers_alive, reconcile
 from worker.io.redis_io import Heartbeat as HeartbeatThread
 from worker.io.redis_io import Outbox
 from worker.io.scripts import STEP
@@ -144,17 +144,18 @@ def test_prefix_routing_moves_and_a_dead_workers_routed_stream_under_the_gateway
         acl_redis: EmbeddedRedis, admin: redis.Redis, stack: Stack) -> None:
     """The worker's prefix index (ZADD, ZREMRANGEBYRANK, PEXPIRE), ROUTE (ZMSCORE), ATTACH to a
     routed stream and the claim from it, MOVE of an entry a live-looking worker never claims,
-    and RECLAIM of a dead worker's routed stream (XREADGROUP of what it never claimed, DEL)."""
+    and the sweep of a dead worker's routed stream (what it never claimed queued again, DEL)."""
     scope = ANONYMOUS.cache_scope()
     seconds, _ = admin.time()
     for name, expiry_ms in (("stuck", (int(seconds) + 60) * 1000), ("ghost", 1)):
         admin.zadd(KEYS.registry, {name: expiry_ms})
-        admin.hset(KEYS.worker(name), mapping={"worker_id": name, "model": KEYS.model, "max_num_seqs": "4"})
+    # only "stuck" beats: a dead worker's heartbeat hash has expired (the sweeper judges by it)
+    admin.hset(KEYS.worker("stuck"), mapping={"worker_id": "stuck", "model": KEYS.model, "max_num_seqs": "4"})
     admin.xgroup_create(KEYS.routed("ghost", PriorityClass.NORMAL), KEYS.group, id="0", mkstream=True)
     enqueue(admin, "ghosts", seed=3, stream=KEYS.routed("ghost", PriorityClass.NORMAL), max_tokens=2)
     stucks = build_request("s" * 300, max_tokens=2, seed=4, request_id="stucks")
     admin.zadd(KEYS.prefixes("stuck"), dict.fromkeys(prefix_hashes(stucks, scope), 1))
-    worker = stack.worker(url("worker", acl_redis.port), sim_engine(), sweep_interval_s=0.1)
+    worker = stack.worker(url("worker", acl_redis.port), sim_engine())
     gateway = stack.gateway(url("gateway", acl_redis.port), route_max_wait_ms=200)
     channel, stub = stub_for(gateway.target)
     with channel:
@@ -179,11 +180,11 @@ def test_prefix_routing_moves_and_a_dead_workers_routed_stream_under_the_gateway
 @pytest.mark.parametrize("own_users", [False, True], ids=["shared-user", "user-per-worker"])
 def test_a_worker_takes_over_a_dead_workers_call_under_the_worker_user(
         acl_redis: EmbeddedRedis, admin: redis.Redis, stack: Stack, own_users: bool) -> None:
-    """The re-claim and fencing paths: a worker (real Claimer, Heartbeat, STEP with REOWN)
-    claims a call and streams two chunks, then dies; a live worker's RECLAIM fences it and
-    XCLAIMs the entry, OWN copies its log, the call ends with every token once; the zombie's
-    next STEP and HEARTBEAT are refused by the scripts (not by the ACL). With a user per worker
-    (gateway/redis_acl.py) neither writes a key of the other's."""
+    """The failover and fencing paths: a worker (real Claimer, Heartbeat, STEP with REOWN)
+    claims a call and streams two chunks, then dies; the gateway's sweeper fences it and queues
+    the entry again, the taker's OWN copies its log, the call ends with every token once; the
+    zombie's next STEP and HEARTBEAT are refused by the scripts (not by the ACL). With a user per
+    worker (gateway/redis_acl.py) neither writes a key of the other's."""
     dead_user, taker_user = (OWN_USERS["dead"][0], OWN_USERS["wa"][0]) if own_users else ("worker", "worker")
     gateway = stack.gateway(url("gateway", acl_redis.port), liveness_check_s=0.2)
     dead_config = WorkerConfig(redis_url=url(dead_user, acl_redis.port), key_prefix=PREFIX, worker_id="dead")
@@ -208,12 +209,11 @@ def test_a_worker_takes_over_a_dead_workers_call_under_the_worker_user(
             outbox.progress["r1"] = queue_pb2.Progress(seed=9, worker_id="dead").SerializeToString()
             step = dead_client.register_script(STEP)
             assert step(args=outbox.args(PREFIX, dead, is_resent=True)) == [b"ok"]
-            admin.zadd(KEYS.registry, {dead: 0})  # its heartbeat expired: it died
+            admin.delete(KEYS.worker(dead))  # its heartbeat expired: it died
             stack.worker(url(taker_user, acl_redis.port), sim_engine(), reconcile_interval_s=0.2,
                          worker_id="wa")
             assert tokens_of(call.result(timeout=30)) == sim_token_ids(9, 0, 6)
         assert admin.smembers(KEYS.fenced) == {dead.encode()}
-        assert 0 < admin.pttl(KEYS.worker(dead)) <= 5000  # not deleted by the taker: it expires
         assert admin.hget(KEYS.record("r1"), Record.DELIVERIES) == b"1"
         assert step(args=outbox.args(PREFIX, dead)) == [b"fenced"]
         assert heartbeat.beat() and is_fenced.is_set()
@@ -271,7 +271,7 @@ def test_the_gateways_rarer_paths_run_under_its_user(acl_redis: EmbeddedRedis, a
 
 
 def test_the_workers_rarer_paths_run_under_its_user(acl_redis: EmbeddedRedis, admin: redis.Redis) -> None:
-    """STEP's error, expiry and forget sections, reconciling a forgotten entry (one of them
+    """STEP's error and expiry sections, reconciling a forgotten entry (one of them
     deleted: XACK only), the drain's look for other live workers, an abort received."""
     config = WorkerConfig(redis_url=url("worker", acl_redis.port), key_prefix=PREFIX, worker_id="w",
                           reconcile_interval_s=0.01)
@@ -288,14 +288,12 @@ def test_the_workers_rarer_paths_run_under_its_user(acl_redis: EmbeddedRedis, ad
         assert [c.entry_id for c in found] == [kept]
         assert admin.xpending(KEYS.requests, KEYS.group)["pending"] == 1  # the deleted one: acknowledged
         admin.hset(KEYS.log(me), mapping={"old" + LogField.NEXT: 1, "old:0": b"x"})
-        admin.sadd(KEYS.revoked(me), "taken")
         outbox = Outbox()
         outbox.publish(queue_pb2.TokenEvent(request_id="kept", seq=0))
         outbox.end("kept", KEYS.record("kept"), KEYS.requests, kept, ttl_ms=60_000)
         outbox.drops += ["old" + LogField.NEXT, "old:0"]
-        outbox.forget.append("taken")
         assert client.register_script(STEP)(args=outbox.args(PREFIX, me)) == [b"ok"]
-        assert admin.xlen(KEYS.requests) == 0 and not admin.exists(KEYS.log(me), KEYS.revoked(me))
+        assert admin.xlen(KEYS.requests) == 0 and not admin.exists(KEYS.log(me))
         assert not other_workers_alive(client, config)
         gateway.publish(KEYS.aborts, queue_pb2.Abort(request_id="kept", entry_id=kept).SerializeToString())
         wait_until(lambda: aborts.drain() == [("kept", kept)], timeout=5)

@@ -94,6 +94,7 @@ def register(client: redis.Redis, keys: Keys, consumer: str, *, ttl_ms: int = 60
     fields = {"worker_id": consumer, "model": keys.model, "max_num_seqs": 4, "num_running": 0,
               "num_waiting": 0} | load
     client.hset(keys.worker(consumer), mapping={k: str(v) for k, v in fields.items()})
+    client.pexpire(keys.worker(consumer), ttl_ms)  # as HEARTBEAT: the sweeper judges by this hash
 
 
 def index(client: redis.Redis, keys: Keys, consumer: str, request: generate_pb2.GenerateRequest,
@@ -301,8 +302,8 @@ def test_a_dead_workers_routed_requests_are_served_by_another_with_nothing_lost(
         make_gateway: Callable[..., GatewayThread], start_worker: Callable[..., WorkerThread],
         client: redis.Redis, prefix: str) -> None:
     """"ghost" is routed three requests, claims one and dies. The wait is a minute, so only the
-    sweeper that fences it can help: it re-claims the claimed one and moves the two queued ones
-    to the shared stream; all three callers get every chunk, and ghost's streams are deleted."""
+    sweeper that fences it can help: it queues all three again in the shared stream; all three
+    callers get every chunk, and ghost's streams are deleted."""
     keys = Keys(prefix, MODEL)
     turns = [session(n, 1)[0] for n in range(3)]
     register(client, keys, "ghost", ttl_ms=1500)
@@ -325,7 +326,7 @@ def test_a_dead_workers_routed_requests_are_served_by_another_with_nothing_lost(
             callers[-1].start()
         wait_until(lambda: client.xlen(ghost_stream) == 3, timeout=10)
         assert client.xreadgroup(keys.group, "ghost", {ghost_stream: ">", keys.requests: ">"}, count=1)
-        worker = start_worker(CountingEngine(), claim_block_ms=20, sweep_interval_s=0.1)
+        worker = start_worker(CountingEngine(), claim_block_ms=20)
         for caller in callers:
             caller.join(30)
     assert sorted(results) == ["routed-0", "routed-1", "routed-2"]
@@ -366,7 +367,7 @@ def test_a_killed_workers_routed_requests_still_queued_on_its_stream_are_served_
             wait_until(lambda: client.xlen(doomed_stream) == 3, timeout=10)  # routed to it, not claimed
             os.kill(doomed.proc.pid, signal.SIGKILL)
             start_worker(SimEngine(SimConfig(step_ms=1, ms_per_token=0), max_num_seqs=8), claim_block_ms=20,
-                         sweep_interval_s=0.1, heartbeat_ttl_s=1.0)
+                         heartbeat_ttl_s=1.0)
             for caller in callers:
                 caller.join(30)
     finally:

@@ -58,8 +58,6 @@ class WorkerConfig:
     # (the simulator at 0.5 ms a step read the streams 3 times per token, 2/3 of its Redis
     # input). An idle worker blocks and wakes at once.
     claim_poll_ms: float = 10.0
-    # How often the worker looks for requests of dead workers to re-claim and resume.
-    sweep_interval_s: float = 1.0
     # How often the worker compares its pending list with what it holds (an XACK lost with
     # the last second of an AOF leaves an entry pending that nobody runs); an entry must be
     # idle at least this long to count as forgotten.
@@ -111,8 +109,6 @@ class WorkerConfig:
                              f"({self.claim_block_ms} ms)")
         if self.reconcile_interval_s <= 0:
             raise ValueError(f"reconcile_interval_s must be > 0, got {self.reconcile_interval_s}")
-        if self.sweep_interval_s <= 0:
-            raise ValueError(f"sweep_interval_s must be > 0, got {self.sweep_interval_s}")
         if self.reattach_grace_s < 0:
             raise ValueError(f"reattach_grace_s must be >= 0, got {self.reattach_grace_s}")
         if self.max_parked < 0:

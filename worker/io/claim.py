@@ -1,16 +1,15 @@
 """Taking entries off the request stream for one worker (protos/keys.py, "Requests").
 
-In order: the entries of dead workers (a sweep at start-up and about every sweep_interval_s,
-which fences them), entries pending under this worker that it forgot (reconciliation, every
+In order: entries pending under this worker that it forgot (reconciliation, every
 reconcile_interval_s), then new entries (XREADGROUP ">", never more than its room) stream by
 stream, the highest priority class first, a lower class only while capacity is left, and within
 a class this worker's own stream (what gateways routed to it: protos/keys.py, "Routing") before
-the shared one. Only an idle worker that found nothing blocks, on every stream at once (one
-entry of each at most: XREADGROUP's COUNT is per stream; the read that wakes it returns the
-stream that woke it), then claims what keeps arriving in a burst. Then, for
-all of them in one round trip, the OWN script takes their records (owner, log, progress),
-PUBSUB NUMSUB says how many callers follow them, and their prefix hashes go into this
-worker's prefix index.
+the shared one, where a dead worker's requests come back (gateway/sweeper.py). Only an idle
+worker that found nothing blocks, on every stream at once (one entry of each at most:
+XREADGROUP's COUNT is per stream; the read that wakes it returns the stream that woke it), then
+claims what keeps arriving in a burst. Then, for all of them in one round trip, the OWN script
+takes their records (owner, log, progress), PUBSUB NUMSUB says how many callers follow them,
+and their prefix hashes go into this worker's prefix index.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ from protos.keys import PREFIX_INDEX_TTL_S
 from protos.routing import CHUNK_CHARS, prefix_hashes
 from protos.tokenrelay.v1 import queue_pb2
 from worker.config import WorkerConfig
-from worker.io.reclaim import CONSUMER_LIST_EVERY, Claimed, parse_entry, reclaim_dead_workers, reconcile
+from worker.io.pending import Claimed, parse_entry, reconcile
 from worker.io.scripts import OWN
 
 log = logging.getLogger(__name__)
@@ -60,7 +59,9 @@ def claim_capacity(stats: Any) -> int:
 class Owned:
     """What the OWN script found in a claimed entry's record (worker/io/scripts.py)."""
 
-    state: str  # "own" (run it), "stale" or "finished" (acknowledge and drop it)
+    # "own" (run it), "stale" or "finished" (acknowledge and drop it), "busy" (a live worker
+    # holds its record: leave it pending)
+    state: str
     num_deliveries: int  # takeovers from owners that died holding it, over every attempt
     progress: queue_pb2.Progress | None = None  # None: never admitted (start from scratch)
     chunks: list[queue_pb2.TokenEvent] = field(default_factory=list)  # logged, in seq order
@@ -70,8 +71,6 @@ class Claimer:
     def __init__(self, client: redis.Redis, config: WorkerConfig) -> None:
         self.client, self.config = client, config
         self._has_group = False
-        self._next_sweep_at = 0.0  # the first sweep runs at once: an earlier run may have left work
-        self._num_sweeps = 0
         self._next_reconcile_at = time.monotonic() + config.reconcile_interval_s
         self._suspects: set[str] = set()  # Claimed.key pending here but not held, at the last look
         self._own = client.register_script(OWN)
@@ -84,16 +83,11 @@ class Claimer:
         """Up to `count` entries; blocks up to claim_block_ms (or max_block_ms) only when idle.
         held: Claimed.key of what this worker runs or parks. Raises RedisError."""
         entries: list[Claimed] = []
-        if time.monotonic() >= self._next_sweep_at:
-            self._next_sweep_at = time.monotonic() + self.config.sweep_interval_s
-            list_consumers = self._num_sweeps % CONSUMER_LIST_EVERY == 0
-            self._num_sweeps += 1
-            entries = reclaim_dead_workers(self.client, self.config, count, list_consumers)
-        if time.monotonic() >= self._next_reconcile_at and count > len(entries):
+        if time.monotonic() >= self._next_reconcile_at and count > 0:
             self._next_reconcile_at = time.monotonic() + self.config.reconcile_interval_s
             # Forgotten = seen pending and not held at two looks in a row: an entry whose XACK is
             # still on its way (it left `held` a moment ago) is gone by the next look.
-            candidates = reconcile(self.client, self.config, held, count - len(entries))
+            candidates = reconcile(self.client, self.config, held, count)
             forgotten = [c for c in candidates if c.key in self._suspects]
             self._suspects = {c.key for c in candidates}
             if forgotten:
@@ -108,12 +102,6 @@ class Claimer:
         if is_idle and entries:
             entries += self._read_burst(count - len(entries))
         return entries
-
-    def defer_sweep(self) -> None:
-        """Redis failed: sweep no sooner than one heartbeat TTL from now. Every worker's heartbeat
-        stopped with the outage; once Redis is back they renew within an interval, and a sweep
-        before then would fence live workers (they would exit) for an outage, not a death."""
-        self._next_sweep_at = max(self._next_sweep_at, time.monotonic() + self.config.heartbeat_ttl_s)
 
     def own(self, entries: list[Claimed],
             num_cached_tokens: int = 0) -> tuple[dict[str, Owned], dict[str, int]]:

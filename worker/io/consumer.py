@@ -4,15 +4,15 @@ One loop on one thread owns the engine (torch lives behind the
 `TextEngineProtocol`; this module imports none):
 
     park what nobody follows, re-admit parked requests followed again ->
-    claim what the engine can run now (worker/io/claim.py: re-claimed
+    claim what the engine can run now (worker/io/claim.py: forgotten
     entries first, then XREADGROUP) -> engine.step() -> hand that step's events and
     progress to the publisher thread
 
 The publisher thread sends each step's writes as ONE call of the STEP script
 (worker/io/redis_io.py, worker/io/scripts.py) while the next step computes. It is
 a single FIFO thread, so events of one request leave in order. Every write is
-fenced: a request another worker took over is dropped at once, and a worker that
-was itself fenced (judged dead and re-claimed) stops. Delivery guarantees and key
+fenced: a worker that was fenced (a gateway's sweeper judged it dead and queued its
+requests again) writes nothing more and stops. Delivery guarantees and key
 names are in `protos/keys.py`.
 
 Redis failures never crash the loop: claiming backs off while the engine keeps
@@ -45,7 +45,7 @@ from worker.io.claim import Claimer, Owned, claim_capacity
 from worker.io.listener import AbortListener
 from worker.io.metrics import WorkerMetrics
 from worker.io.parking import POLL_INTERVAL_S, FollowCheck, ParkingLot
-from worker.io.reclaim import Claimed, has_pending, other_workers_alive
+from worker.io.pending import Claimed, has_pending, other_workers_alive
 from worker.io.redis_io import Heartbeat as HeartbeatThread
 from worker.io.redis_io import Outbox, Publisher, connect, heartbeat_fields
 from worker.io.tracing import RequestSpans
@@ -168,7 +168,6 @@ class Consumer:
         if self._aborts.adapters_changed.is_set():  # a failed read is retried at the resubscription
             self._aborts.adapters_changed.clear()
             self._adapters.sync()
-        self._apply_revocations()
         self._apply_aborts()
         self._poll_parked()
         if can_claim:
@@ -261,13 +260,10 @@ class Consumer:
             delay = self._backoff.failed()
             log.warning("claiming failed (%s); retrying in %.2fs", e, delay)
             self._retry_claim_at = time.monotonic() + delay
-            self._claimer.defer_sweep()
             self._redis_error()
             return
         if not entries:  # else look again at once: more of a burst may be arriving
             self._next_poll_at = now + self.config.claim_poll_ms / 1000
-        if self._metrics is not None:
-            self._metrics.reclaimed.inc(sum(1 for c in entries if c.num_deliveries > 1))
         for claimed in entries:
             self._take(claimed, owned.get(claimed.key), followed)
 
@@ -275,6 +271,9 @@ class Consumer:
         qr = claimed.request
         if qr is None or owned is None:
             return self._outbox.ack(claimed.stream, claimed.entry_id)  # unreadable: nobody to answer
+        if owned.state == "busy":  # reconciliation looks again: its owner may finish it or be fenced
+            log.warning("request %s is held by another live worker; left pending", qr.request_id)
+            return None
         tracked = Tracked.of(self.keys, claimed.stream, claimed.entry_id, qr, owned.progress, owned.chunks)
         if owned.state != "own":  # its final is logged, or another attempt replaced it: done
             return self._outbox.ack(claimed.stream, claimed.entry_id)
@@ -346,25 +345,7 @@ class Consumer:
         fields = LogField.all_of(tracked.request_id, tracked.seq)
         heapq.heappush(self._expiring, (time.monotonic() + tracked.result_ttl_ms / 1000, fields))
 
-    # -- aborts, revocations and events -----------------------------------------------------------
-
-    def _apply_revocations(self) -> None:
-        """Drop what other workers took over (the STEP script refused its writes already)."""
-        revoked = self._publisher.revoked()
-        if not revoked:
-            return
-        dropped = self._parked.drop(revoked)
-        for key, tracked in list(self._running.items()):
-            if tracked.request_id in revoked:
-                tracked.is_handed_off = True
-                self.engine.abort(key)
-                dropped.append(tracked)
-        # The taker copied their fields into its own log (OWN writes no other worker's log).
-        self._outbox.drops += [f for t in dropped for f in LogField.all_of(t.request_id, t.seq)]
-        log.warning("another worker took over %d requests; dropped them (%d were running or parked here)",
-                    len(revoked), len(dropped))
-        self._count_taken_over(len(revoked))
-        self._outbox.forget += list(revoked)
+    # -- aborts and events -----------------------------------------------------------
 
     def _apply_aborts(self) -> None:
         """Park what nobody follows (parking.FollowCheck); abort what passed its deadline."""

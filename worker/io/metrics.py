@@ -55,10 +55,9 @@ class WorkerMetrics:
         self.grammar_mask_time = histogram("grammar_mask_seconds", "Time to fill the constrained rows' "
                                            "masks (while the model computes) and apply them in one engine "
                                            "step (steps with any).", STEP_BUCKETS)
-        self.reclaimed = counter("requests_reclaimed", "Requests of dead workers this worker re-claimed.")
         self.redis_errors = counter("redis_errors", "Redis commands or pipelines that failed.")
-        self.taken_over = counter("requests_taken_over", "Requests another worker took over from this one "
-                                  "(fencing): dropped here, their writes refused.")
+        self.taken_over = counter("requests_taken_over", "Requests this worker dropped when it found itself "
+                                  "fenced (a sweeper judged it dead and queued them again).")
         self._step = Histogram("tokenrelay_engine_step_seconds", "Time of one engine step, by what it ran.",
                                [*names, "kind"], buckets=STEP_BUCKETS, registry=registry)
         self._step_labels = labels

@@ -80,11 +80,6 @@ class ParkingLot:
     def keys(self) -> set[str]:
         return set(self._parked)
 
-    def drop(self, request_ids: set[str]) -> list[Tracked]:
-        """Forget the parked attempts of these requests (another worker took them over)."""
-        gone = [k for k, p in self._parked.items() if p.tracked.request_id in request_ids]
-        return [self._parked.pop(k).tracked for k in gone]
-
     def park(self, tracked: Tracked) -> bool:
         """False when the lot is full: the caller abandons the attempt instead."""
         tracked.is_parking = False

@@ -3,8 +3,7 @@ the abort and control channels is worker/io/listener.py).
 
 `Publisher` is the only writer of token events: one FIFO thread, so the events of one
 request leave in order, and each round is ONE call of the STEP script (worker/io/scripts.py):
-it checks that this consumer is not fenced and that no request was taken over unbeknown to it
-(else it writes nothing and names them: the round goes again without them), then logs the
+it checks that this consumer is not fenced (else it writes nothing), then logs the
 round's events and progress in the worker's log hash (one HSET for every request),
 ends finished attempts (final, XACK+XDEL), and PUBLISHes every event of the round in one
 `TokenEventBatch` on the worker's out channel. A failed round is resent until Redis answers
@@ -19,7 +18,6 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,7 +65,6 @@ class Outbox:
     admitted: dict[str, int] = field(default_factory=dict)
     ends: list[End] = field(default_factory=list)
     drops: list[str] = field(default_factory=list)  # log fields of expired results
-    forget: list[str] = field(default_factory=list)  # revoked request ids this worker dropped
     # The worker's free sequence slots after the round (TokenEventBatch.room): published with
     # whatever the round publishes, never a publish of its own.
     room: int | None = None
@@ -96,33 +93,18 @@ class Outbox:
         self.admitted.update(other.admitted)
         self.ends += other.ends
         self.drops += other.drops
-        self.forget += other.forget
         if other.room is not None:  # the later round knows better
             self.room = other.room
 
-    def without(self, request_ids: set[str]) -> Outbox:
-        """This round minus every write for `request_ids` (taken over by other workers)."""
-        if not request_ids:
-            return self
-        return Outbox({r: events for r, events in self.logged.items() if r not in request_ids},
-                      [e for e in self.published if e.request_id not in request_ids],
-                      {r: p for r, p in self.progress.items() if r not in request_ids},
-                      {r: n for r, n in self.admitted.items() if r not in request_ids},
-                      [e for e in self.ends if e.request_id not in request_ids],
-                      self.drops, self.forget, self.room)
-
-    def args(self, prefix: str, consumer: str, *, known: list[str] | None = None,
-             is_resent: bool = False) -> list[bytes | str | int]:
-        """ARGV of the STEP script (its comment has the layout); known: the revocations the worker
-        knows of (none of them is in this round; the ids in `forget` count as known); is_resent:
-        the round failed once (Redis may have come back empty), so it also points its requests'
-        records at this worker's log (REOWN)."""
+    def args(self, prefix: str, consumer: str, *, is_resent: bool = False) -> list[bytes | str | int]:
+        """ARGV of the STEP script (its comment has the layout); is_resent: the round failed once
+        (Redis may have come back empty), so it also points its requests' records at this
+        worker's log (REOWN)."""
         reown = list(self.logged) if is_resent else []
-        known = sorted({*(known or ()), *self.forget})  # what it confirms dropping, it knows of
         # one run of consecutive seqs a section item: its first seq names every event's field
         runs = [(request_id, run) for request_id, events in self.logged.items()
                 for run in _consecutive(events)]
-        args: list[bytes | str | int] = [prefix, consumer, len(reown), *reown, len(known), *known, len(runs)]
+        args: list[bytes | str | int] = [prefix, consumer, len(reown), *reown, len(runs)]
         for request_id, run in runs:
             args += [request_id, run[0].seq, len(run), *(log_value(e) for e in run)]
         args.append(len(self.progress))
@@ -139,12 +121,12 @@ class Outbox:
         for e in self.ends:
             args += [e.request_id, e.record, "" if e.final_seq is None else e.final_seq, e.ttl_ms, e.stream,
                      e.entry_id]
-        args += [len(self.drops), *self.drops, len(self.forget), *self.forget]
+        args += [len(self.drops), *self.drops]
         return args
 
     def __bool__(self) -> bool:
-        return bool(self.logged or self.published or self.progress or self.admitted or self.ends or self.drops
-                    or self.forget)
+        return bool(self.logged or self.published or self.progress or self.admitted or self.ends
+                    or self.drops)
 
 
 def _consecutive(events: list[queue_pb2.TokenEvent]) -> list[list[queue_pb2.TokenEvent]]:
@@ -161,9 +143,8 @@ def _consecutive(events: list[queue_pb2.TokenEvent]) -> list[list[queue_pb2.Toke
 class Publisher:
     """Background thread sending outboxes, one STEP script call per round.
 
-    `revoked()` returns the request ids other workers took over since the last call (the
-    consumer drops them); `on_fenced` is called once if this consumer was fenced (it must
-    stop: every request it holds belongs to another worker now).
+    `on_fenced` is called once if this consumer was fenced (it must stop: every request it
+    holds belongs to another worker now).
     """
 
     def __init__(self, client: redis.Redis, config: WorkerConfig, on_error: Callable[[], None] | None = None,
@@ -173,8 +154,6 @@ class Publisher:
         self._on_error, self._on_fenced = on_error, on_fenced
         self._queue: queue.Queue[Outbox | None] = queue.Queue()
         self._give_up_at = float("inf")
-        self._revoked: deque[str] = deque()
-        self._known: set[str] = set()  # revoked ids reported to the consumer, not yet forgotten
         self._step = client.register_script(STEP)
         self._thread = threading.Thread(target=self._run, name="publisher", daemon=True)
 
@@ -183,12 +162,6 @@ class Publisher:
 
     def submit(self, outbox: Outbox) -> None:
         self._queue.put(outbox)
-
-    def revoked(self) -> set[str]:
-        ids = set()
-        while self._revoked:
-            ids.add(self._revoked.popleft())
-        return ids
 
     def close(self) -> None:
         """Send what is queued (trying for at most CLOSE_FLUSH_TIMEOUT_S)."""
@@ -223,11 +196,7 @@ class Publisher:
         backoff = Backoff(self._config.max_backoff_s)
         is_resent = False
         while True:
-            outbox = outbox.without(self._known)
-            if not outbox:
-                return
-            args = outbox.args(self._keys.prefix, self._config.consumer_name, known=sorted(self._known),
-                               is_resent=is_resent)
+            args = outbox.args(self._keys.prefix, self._config.consumer_name, is_resent=is_resent)
             try:
                 reply = self._step(args=args)
             except redis.ResponseError as e:  # a bug in the round, not an outage: resending cannot help
@@ -245,18 +214,13 @@ class Publisher:
                 log.warning("publish failed (%s); retrying in %.2fs", e, delay)
                 time.sleep(delay)  # nothing else for this thread to do until Redis answers
                 continue
-            status, *revoked = [r.decode() if isinstance(r, bytes) else str(r) for r in reply]
-            if status != "revoked":
-                break
-            # Taken over since the last round: nothing was written; send the round without them.
-            self._known.update(revoked)
-            self._revoked.extend(revoked)
-        if status == "fenced":
-            log.error("this worker (%s) was fenced: another worker re-claimed its requests; its round of "
-                      "%d requests was refused", self._config.consumer_name, len(outbox.logged))
+            break
+        if reply[0] == b"fenced":
+            log.error("this worker (%s) was fenced: a sweeper judged it dead and queued its requests "
+                      "again; its round of %d requests was refused", self._config.consumer_name,
+                      len(outbox.logged))
             if self._on_fenced is not None:
                 self._on_fenced()
-        self._known.difference_update(outbox.forget)  # removed from the revoked set by this round
 
 
 def heartbeat_fields(config: WorkerConfig, s: Any, num_finished: int, num_parked: int,
@@ -348,10 +312,11 @@ class Heartbeat:
         return True
 
     def close(self, left_pending: bool = False) -> None:
-        """Stop beating and leave the registry: other workers may re-claim at once.
+        """Stop beating and leave the registry: its heartbeat hash goes, so the next sweep
+        (gateway/sweeper.py) finds it dead at once.
         left_pending: entries stay pending under this consumer (handed over at a drain, or taken
-        over after a fence); it stays in the registry, scored dead (0), so the next sweep by any
-        worker of its model finds it there, and RECLAIM removes it once nothing of it is left."""
+        over after a fence); it stays in the registry, scored dead (0), and the sweeper queues
+        them again and removes it once nothing of it is left."""
         self._closed.set()
         self._changed.set()
         if self._thread.is_alive():  # never started: closed right after a failed start

@@ -1,15 +1,15 @@
 """The worker's Lua scripts: every write it makes for a request is fenced in the same round trip.
 
 Ownership (protos/keys.py, "Fencing"): a worker process is one consumer of the group, named
-``{worker_id}.{incarnation}``. It is alive while its score in the registry (a sorted set,
-expiry in Redis-clock ms) is in the future. A sweeper that finds a consumer dead fences it
-(RECLAIM: adds it to the fenced set and scores it 0 in the registry) and XCLAIMs its entries
-in the same script. A claim takes a request's record (OWN: sets ``owner``, copies the
-request's log into the claimant's log hash, never writing another worker's, and names the
-request in the previous owner's revoked set when that owner had not released it). Every
-round of a worker is one STEP script that first checks both: a fenced worker writes nothing,
-and the requests revoked from it are left out of the round. Scripts run atomically, so a
-round is either entirely before a re-claim (and the new owner resumes after everything it
+``{worker_id}.{incarnation}``. It is alive while its heartbeat hash exists (HEARTBEAT renews it
+and its registry score). A gateway's sweeper that finds a consumer dead fences it (the mark in
+its revoked set) and queues its entries again (gateway/sweeper.py): workers never write
+another worker's keys, nor take over another's entries. A claim takes a request's record (OWN:
+sets ``owner``, copies the request's log into the claimant's log hash, never writing another
+worker's) only when its owner released it or was fenced; a record a live owner holds (an entry
+delivered twice after an AOF loss) is left to it. Every round of a worker is one STEP script
+that first checks the fence: a fenced worker writes nothing. Scripts run atomically, so a
+round is either entirely before the fence (and the new owner resumes after everything it
 published) or refused.
 
 Why scripts and not a pipeline: the check and the writes must be one atomic step, and one
@@ -19,14 +19,7 @@ commands per token with the per-request pipeline; see benchmarks/fleet.py).
 
 from __future__ import annotations
 
-from protos.keys import (
-    CLAIM_ORDER,
-    FENCE_MARK,
-    RECORD_LEASE_S,
-    STREAM_DATA_FIELD,
-    LogField,
-    Record,
-)
+from protos.keys import FENCE_MARK, RECORD_LEASE_S, LogField, Record
 
 # Lua helpers shared by the scripts: HSET/HDEL of long argument lists in slices (Lua's unpack()
 # is limited to a few thousand values), and Redis's clock.
@@ -52,7 +45,6 @@ end
 # was half of what Redis received per token). ARGV: key prefix, consumer name, then sections,
 # each a count followed by its items:
 #   REOWN  request_id                                (a resent round: see below)
-#   KNOWN  revoked request ids the worker already knows of (it left them out of this round)
 #   LOG    request_id, first seq, k, k events (each framed as a one-event TokenEventBatch)
 #                                                    logged as {request_id}:{seq}, then published
 #   PROG   request_id, Progress bytes
@@ -62,36 +54,19 @@ end
 #   PUB    framed event                              published only (errors; the round's room)
 #   END    request_id (or ''), record key (or ''), final seq (or ''), ttl ms, stream, entry id
 #   DROP   log field names whose results expired
-#   FORGET revoked request ids this worker has dropped
-# Returns {'fenced'}, {'revoked', ids...} (nothing was written: revocations the worker does not
-# know yet; it leaves those requests out and sends the round again) or {'ok'}.
+# Returns {'fenced'} (nothing was written: a sweeper judged this worker dead) or {'ok'}.
 # Why the worker frames the events: per event the script then appends a string to the message
 # where it built a varint and a field in Lua, and it filters nothing per request (measured on a
 # 2-core EPYC, 64 requests a round: 368 -> ~270 us per call, Redis CPU 8.2 -> ~6 us per token).
 # Field names stay built here: sent whole they cost ~40 more bytes per token for no CPU saved.
 STEP = _LIB + f"""
 local prefix, me = ARGV[1], ARGV[2]
-local revoked, group = prefix .. ':revoked:' .. me, prefix .. ':workers'
+local group = prefix .. ':workers'
 local log, out = prefix .. ':log:' .. me, prefix .. ':out:' .. me
--- One read per round checks both: '{FENCE_MARK}' (this consumer is fenced) and the request ids
--- taken over from it, kept until the worker confirms it dropped them (FORGET), so a reply lost
--- on the way cannot let a later round write for them.
-local lost = redis.call('SMEMBERS', revoked)
+if redis.call('SISMEMBER', prefix .. ':revoked:' .. me, '{FENCE_MARK}') == 1 then return {{'fenced'}} end
 local i = 3
 local n = tonumber(ARGV[i])
 local reown_at = i + 1
-i = i + 1 + n
-n = tonumber(ARGV[i])
-if #lost > 0 then
-  local known = {{}}
-  for j = i + 1, i + n do known[ARGV[j]] = true end
-  local new = {{'revoked'}}
-  for _, r in ipairs(lost) do
-    if r == '{FENCE_MARK}' then return {{'fenced'}} end
-    if not known[r] then new[#new + 1] = r end
-  end
-  if #new > 1 then return new end
-end
 i = i + 1 + n
 -- REOWN: a round resent after a failure may land in a Redis that came back empty; its
 -- requests' records then name no log, and a gateway could not find what this round logs.
@@ -154,9 +129,6 @@ for _ = 1, n do
 end
 n = tonumber(ARGV[i]); i = i + 1
 if n > 0 then hdel_all(log, {{unpack(ARGV, i, i + n - 1)}}) end
-i = i + n
-n = tonumber(ARGV[i]); i = i + 1
-if n > 0 then redis.call('SREM', revoked, unpack(ARGV, i, i + n - 1)) end
 if #msg > 0 then redis.call('PUBLISH', out, table.concat(msg)) end
 return {{'ok'}}
 """
@@ -166,8 +138,10 @@ return {{'ok'}}
 #   {state, deliveries, progress or false, events...}
 # state: 'own' (run it; events = its logged chunks, in seq order, for a resume),
 # 'stale' (the record names another attempt: acknowledge and drop), 'finished' (its final is
-# logged: acknowledge and drop). deliveries counts takeovers from an owner that never
-# released the request (it died holding it), across every attempt of the request id.
+# logged: acknowledge and drop), 'busy' (another worker holds the record and is not fenced: an
+# entry delivered again after an AOF loss; left pending, looked at again by reconciliation).
+# deliveries counts takeovers from owners that died holding the request, across every attempt
+# of the request id (the sweeper counts those it queues again; OWN a fenced owner's record).
 OWN = _LIB + f"""
 local mine, me, prefix = KEYS[1], ARGV[1], ARGV[2]
 local reply = {{}}
@@ -176,18 +150,16 @@ for i = 3, #ARGV, 3 do
   local f = redis.call('HMGET', rec, '{Record.ENTRY}', '{Record.OWNER}', '{Record.LOG}', '{Record.FINAL}',
                        '{Record.DELIVERIES}')
   local deliveries = tonumber(f[5] or '0')
+  local owner, from = f[2] or '', f[3]
+  local held = owner ~= '' and owner ~= me
   if f[1] and f[1] ~= entry then
     reply[#reply + 1] = {{'stale', deliveries, false}}
   elseif f[4] then
     reply[#reply + 1] = {{'finished', deliveries, false}}
+  elseif held and redis.call('SISMEMBER', prefix .. ':revoked:' .. owner, '{FENCE_MARK}') == 0 then
+    reply[#reply + 1] = {{'busy', deliveries, false}}
   else
-    local owner, from = f[2] or '', f[3]
-    if owner ~= '' and owner ~= me then
-      deliveries = redis.call('HINCRBY', rec, '{Record.DELIVERIES}', 1)
-      local revoked = prefix .. ':revoked:' .. owner
-      redis.call('SADD', revoked, rid)
-      redis.call('PEXPIRE', revoked, 86400000)
-    end
+    if held then deliveries = redis.call('HINCRBY', rec, '{Record.DELIVERIES}', 1) end
     local names = {{}}
     local nxt = 0
     if from then nxt = tonumber(redis.call('HGET', from, rid .. '{LogField.NEXT}') or '0') end
@@ -214,121 +186,13 @@ end
 return reply
 """
 
-# Fence dead consumers and XCLAIM their pending entries. KEYS: registry, fenced set.
-# ARGV: group, claimant, fence TTL ms, count, key prefix, then the streams, '--', then the
-# consumers to check. A consumer whose registry score is in the future is alive and skipped;
-# the others are fenced (their heartbeat hash is left to expire: a worker writes no other
-# worker's heartbeat, and only the registry says who is alive) and up to `count` of their entries
-# claimed. Returns {stream, entry id, data or '', deliveries} per entry and, last, the fenced
-# names that had nothing left pending (the caller removes them from the group).
-# RECLAIM: ARGV = group, me, fence ttl, count, prefix, the shared streams (CLAIM_ORDER), "--",
-# the consumer names. A dead consumer's own routed streams (protos/keys.py, "Routing") are
-# swept with the shared ones: their pending entries XCLAIMed (under whichever dead consumer they
-# are: an earlier sweeper may have died too), then the entries nobody claimed yet read with
-# XREADGROUP, as the dead worker would have, while count lasts (what is left waits for the next
-# sweep, or is moved to the shared stream by the gateway following it after its wait). A
-# consumer with nothing pending whose routed streams are empty has them deleted, leaves the
-# registry and counts as idle; until then it stays in the registry with score 0 (dead).
-RECLAIM = _LIB + f"""
-local function data_of(fields)
-  for k = 1, #fields, 2 do
-    if fields[k] == '{STREAM_DATA_FIELD.decode()}' then return fields[k + 1] end
-  end
-  return ''
-end
-local registry, fenced, models = KEYS[1], KEYS[2], KEYS[3]
-local group, me, fence_ttl, count, prefix = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
-local my_model = ARGV[6]
-local shared, consumers, i = {{}}, {{}}, 7
-while ARGV[i] ~= '--' do shared[#shared + 1] = ARGV[i]; i = i + 1 end
-for j = i + 1, #ARGV do consumers[#consumers + 1] = ARGV[j] end
-local classes = {{{", ".join(repr(c.name.lower()) for c in CLAIM_ORDER)}}}
-local now = now_ms()
-local reply, idle = {{}}, {{}}
-for _, name in ipairs(consumers) do
-  local score = redis.call('ZSCORE', registry, name)
-  -- Another model's worker is its own model's sweepers' to re-claim: its routed streams hold
-  -- requests of that model. Unknown (a Redis that lost the hash): judged by its shared entries.
-  local model = redis.call('HGET', models, name)
-  if name ~= me and (not score or tonumber(score) <= now) and (not model or model == my_model) then
-    redis.call('SADD', fenced, name)
-    redis.call('PEXPIRE', fenced, fence_ttl)
-    redis.call('SADD', prefix .. ':revoked:' .. name, '{FENCE_MARK}')
-    redis.call('PEXPIRE', prefix .. ':revoked:' .. name, fence_ttl)
-    -- Dead (score 0) until nothing of it is left: the registry names it to the next sweeps even
-    -- where it never had an entry delivered from a shared stream (XINFO CONSUMERS lists only those).
-    redis.call('ZADD', registry, 0, name)
-    local routed, streams = {{}}, {{}}
-    for c, cls in ipairs(classes) do
-      routed[c] = prefix .. ':routed:' .. cls .. ':' .. name
-      streams[#streams + 1] = routed[c]
-      streams[#streams + 1] = shared[c]
-    end
-    local left = 0
-    for s, stream in ipairs(streams) do
-      -- A routed stream's entries may be pending under an earlier sweeper (that died too).
-      local ok, pending
-      if s % 2 == 1 then
-        ok, pending = pcall(redis.call, 'XPENDING', stream, group, '-', '+', 1000)
-      else
-        ok, pending = pcall(redis.call, 'XPENDING', stream, group, '-', '+', math.max(count, 1), name)
-      end
-      if ok then
-        for _, p in ipairs(pending) do
-          local holder = redis.call('ZSCORE', registry, p[2])
-          if p[2] == name or (p[2] ~= me and not (holder and tonumber(holder) > now)) then
-            left = left + 1
-            if count > 0 then
-              local e = redis.call('XCLAIM', stream, group, me, 0, p[1])[1]
-              if e and e[2] then
-                reply[#reply + 1] = {{stream, p[1], data_of(e[2]), p[4]}}
-                count = count - 1
-              else
-                redis.call('XACK', stream, group, p[1])
-              end
-              left = left - 1
-            end
-          end
-        end
-      end
-    end
-    local queued = 0
-    for _, stream in ipairs(routed) do
-      if count > 0 then  -- what nobody claimed yet: this sweeper takes it, as the dead one would have
-        local ok, found = pcall(redis.call, 'XREADGROUP', 'GROUP', group, me, 'COUNT', count,
-                                'STREAMS', stream, '>')
-        if ok and found then
-          for _, e in ipairs(found[1][2]) do
-            reply[#reply + 1] = {{stream, e[1], data_of(e[2]), 0}}
-            count = count - 1
-          end
-        end
-      end
-      queued = queued + redis.call('XLEN', stream)
-    end
-    if left + queued == 0 then
-      for _, stream in ipairs(routed) do redis.call('DEL', stream) end
-    end
-    left = left + queued
-    if left == 0 then
-      redis.call('ZREM', registry, name)
-      redis.call('HDEL', models, name)
-      idle[#idle + 1] = name
-    end
-  end
-end
-reply[#reply + 1] = idle
-return reply
-"""
-
-
 HEARTBEAT = _LIB + f"""
 local registry, revoked, beat, log, models = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local me, ttl, log_ttl, model = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
 if redis.call('SISMEMBER', revoked, '{FENCE_MARK}') == 1 then return 0 end
 local now = now_ms()
 -- ZADD answers 1 only for a new member: this worker's first beat, or a Redis that came back
--- without it. The model and the log's TTL are written then (RECLAIM removes the model with the
+-- without it. The model and the log's TTL are written then (a sweeper removes the model with the
 -- member), and the log's TTL also when the worker asks (ARGV[5] = '1': every few seconds), so a
 -- steady beat costs two commands fewer (bench-fleet --commands).
 local new = redis.call('ZADD', registry, now + ttl, me) == 1

@@ -1,0 +1,173 @@
+"""The gateways' sweeper (gateway/sweeper.py) on real Redis: who it judges dead, what it fences,
+and how a dead worker's entries go back to the queue."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from gateway.config import GatewayConfig
+from gateway.queue import connect
+from gateway.sweeper import CONSUMER_LIST_EVERY, Sweeper
+from protos.convert import build_request
+from protos.keys import FENCE_MARK, ROUTE_FIELD, STREAM_DATA_FIELD, Keys, PriorityClass, Record
+from protos.tokenrelay.v1 import queue_pb2
+from worker.config import DEFAULT_MODEL_NAME
+
+MODEL = DEFAULT_MODEL_NAME
+
+
+@pytest.fixture
+def client(redis_url: str) -> Iterator[redis.Redis]:
+    c = redis.Redis.from_url(redis_url)
+    yield c
+    c.close()
+
+
+class Sweeps:
+    """One Sweeper on its own event loop: `sweep()` runs one sweep and returns (fenced, queued)."""
+
+    def __init__(self, redis_url: str, prefix: str, **overrides: float) -> None:
+        self.loop = asyncio.new_event_loop()
+        config = GatewayConfig(redis_url=redis_url, key_prefix=prefix, **overrides)  # type: ignore[arg-type]
+        self._client = connect(config)
+        self.sweeper = Sweeper(self._client, config, self._served)
+
+    async def _served(self) -> list[str]:
+        return [MODEL]
+
+    def sweep(self) -> tuple[int, int]:
+        return self.loop.run_until_complete(self.sweeper.sweep())
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self._client.aclose())
+        self.loop.close()
+
+
+@pytest.fixture
+def sweeps(redis_url: str, prefix: str) -> Iterator[Sweeps]:
+    s = Sweeps(redis_url, prefix)
+    yield s
+    s.close()
+
+
+def alive(client: redis.Redis, keys: Keys, consumer: str) -> None:
+    """What a worker's HEARTBEAT keeps: its heartbeat hash (the sweeper judges by it) and score."""
+    client.hset(keys.worker(consumer), "heartbeat_unix", time.time())
+    client.pexpire(keys.worker(consumer), 60_000)
+    client.zadd(keys.registry, {consumer: (time.time() + 60) * 1000})
+    client.hset(keys.consumer_models, consumer, keys.model)
+
+
+def attach(client: redis.Redis, keys: Keys, request_id: str, stream: str = "", owner: str = "") -> bytes:
+    """What the gateway's ATTACH leaves: an entry and its record (with an owner once claimed)."""
+    request = build_request("hi", max_tokens=4, seed=1)
+    request.model = keys.model
+    queued = queue_pb2.QueuedRequest(request_id=request_id, request=request, result_ttl_s=60)
+    stream = stream or keys.requests
+    fields = {STREAM_DATA_FIELD: queued.SerializeToString()}
+    if stream != keys.requests:
+        fields[ROUTE_FIELD] = keys.record(request_id).encode()
+    entry_id = client.xadd(stream, fields)
+    client.hset(keys.record(request_id), mapping={Record.DIGEST: "d", Record.ENTRY: entry_id,
+                                                  Record.STREAM: stream, Record.SEED: 1, Record.OWNER: owner})
+    return entry_id
+
+
+def claim(client: redis.Redis, keys: Keys, consumer: str, stream: str = "") -> None:
+    stream = stream or keys.requests
+    try:
+        client.xgroup_create(stream, keys.group, id="0", mkstream=True)
+    except redis.ResponseError:
+        pass
+    assert client.xreadgroup(keys.group, consumer, {stream: ">"}, count=1)
+
+
+def queued_ids(client: redis.Redis, keys: Keys) -> list[str]:
+    entries = client.xrange(keys.requests)
+    return [queue_pb2.QueuedRequest.FromString(f[STREAM_DATA_FIELD]).request_id for _, f in entries]
+
+
+def test_a_dead_workers_requests_go_back_to_the_queue_and_it_is_fenced(
+        client: redis.Redis, prefix: str, sweeps: Sweeps) -> None:
+    keys = Keys(prefix, MODEL)
+    alive(client, keys, "live")
+    attach(client, keys, "kept", owner="live")
+    claim(client, keys, "live")
+    client.zadd(keys.registry, {"dead": (time.time() + 60) * 1000})  # only its hash counts, not this
+    running = attach(client, keys, "running", owner="dead")
+    claim(client, keys, "dead")
+    routed = keys.routed("dead", PriorityClass.NORMAL)
+    attach(client, keys, "routed-running", stream=routed, owner="dead")
+    claim(client, keys, "dead", routed)
+    attach(client, keys, "routed-waiting", stream=routed)  # routed to it, never claimed
+    assert sweeps.sweep() == (1, 3)
+    assert client.smembers(keys.fenced) == {b"dead"}
+    assert client.smembers(keys.revoked("dead")) == {FENCE_MARK.encode()}
+    assert client.zscore(keys.registry, "dead") == 0  # dead until nothing of it is left
+    assert queued_ids(client, keys) == ["kept", "running", "routed-running", "routed-waiting"]
+    pending = client.xpending_range(keys.requests, keys.group, min="-", max="+", count=10)
+    assert [p["consumer"] for p in pending] == [b"live"]  # the live worker's entry is its own still
+    assert client.xlen(routed) == 0
+    fields = (Record.ENTRY, Record.STREAM, Record.OWNER, Record.DELIVERIES)
+    record = client.hmget(keys.record("running"), *fields)
+    assert record[0] != running and record[1:] == [keys.requests.encode(), b"", b"1"]  # it died running it
+    waiting = client.hmget(keys.record("routed-waiting"), Record.STREAM, Record.DELIVERIES)
+    assert waiting == [keys.requests.encode(), None]  # nobody died running it
+    assert sweeps.sweep() == (0, 0)  # the next sweep finds nothing of it left: gone from everywhere
+    assert client.zscore(keys.registry, "dead") is None and client.hget(keys.consumer_models, "dead") is None
+    assert not client.exists(routed)
+    assert {c["name"] for c in client.xinfo_consumers(keys.requests, keys.group)} == {b"live"}
+    assert client.zscore(keys.registry, "live")  # a live worker is never touched
+
+
+def test_finished_stale_and_unreadable_entries_are_deleted_not_queued(
+        client: redis.Redis, prefix: str, sweeps: Sweeps) -> None:
+    keys = Keys(prefix, MODEL)
+    attach(client, keys, "finished", owner="dead")
+    client.hset(keys.record("finished"), Record.FINAL, 3)
+    attach(client, keys, "stale", owner="dead")
+    client.hset(keys.record("stale"), Record.ENTRY, "99-0")  # a later attempt replaced it
+    client.xadd(keys.requests, {STREAM_DATA_FIELD: b"\xff not a request"})
+    for _ in range(3):
+        claim(client, keys, "dead")
+    client.zadd(keys.registry, {"dead": 0})
+    assert sweeps.sweep() == (1, 0)
+    assert client.xlen(keys.requests) == 0
+    assert client.xpending(keys.requests, keys.group)["pending"] == 0
+
+
+def test_the_consumer_lists_find_a_dead_worker_the_registry_lost_at_every_tenth_sweep(
+        client: redis.Redis, redis_url: str, prefix: str) -> None:
+    keys = Keys(prefix, MODEL)
+    sweeps = Sweeps(redis_url, prefix)
+    try:
+        client.xgroup_create(keys.requests, keys.group, id="0", mkstream=True)
+        assert sweeps.sweep() == (0, 0)  # sweep 0 lists the consumers: nothing to find
+        attach(client, keys, "lost")
+        claim(client, keys, "lost")  # "lost" is in no registry (an AOF without its last second)
+        found = [sweeps.sweep() for _ in range(CONSUMER_LIST_EVERY)]  # sweeps 1 .. 10
+        assert found[-1] == (1, 1) and not any(n for n, _ in found[:-1])
+    finally:
+        sweeps.close()
+
+
+def test_after_redis_failed_the_sweep_waits_a_worker_heartbeat_ttl(
+        client: redis.Redis, redis_url: str, prefix: str) -> None:
+    """Every heartbeat stopped with the outage: a sweep at once would fence live workers."""
+    keys = Keys(prefix, MODEL)
+    sweeps = Sweeps(redis_url, prefix, worker_heartbeat_ttl_s=0.5)
+    try:
+        attach(client, keys, "r")
+        claim(client, keys, "silent")
+        client.zadd(keys.registry, {"silent": 0})
+        sweeps.sweeper.defer()  # as its loop does after a RedisError or a stalled read
+        assert sweeps.sweep() == (0, 0) and not client.smembers(keys.fenced)
+        time.sleep(0.6)
+        assert sweeps.sweep() == (1, 1)
+    finally:
+        sweeps.close()
