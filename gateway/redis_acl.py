@@ -50,9 +50,9 @@ def worker_rules(prefix: str = DEFAULT_PREFIX, worker_id: str | None = None) -> 
         f"(~{p}:log:{own} +hget +hmget +hset +hdel +pexpire)",
         # Fence marks: its own (STEP, HEARTBEAT) and a record owner's (OWN takes only a fenced one's).
         f"(%R~{p}:revoked:* +sismember)",
-        f"(~{p}:registry +zrangebyscore +zadd +zrem)",
+        f"(~{p}:registry +zrangebyscore +zadd)",  # no ZREM: a worker cannot hide a dead one
         f"(~{p}:worker:{own} +hset +pexpire +del)",
-        f"(~{p}:consumer-models +hset +hmget +hdel)",
+        f"(~{p}:consumer-models +hset +hmget)",
         f"(%R~{p}:adapters:* +hgetall)",
         f"(&{p}:out:{own} +publish)",
         f"(&{p}:aborts &{p}:control:* +subscribe)",

@@ -169,6 +169,7 @@ WORKER_DENIED = [
     ("XCLAIM", R, KEYS.group, "w.2", "0", "0-1"), ("XAUTOCLAIM", R, KEYS.group, "w.2", "0", "0"),
     ("XGROUP", "DELCONSUMER", R, KEYS.group, W), ("XINFO", "CONSUMERS", R, KEYS.group),
     ("SADD", KEYS.revoked(W), FENCE_MARK), ("SREM", KEYS.revoked(W), "other"), ("SADD", KEYS.fenced, W),
+    ("ZREM", KEYS.registry, W), ("HDEL", KEYS.consumer_models, W),
     # ... nor DEL anything but heartbeat hashes (records, logs and the registry: HSET, HDEL, ZREM) ...
     ("DEL", KEYS.record(RID)), ("DEL", KEYS.log(W)), ("DEL", KEYS.registry),
     # ... nor load adapters of its own accord (operators write that hash) ...

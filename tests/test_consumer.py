@@ -203,7 +203,7 @@ def test_stop_drains_running_requests_then_aborts_what_is_left(
     assert kinds(events["endless"])[-1] == "error"
     assert events["endless"][-1].error.code == queue_pb2.ERROR_CODE_UNAVAILABLE
     assert not client.exists(keys.worker(worker.config.consumer_name))  # heartbeat removed on exit
-    assert client.zscore(keys.registry, worker.config.consumer_name) is None  # and the registry entry
+    assert client.zscore(keys.registry, worker.config.consumer_name) == 0  # dead: a sweep removes it
 
 
 class BrokenEngine:

@@ -281,6 +281,6 @@ def test_a_steady_heartbeat_writes_the_model_and_the_logs_ttl_only_when_needed(
     assert heartbeat.beat()
     assert client.hget(keys.consumer_models, me) == keys.model.encode()
     assert client.pttl(keys.log(me)) > 120_000
-    heartbeat.close(left_pending=True)  # handed over: stays in the registry, dead
+    heartbeat.close()  # leaving: in the registry, dead, until a sweep finds nothing of it left
     assert client.zscore(keys.registry, me) == 0 and client.hget(keys.consumer_models, me)
     assert not client.exists(keys.worker(me))

@@ -45,7 +45,7 @@ from worker.io.claim import Claimer, Owned, claim_capacity
 from worker.io.listener import AbortListener
 from worker.io.metrics import WorkerMetrics
 from worker.io.parking import POLL_INTERVAL_S, FollowCheck, ParkingLot
-from worker.io.pending import Claimed, has_pending, other_workers_alive
+from worker.io.pending import Claimed, other_workers_alive
 from worker.io.redis_io import Heartbeat as HeartbeatThread
 from worker.io.redis_io import Outbox, Publisher, connect, heartbeat_fields
 from worker.io.tracing import RequestSpans
@@ -97,7 +97,6 @@ class Consumer:
         self._parked = ParkingLot(config.reattach_grace_s, config.max_parked)
         self._outbox = Outbox()
         self._stopping = threading.Event()
-        self._handed_over = False  # the drain left requests pending for another worker
         self._backoff = Backoff(config.max_backoff_s)
         self._claimer = Claimer(self._client, config)
         self._retry_claim_at = 0.0
@@ -154,8 +153,7 @@ class Consumer:
         finally:
             self._aborts.close()
             self._publisher.close()  # its last round acknowledged what ended
-            left_pending = self.is_fenced or self._handed_over or has_pending(self._client, self.config)
-            self._heartbeat.close(left_pending=left_pending)
+            self._heartbeat.close()
             self._metrics_server.stop()
             self.tracing.shutdown()
         log.info("worker %s stopped after %d requests", self.config.worker_id, self.num_finished)
@@ -198,7 +196,6 @@ class Consumer:
         while self.engine.has_unfinished() and time.monotonic() < deadline and not self.is_fenced:
             self._run_once(can_claim=False)
         handoff = bool(self._running or len(self._parked)) and other_workers_alive(self._client, self.config)
-        self._handed_over = handoff
         if self._running:
             log.warning("drain timeout: %s %d running requests", "handing over" if handoff else "failing",
                         len(self._running))

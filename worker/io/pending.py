@@ -10,7 +10,6 @@ resumes or acknowledges them instead of leaving their calls waiting.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -65,25 +64,6 @@ def reconcile(client: redis.Redis, config: WorkerConfig, held: Collection[str], 
             request = parse_entry(entry_id, fields)
             forgotten.append(Claimed(stream, entry_id, request))
     return forgotten
-
-
-def has_pending(client: redis.Redis, config: WorkerConfig) -> bool:
-    """Whether an entry is still pending under this consumer, in any stream it claims from: a
-    claim whose OWN never reached Redis (it went down between the XREADGROUP and the script)
-    leaves one its worker does not know of. A worker that stops then leaves the registry scored
-    dead, not removed, so the next sweep queues it again (removed, nothing would ever sweep its
-    routed streams: a chaos run lost a request so). Unknown (Redis down): True."""
-    keys, me = config.keys, config.consumer_name
-    try:
-        for stream in keys.claim_streams(me):
-            with contextlib.suppress(redis.ResponseError):  # no stream or group: nothing there
-                if client.xpending_range(stream, keys.group, min="-", max="+", count=1, consumername=me):
-                    log.warning("leaving entries pending under %s (claimed, never taken): the next sweep "
-                                "queues them again", me)
-                    return True
-    except redis.RedisError:
-        return True
-    return False
 
 
 def other_workers_alive(client: redis.Redis, config: WorkerConfig) -> bool:

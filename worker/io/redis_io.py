@@ -311,12 +311,12 @@ class Heartbeat:
             self._on_fenced()
         return True
 
-    def close(self, left_pending: bool = False) -> None:
-        """Stop beating and leave the registry: its heartbeat hash goes, so the next sweep
-        (gateway/sweeper.py) finds it dead at once.
-        left_pending: entries stay pending under this consumer (handed over at a drain, or taken
-        over after a fence); it stays in the registry, scored dead (0), and the sweeper queues
-        them again and removes it once nothing of it is left."""
+    def close(self) -> None:
+        """Stop beating and leave: its heartbeat hash goes and its registry score is 0 (dead), so
+        the next sweep (gateway/sweeper.py) queues again whatever is still pending under it
+        (handed over at a drain, or claimed by an XREADGROUP whose OWN never reached Redis) and
+        then removes it. A worker removes no registry member, its own neither: a worker that
+        could would hide a dead one from the sweep."""
         self._closed.set()
         self._changed.set()
         if self._thread.is_alive():  # never started: closed right after a failed start
@@ -324,11 +324,7 @@ class Heartbeat:
         name = self._config.consumer_name
         try:
             pipe = self._client.pipeline(transaction=False)
-            if left_pending:
-                pipe.zadd(self._keys.registry, {name: 0}, xx=True)
-            else:
-                pipe.zrem(self._keys.registry, name)
-                pipe.hdel(self._keys.consumer_models, name)
+            pipe.zadd(self._keys.registry, {name: 0})
             pipe.delete(self._keys.worker(name))
             pipe.execute()
         except redis.RedisError as e:
