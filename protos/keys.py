@@ -8,28 +8,29 @@ or test runs can share one Redis. ``{p}`` below is that prefix.
 | {p}:model:{m}:requests   | stream  | none         | gateway XADD (``data``)   | model m's workers        |
 | {p}:model:{m}:requests:high | stream | none       | gateway XADD (``data``)   | model m's workers        |
 | {p}:model:{m}:requests:low  | stream | none       | gateway XADD (``data``)   | model m's workers        |
-| {p}:consumer-models      | hash    | none         | workers' HEARTBEAT        | RECLAIM (whose model)    |
+| {p}:consumer-models      | hash    | none         | workers' HEARTBEAT        | sweeper (models to search)|
 | {p}:adapters:{m}         | hash    | none         | operators (`tokenrelay    | model m's workers        |
 |                          |         |              | adapter load/unload`)     |                          |
 | {p}:control:{m}          | channel | -            | the same command          | model m's workers        |
 | {p}:routed:{class}:{c}   | stream  | none         | gateway XADD (routing),   | worker {c} XREADGROUP    |
-|                          |         |              | MOVE                      | gateway/sweeper MOVE     |
+|                          |         |              | MOVE                      | gateway MOVE, sweeper    |
 | {p}:prefixes:{consumer}  | zset    | PREFIX_INDEX | that worker, per claim    | gateways (routing)       |
 |                          |         | _TTL_S       |                           |                          |
-| {p}:workers              | group   | (on each     | worker XGROUP CREATE/XACK | gateway XINFO/XPENDING   |
-|                          |         |  stream)     |                           |                          |
+| {p}:workers              | group   | (on each     | worker XGROUP CREATE/XACK,| gateway XINFO/XPENDING   |
+|                          |         |  stream)     | sweeper XACK/DELCONSUMER  |                          |
 | {p}:request:{request_id} | hash    | lease (*)    | gateway ATTACH, SETTLE;   | gateways, workers        |
-|                          |         |              | worker OWN/STEP scripts   |                          |
+|                          |         |              | worker OWN/STEP, sweeper  |                          |
 | {p}:log:{consumer}       | hash    | longest      | that worker's STEP, OWN   | gateways READ_LOG, OWN   |
 |                          |         | result TTL   | of a taker                |                          |
 | {p}:out:{consumer}       | channel | -            | that worker's STEP        | every gateway PSUBSCRIBE |
 | {p}:events:{request_id}  | channel | -            | (nothing: presence only)  | workers PUBSUB NUMSUB    |
-| {p}:registry             | zset    | none         | workers' HEARTBEAT        | everyone (liveness)      |
-| {p}:fenced               | set     | 24 h         | RECLAIM script            | operators (who was fenced)|
-| {p}:revoked:{consumer}   | set     | 24 h         | RECLAIM, OWN of a taker   | its STEP, HEARTBEAT      |
+| {p}:registry             | zset    | none         | workers' HEARTBEAT, sweeper| everyone (candidates)   |
+| {p}:fenced               | set     | 24 h         | the gateways' sweeper     | operators (who was fenced)|
+| {p}:revoked:{consumer}   | set     | 24 h         | the gateways' sweeper     | its STEP, HEARTBEAT; OWN |
 | {p}:aborts               | channel | -            | gateway PUBLISH           | every worker (SUBSCRIBE) |
 | {p}:gateway:{gateway_id} | channel | -            | (nobody yet)              | that gateway (SUBSCRIBE) |
-| {p}:worker:{consumer}    | hash    | worker's TTL | worker HEARTBEAT          | gateway (GetServerInfo)  |
+| {p}:worker:{consumer}    | hash    | worker's TTL | worker HEARTBEAT          | gateway (GetServerInfo), |
+|                          |         |              |                           | sweeper (alive = exists) |
 | {p}:tenant:{name}:calls  | zset    | slot TTL (+) | gateway scripts           | gateways (admission)     |
 | {p}:tenant:{name}:tokens | hash    | until full   | gateway script            | gateways (admission)     |
 (*) RECORD_LEASE_S from creation, then the request's result TTL once an attempt ended.
@@ -39,7 +40,7 @@ trip, and every other key is named by a request id or a consumer name.
 
 A worker *process* is one consumer of the group, named ``{worker_id}.{incarnation}``
 (worker/config.py): a restart under the same --worker-id is a new consumer, and the old
-one is re-claimed and fenced like any dead worker.
+one is fenced and its requests queued again like any dead worker's.
 
 Models (one set of streams per served model)
   A worker serves one model under its --served-model-name (`check_model_name`; default the
@@ -51,8 +52,9 @@ Models (one set of streams per served model)
   gateway/models.py), so nothing waits long in a stream no worker reads. The model is part of
   the body digest like the priority: every attempt at a request goes to the same model's
   streams. Each worker's HEARTBEAT writes its model into ``{p}:consumer-models``
-  (consumer -> model), so a sweeper re-claims only the dead workers of its own model
-  (their routed streams hold that model's requests); RECLAIM HDELs the field with the
+  (consumer -> model): a draining worker hands over only when another of its model is alive,
+  and the sweeper searches those models' streams for a dead worker's entries (it sends each
+  back to its own model's stream, by the entry's request) and HDELs the field with the
   registry entry. GenerateRequest.adapter names a LoRA adapter of the model: every worker
   heart-beats the adapters it has loaded (`Heartbeat.ADAPTERS`). Adapters loaded at run
   time are the hash ``{p}:adapters:{m}`` (name -> path on the workers' disk), which each of
@@ -62,7 +64,7 @@ Requests (one stream per priority class, each with the same consumer group)
   GenerateRequest.priority picks the request's class (`PriorityClass.of`): < 0 LOW,
   0 or unset NORMAL, > 0 HIGH. Each class has its own stream per model: NORMAL is
   ``{p}:model:{m}:requests``, HIGH ``...:requests:high``, LOW ``...:requests:low``.
-  Everything below (pending entries, re-claims, XACK after the final) holds per stream:
+  Everything below (pending entries, the sweep, XACK after the final) holds per stream:
   the group ``{p}:workers`` exists on each. The priority is part of the body digest, so every
   attempt at a request goes to the same stream, and an entry id names an attempt
   together with its request's class. Queue depth is the sum over the classes.
@@ -168,50 +170,56 @@ Routing (protos/routing.py; the gateway's --routing prefix)
   says it is full (``TokenEventBatch.room`` = 0: its free sequence slots, sent with every
   round that publishes anything; gateways also route by it, fresher than the heartbeats),
   and a dead worker's routed streams are emptied by the
-  sweeper that fences it (its pending entries re-claimed like any others, the rest moved),
+  sweeper that fences it (every entry, claimed or not, queued again in the shared stream),
   then deleted. So queue depth, KEDA's lag and shedding see the work: a routed entry waits
   only on a live worker with room, and at most the wait bound.
 
 Fencing: a zombie's writes fail
-  A worker is alive while its score in ``{p}:registry`` (its heartbeat's expiry, on Redis's
-  clock) is in the future; the heartbeat has its own thread, so a publisher waiting for
-  Redis never stops it. Every worker sweeps about once a second: the registry's members
-  past their expiry (a worker is in it from its first heartbeat, before its first claim, until
-  nothing of it is left: one that drains and hands requests over, or finds entries still
-  pending under it that it never took (its claim's OWN was lost), scores itself 0 as it leaves),
-  and at every tenth sweep the group's consumers too (XINFO CONSUMERS: a consumer the registry
-  lost with the last second of an AOF). The RECLAIM script takes the candidates not alive in
-  the registry and, atomically, fences each (the
-  member ``*`` in its ``{p}:revoked:{consumer}``, and its name in ``{p}:fenced`` for
-  operators), scores it 0 in the registry (dead; it leaves once nothing of it is left,
-  its routed streams included) and XCLAIMs its pending entries to the sweeper. A fenced
-  consumer's STEP (one SMEMBERS of that set per round checks the fence and the
-  revocations together) and HEARTBEAT refuse every write; it drops all it holds and exits
-  (status 3), like a Kafka producer fenced by a newer epoch. A
-  claim (OWN script) that takes a request from an owner that had not released it names
-  the request in ``{p}:revoked:{owner}`` (an entry delivered twice after an AOF loss, say):
-  that owner's next STEP writes nothing and names the request to the worker, which drops it
-  and sends the round again without it (the set keeps it until the worker confirms). Since
-  STEP, RECLAIM and OWN are scripts, a round is either wholly before a takeover (and the
-  taker resumes after everything it published) or refused: a caller never receives a
-  stream spliced from two generations, and a zombie's XACK cannot remove the taker's
-  entry. ``deliveries`` in the record counts takeovers from owners that died holding the
-  request, across every attempt (a resend does not reset it): a request that keeps
-  killing its workers fails with UNAVAILABLE after --max-deliveries in all.
+  A worker is alive while its heartbeat hash ``{p}:worker:{consumer}`` exists: HEARTBEAT
+  renews its TTL and the worker's registry score (its expiry, on Redis's clock) together, and
+  the heartbeat has its own thread, so a publisher waiting for Redis never stops it. Only
+  that worker writes its hash (deploy/redis: with a user per worker no other may), so no
+  worker can get another judged dead. Every gateway sweeps about once a second
+  (gateway/sweeper.py; workers do not, as they load model files and compiled code and are
+  trusted least): every registry member (a worker is in it from its first heartbeat, before
+  its first claim, and scores itself 0 as it leaves; only the sweeper removes members), and
+  at every tenth sweep the group's consumers too (XINFO CONSUMERS: a consumer the registry
+  lost with the last second of an AOF). Its SWEEP script takes the candidates whose hash has
+  expired; one that holds nothing leaves the registry and the group, and one that holds
+  entries (pending under it, or in its routed streams) is fenced, atomically: the member
+  ``*`` in its ``{p}:revoked:{consumer}``, its name in ``{p}:fenced`` for operators, score 0
+  in the registry until nothing of it is left. Then REQUEUE moves each of its entries to the
+  tail of the shared stream of its model and class, one script for the batch: the record
+  follows (compare-and-set on its entry, as MOVE; an owner that died holding it is cleared
+  and counted in ``deliveries``), the old entry is acknowledged and deleted, and a finished
+  or stale one only deleted. The first worker with room claims it like any other. A fenced
+  consumer's STEP and HEARTBEAT (one SISMEMBER of that set) refuse every write; it drops all
+  it holds and exits (status 3), like a Kafka producer fenced by a newer epoch. A claim (OWN
+  script) takes a record only from an owner that released it or was fenced: a record a live
+  owner holds (an entry delivered twice after an AOF loss, say) is left to it ('busy'), and
+  reconciliation looks at the entry again later. Since STEP, SWEEP, REQUEUE and OWN are
+  scripts, a round is either wholly before the fence (and the taker resumes after everything
+  it published) or refused: a caller never receives a stream spliced from two generations,
+  and a zombie's XACK cannot remove the taker's entry. ``deliveries`` in the record counts
+  takeovers from owners that died holding the request, across every attempt (a resend does
+  not reset it): a request that keeps killing its workers fails with UNAVAILABLE after
+  --max-deliveries in all. After a Redis error or a stalled read a sweeper waits a worker
+  heartbeat TTL (its --worker-heartbeat-ttl): every heartbeat stopped with Redis.
 
-  Re-claimed entries are resumed from the log: the prompt plus the streamed tokens are
+  A failed-over request is resumed from the log: the prompt plus the streamed tokens are
   prefilled, sampling continues with the same seed at the next step, and events continue
-  at the next seq. A worker that drains on SIGTERM leaves the registry and hands over what
-  it could not finish in time the same way; with no other live worker it fails them with
-  UNAVAILABLE instead. While an entry waits to be re-claimed the gateway keeps the call
-  open (bounded by the call's deadline).
+  at the next seq. A worker that drains on SIGTERM leaves and hands over what it could not
+  finish in time the same way; with no other live worker it fails them with UNAVAILABLE
+  instead. While an entry waits for the sweep the gateway keeps the call open (bounded by
+  the call's deadline).
 
 Reconciliation
   Every --reconcile-interval (5 s) a worker compares XPENDING of its own consumer with what
   it runs or parks. An entry pending under it that it forgot (an XACK or XDEL lost with
   the last second of an AOF) is claimed again: OWN finds its final logged and it is only
   acknowledged, or it is resumed from its log; so no call waits forever and nothing runs
-  twice. A request this worker runs that another worker took over is dropped (above).
+  twice. An entry whose record another live worker holds is left pending and looked at again
+  at a later reconciliation (above).
 
 Deadlines are judged on one clock
   ``QueuedRequest.timeout_s`` counts from the time in the attempt's entry id (Redis's clock
@@ -533,11 +541,11 @@ class Keys:
 
     @property
     def fenced(self) -> str:
-        """Set of consumers judged dead and re-claimed: every later write of theirs is refused."""
+        """Set of consumers judged dead and fenced (for operators): their writes are refused."""
         return f"{self.prefix}:fenced"
 
     def revoked(self, consumer: str) -> str:
-        """Set of request ids another worker took over from `consumer` while it was alive."""
+        """Set whose member FENCE_MARK fences `consumer` (the gateways' sweeper adds it)."""
         return f"{self.prefix}:revoked:{consumer}"
 
     def log(self, consumer: str) -> str:
