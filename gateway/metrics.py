@@ -115,11 +115,11 @@ class GatewayMetrics:
             "record names another worker's log: dropped (a worker taken over, or a misbehaving one).",
             m, registry=registry)
         self.refused_events.labels(self.model)  # exported at 0 from the start: an alert reads it
-        # Not by model or tenant: a sweep fences workers and queues their requests again.
+        # Not by tenant; model is the default's (a sweep covers every model).
         self.fenced = Counter("tokenrelay_workers_fenced", "Dead workers this gateway's sweeps fenced.",
-                              registry=registry)
+                              m, registry=registry)
         self.requeued = Counter("tokenrelay_requests_requeued", "Requests of dead workers this gateway's "
-                                "sweeps queued again (another worker resumes them).", registry=registry)
+                                "sweeps queued again (another worker resumes them).", m, registry=registry)
         self.queue_oldest_age = gauge("queue_oldest_waiting_age_seconds",
                                       "Age of the oldest request not claimed yet (0 when none waits).")
 

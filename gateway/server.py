@@ -396,8 +396,8 @@ class Gateway:
 
     def _on_swept(self, num_fenced: int, num_requeued: int) -> None:
         if (metrics := self.servicer.metrics) is not None:
-            metrics.fenced.inc(num_fenced)
-            metrics.requeued.inc(num_requeued)
+            metrics.fenced.labels(metrics.model).inc(num_fenced)
+            metrics.requeued.labels(metrics.model).inc(num_requeued)
 
     async def _read_queue_gauges(self) -> list[QueueGauges]:
         """Each served model's queue (gateway/metrics.py)."""

@@ -9,9 +9,16 @@ worker user needs neither XCLAIM nor a write to any other worker's keys (deploy/
 A worker is dead when its heartbeat hash ``{p}:worker:{consumer}`` has expired. That hash is
 written only by its own HEARTBEAT, and a per-worker Redis user can write no other's, so
 another worker cannot get a live worker judged dead. The registry only names the
-candidates: every member at every sweep (one ZRANGE; a registry holds one member per worker
-process), and at every CONSUMER_LIST_EVERY-th sweep the consumers of the served models'
-request streams too (XINFO CONSUMERS): one the registry lost with the last second of an AOF.
+candidates: every member at every sweep (a registry holds one member per worker process),
+and at every CONSUMER_LIST_EVERY-th sweep the consumers of the known models' request streams
+too (XINFO CONSUMERS): one the registry lost with the last second of an AOF. A sweep is one
+script call; every tenth adds the consumer lists (one XINFO per stream) and the known models.
+
+Every heartbeat stops while Redis is down or stalled, and a script sent before a stall runs
+when Redis comes back, before any worker has beaten again, whatever the client's timeout
+said. So SWEEP_SCRIPT itself keeps the time of the last sweep by any gateway, on Redis's
+clock (``{p}:sweep-clock``): after a gap longer than STALL_S it judges nobody until a worker
+heartbeat TTL (--worker-heartbeat-ttl) has passed.
 
 SWEEP_SCRIPT judges the candidates and, for each dead one that still holds something (entries
 pending under it in a request stream, or anything in its routed streams), fences it and lists
@@ -29,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
@@ -43,8 +49,10 @@ from protos.keys import (
     RECORD_LEASE_S,
     STREAM_DATA_FIELD,
     WORKER_KEY_MARK,
+    Keys,
     PriorityClass,
     Record,
+    check_model_name,
 )
 from protos.tokenrelay.v1 import queue_pb2
 
@@ -54,24 +62,50 @@ log = logging.getLogger(__name__)
 # at every 10th sweep only (a consumer the registry lost is rare: an AOF without its last second).
 CONSUMER_LIST_EVERY = 10
 MAX_ENTRIES = 256  # per stream and dead worker in one sweep; the rest wait for the next
-SLOW_SWEEP_S = 1.0  # a registry read slower than this: Redis was stalled, heartbeats too
+# No sweep by any gateway for this long more than the sweep interval: Redis was down or
+# stalled (or every gateway was away), and the heartbeats with it.
+STALL_S = 2.0
+# How each class's stream name ends (CLAIM_ORDER), after "{p}:model:{m}:requests".
+_SUFFIXES = [s.removeprefix(Keys("p", "m").requests) for s in Keys("p", "m").request_streams]
 
 _DATA = STREAM_DATA_FIELD.decode()
 
-# KEYS: registry, fenced set, consumer-models. ARGV: group, fence TTL ms, key prefix, MAX_ENTRIES,
-# the served models' request streams, '--', the candidates. Returns {name, {stream, entry id,
-# data or ''}...} per dead consumer that holds something (fenced now); the others are alive,
-# or dead with nothing left (removed from the registry and the group).
+# KEYS: registry, fenced set, consumer-models, sweep clock. ARGV: group, fence TTL ms, key
+# prefix, MAX_ENTRIES, stall ms, worker heartbeat TTL ms, the known models' request streams, '--',
+# more candidates (the group's consumers). Every registry member is a candidate, and a dead one's
+# own model's streams (consumer-models) are searched with the known ones. Returns {{'wait'}} while
+# heartbeats may not have been renewed since a stall, else {name, {stream, entry id, data or
+# ''}...} per dead consumer that holds something (fenced now); the others are alive, or dead
+# with nothing left (removed from the registry and the group).
 SWEEP_SCRIPT = f"""
-local registry, fenced, models = KEYS[1], KEYS[2], KEYS[3]
+local registry, fenced, models, clock = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local group, fence_ttl, prefix, most = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
-local shared, i = {{}}, 5
-while ARGV[i] ~= '--' do shared[#shared + 1] = ARGV[i]; i = i + 1 end
-local classes = {{{", ".join(repr(c.name.lower()) for c in CLAIM_ORDER)}}}
-local reply = {{}}
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local f = redis.call('HMGET', clock, 'last', 'since')
+local since = tonumber(f[2] or '0')
+if now - tonumber(f[1] or '0') > tonumber(ARGV[5]) then since = now end
+redis.call('HSET', clock, 'last', now, 'since', since)
+if now - since < tonumber(ARGV[6]) then return {{{{'wait'}}}} end
+local known, i = {{}}, 7
+while ARGV[i] ~= '--' do known[ARGV[i]] = true; i = i + 1 end
+local names, seen = redis.call('ZRANGE', registry, 0, -1), {{}}
+for _, name in ipairs(names) do seen[name] = true end
 for j = i + 1, #ARGV do
-  local name = ARGV[j]
+  if not seen[ARGV[j]] then seen[ARGV[j]] = true; names[#names + 1] = ARGV[j] end
+end
+local classes = {{{", ".join(repr(c.name.lower()) for c in CLAIM_ORDER)}}}
+local suffixes = {{{", ".join(repr(x) for x in _SUFFIXES)}}}
+local reply = {{}}
+for _, name in ipairs(names) do
   if redis.call('EXISTS', prefix .. '{WORKER_KEY_MARK}' .. name) == 0 then
+    local shared, listed = {{}}, {{}}
+    for stream in pairs(known) do shared[#shared + 1] = stream; listed[stream] = true end
+    local model = redis.call('HGET', models, name)
+    for _, suffix in ipairs(model and suffixes or {{}}) do
+      local stream = prefix .. ':model:' .. model .. ':requests' .. suffix
+      if not listed[stream] then shared[#shared + 1] = stream; listed[stream] = true end
+    end
     local held = {{}}
     for _, stream in ipairs(shared) do
       local ok, pending = pcall(redis.call, 'XPENDING', stream, group, '-', '+', most, name)
@@ -174,55 +208,42 @@ class Sweeper:
         self._sweep = client.register_script(SWEEP_SCRIPT)
         self._requeue = client.register_script(REQUEUE_SCRIPT)
         self._num_sweeps = 0
-        self._not_before = 0.0
+        self._streams: list[str] = []  # the known models' request streams, read every tenth sweep
 
     async def run(self) -> None:
-        """Sweep until cancelled."""
+        """Sweep until cancelled; a failed sweep is logged and the next one tries again."""
         while True:
-            await asyncio.sleep(max(self.config.sweep_interval_s, self._not_before - time.monotonic()))
+            await asyncio.sleep(self.config.sweep_interval_s)
             try:
                 await self.sweep()
             except RedisError as e:
-                log.warning("sweep failed (%s); the next waits a worker heartbeat TTL", e)
-                self.defer()
-
-    def defer(self) -> None:
-        """Redis failed or stalled: sweep no sooner than a worker heartbeat TTL from now. Every
-        worker's heartbeat stopped with it, and once Redis is back they renew within an
-        interval: a sweep before then would fence live workers for an outage, not a death."""
-        self._not_before = max(self._not_before, time.monotonic() + self.config.worker_heartbeat_ttl_s)
+                log.warning("sweep failed: %s", e)
+            except Exception:  # a bug, or something a worker wrote: the next sweep must still run
+                log.exception("sweep failed")
 
     async def sweep(self) -> tuple[int, int]:
         """One sweep: (consumers fenced, entries queued again). Raises RedisError."""
-        if time.monotonic() < self._not_before:
-            return 0, 0
         keys = self.keys
-        streams = [s for m in await self._models() for s in keys.for_model(m).request_streams]
-        list_consumers = self._num_sweeps % CONSUMER_LIST_EVERY == 0
-        self._num_sweeps += 1
-        started = time.monotonic()
-        pipe = self.client.pipeline(transaction=False)
-        pipe.zrange(keys.registry, 0, -1)
-        if list_consumers:
-            for stream in streams:
+        names: set[str] = set()
+        if self._num_sweeps % CONSUMER_LIST_EVERY == 0:
+            self._streams = [s for m in await self._models() for s in keys.for_model(m).request_streams]
+            pipe = self.client.pipeline(transaction=False)
+            for stream in self._streams:
                 pipe.xinfo_consumers(stream, keys.group)
-        registry, *lists = await pipe.execute(raise_on_error=False)
-        if isinstance(registry, Exception):
-            raise registry
-        if time.monotonic() - started > SLOW_SWEEP_S:
-            self.defer()
+            for reply in await pipe.execute(raise_on_error=False):
+                if not isinstance(reply, Exception):  # no stream or group yet: nobody claimed there
+                    names |= {_text(c["name"]) for c in reply}
+        self._num_sweeps += 1
+        interval_ms = int(self.config.sweep_interval_s * 1000)
+        dead = cast(list[Any], await self._sweep(
+            keys=[keys.registry, keys.fenced, keys.consumer_models, keys.sweep_clock],
+            args=[keys.group, int(RECORD_LEASE_S * 1000), keys.prefix, MAX_ENTRIES,
+                  interval_ms + int(STALL_S * 1000), int(self.config.worker_heartbeat_ttl_s * 1000),
+                  *self._streams, "--", *sorted(names)]))
+        if dead and dead[0] == [b"wait"]:
             return 0, 0
-        names = {_text(n) for n in registry}
-        for reply in lists:
-            if not isinstance(reply, Exception):  # no stream or group yet: nobody ever claimed there
-                names |= {_text(c["name"]) for c in reply}
-        if not names:
-            return 0, 0
-        dead = await self._sweep(keys=[keys.registry, keys.fenced, keys.consumer_models],
-                                 args=[keys.group, int(RECORD_LEASE_S * 1000), keys.prefix, MAX_ENTRIES,
-                                       *streams, "--", *sorted(names)])
         args: list[Any] = [keys.group]
-        for name, held in cast(list[Any], dead):
+        for name, held in dead:
             consumer = _text(name)
             routed = set(keys.routed_streams(consumer))
             for stream, entry_id, data in held:
@@ -238,9 +259,17 @@ class Sweeper:
         return len(dead), queued
 
     async def _models(self) -> list[str]:
-        """The served models and every model a worker heart-beats (a dead worker's among them)."""
-        heartbeats = cast(list[bytes], await self.client.hvals(self.keys.consumer_models))
-        return sorted({*await self._served(), *(_text(m) for m in heartbeats)})
+        """The served models and every model a worker heart-beats (a name that is not a model's,
+        which only a misbehaving worker writes, is left out)."""
+        heartbeats = {_text(m) for m in cast(list[bytes], await self.client.hvals(self.keys.consumer_models))}
+        models = set(await self._served())
+        for model in heartbeats - models:
+            try:
+                check_model_name("model", model)
+                models.add(model)
+            except ValueError:
+                log.error("a worker heart-beats a model named %r: not searched", model)
+        return sorted(models)
 
     def _destination(self, entry_id: bytes, data: bytes, shared: str | None) -> tuple[str, str]:
         """(the shared stream the entry goes to, its record). shared: the one it is pending in;

@@ -26,6 +26,7 @@ or test runs can share one Redis. ``{p}`` below is that prefix.
 | {p}:events:{request_id}  | channel | -            | (nothing: presence only)  | workers PUBSUB NUMSUB    |
 | {p}:registry             | zset    | none         | workers' HEARTBEAT, sweeper| everyone (candidates)   |
 | {p}:fenced               | set     | 24 h         | the gateways' sweeper     | operators (who was fenced)|
+| {p}:sweep-clock          | hash    | none         | the gateways' sweeper     | the gateways' sweeper    |
 | {p}:revoked:{consumer}   | set     | 24 h         | the gateways' sweeper     | its STEP, HEARTBEAT; OWN |
 | {p}:aborts               | channel | -            | gateway PUBLISH           | every worker (SUBSCRIBE) |
 | {p}:gateway:{gateway_id} | channel | -            | (nobody yet)              | that gateway (SUBSCRIBE) |
@@ -203,8 +204,10 @@ Fencing: a zombie's writes fail
   and a zombie's XACK cannot remove the taker's entry. ``deliveries`` in the record counts
   takeovers from owners that died holding the request, across every attempt (a resend does
   not reset it): a request that keeps killing its workers fails with UNAVAILABLE after
-  --max-deliveries in all. After a Redis error or a stalled read a sweeper waits a worker
-  heartbeat TTL (its --worker-heartbeat-ttl): every heartbeat stopped with Redis.
+  --max-deliveries in all. Every heartbeat stops with Redis, and a sweep sent before a stall
+  runs when Redis is back: so the SWEEP script keeps the last sweep's time (``{p}:sweep-clock``,
+  Redis's clock) and after a gap judges nobody for a worker heartbeat TTL (the gateways'
+  --worker-heartbeat-ttl).
 
   A failed-over request is resumed from the log: the prompt plus the streamed tokens are
   prefilled, sampling continues with the same seed at the next step, and events continue
@@ -538,6 +541,12 @@ class Keys:
     def registry(self) -> str:
         """Sorted set of live consumers (worker processes), scored by heartbeat expiry (Redis ms)."""
         return f"{self.prefix}:registry"
+
+    @property
+    def sweep_clock(self) -> str:
+        """Hash: Redis ms of the last sweep by any gateway (``last``) and of the end of the last
+        gap in sweeps (``since``): after a gap, heartbeats may not have been renewed yet."""
+        return f"{self.prefix}:sweep-clock"
 
     @property
     def fenced(self) -> str:

@@ -21,7 +21,7 @@ from tests.service import ROOT, is_serving, stub_for, wait_until, workers_ready
 # a killed worker's requests be re-claimed soon; 3 s of drain keeps a SIGTERM short.
 WORKER_ARGS = ("--max-num-seqs", "8", "--max-model-len", "256", "--heartbeat-ttl", "2",
                "--drain-timeout", "3", "--reattach-grace", "10", "--num-threads", "1")
-GATEWAY_ARGS = ("--shutdown-grace", "2", "--max-redis-outage", "30")
+GATEWAY_ARGS = ("--shutdown-grace", "2", "--max-redis-outage", "30", "--worker-heartbeat-ttl", "2")
 # Metrics off, or every process would want the same default port (an env var: a version
 # without metrics ignores it).
 CHILD_ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENRELAY_METRICS_PORT": "0"}

@@ -106,7 +106,7 @@ def test_a_killed_worker_loses_no_request_and_its_stream_goes_on_without_a_gap(
     prompt = PromptInput(messages=tuple(ChatMessage(r, c) for r, c in CHAT))
     params = {"max_tokens": 40, "temperature": 0.0, "ignore_eos": True}
     reference = run_in_process(smollm_engine, prompt, SamplingParams(**params))  # type: ignore[arg-type]
-    gateway = make_gateway()
+    gateway = make_gateway(worker_heartbeat_ttl_s=1)  # as the doomed worker's
     doomed = WorkerProcess(redis_url, prefix, "doomed", "--max-num-seqs", "2", "--max-model-len",
                            str(TEST_MAX_MODEL_LEN), "--num-threads", "1", "--heartbeat-ttl", "1")
     try:

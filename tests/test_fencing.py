@@ -212,7 +212,8 @@ def test_a_zombie_worker_is_fenced_and_no_stream_is_spliced(
     Each worker salts its tokens, so a stream spliced from two generations would show."""
     sim = ["--engine", "sim", "--sim-step-ms", "20", "--heartbeat-ttl", "1", "--max-num-seqs", "8"]
     workers = {salt: WorkerProcess(redis_url, prefix, f"w{salt}", *sim, "--sim-salt", salt) for salt in "ab"}
-    channel, stub = stub_for(make_gateway(liveness_check_s=0.5, models=("sim",)).target)
+    gateway = make_gateway(liveness_check_s=0.5, models=("sim",), worker_heartbeat_ttl_s=1)  # as the workers'
+    channel, stub = stub_for(gateway.target)
     num_tokens = 120  # 2.4 s of decoding at 20 ms a step
     try:
         wait_until(workers_ready(stub, 2), timeout=60)

@@ -176,7 +176,7 @@ def test_a_dead_workers_high_priority_entry_is_re_claimed_and_finished(
         redis_url: str, prefix: str) -> None:
     keys, client = Keys(prefix, DEFAULT_MODEL_NAME), redis.Redis.from_url(redis_url)
     high = keys.requests_of(PriorityClass.HIGH)
-    channel, stub = stub_for(make_gateway(liveness_check_s=0.5).target)
+    channel, stub = stub_for(make_gateway(liveness_check_s=0.5, worker_heartbeat_ttl_s=0.5).target)
     with channel:
         responses: list[generate_pb2.GenerateResponse] = []
         caller = threading.Thread(target=lambda: responses.extend(stub.Generate(request(HIGH, "urgent"),

@@ -156,7 +156,7 @@ def test_prefix_routing_moves_and_a_dead_workers_routed_stream_under_the_gateway
     stucks = build_request("s" * 300, max_tokens=2, seed=4, request_id="stucks")
     admin.zadd(KEYS.prefixes("stuck"), dict.fromkeys(prefix_hashes(stucks, scope), 1))
     worker = stack.worker(url("worker", acl_redis.port), sim_engine())
-    gateway = stack.gateway(url("gateway", acl_redis.port), route_max_wait_ms=200)
+    gateway = stack.gateway(url("gateway", acl_redis.port), route_max_wait_ms=200, worker_heartbeat_ttl_s=1)
     channel, stub = stub_for(gateway.target)
     with channel:
         wait_until(workers_ready(stub, 2), timeout=10)
@@ -186,7 +186,7 @@ def test_a_worker_takes_over_a_dead_workers_call_under_the_worker_user(
     zombie's next STEP and HEARTBEAT are refused by the scripts (not by the ACL). With a user per
     worker (gateway/redis_acl.py) neither writes a key of the other's."""
     dead_user, taker_user = (OWN_USERS["dead"][0], OWN_USERS["wa"][0]) if own_users else ("worker", "worker")
-    gateway = stack.gateway(url("gateway", acl_redis.port), liveness_check_s=0.2)
+    gateway = stack.gateway(url("gateway", acl_redis.port), liveness_check_s=0.2, worker_heartbeat_ttl_s=1)
     dead_config = WorkerConfig(redis_url=url(dead_user, acl_redis.port), key_prefix=PREFIX, worker_id="dead")
     dead = dead_config.consumer_name
     dead_client = sync_client(dead_config.redis_url, timeout_s=2)

@@ -313,7 +313,8 @@ def test_a_dead_workers_routed_requests_are_served_by_another_with_nothing_lost(
     ghost_stream = keys.routed("ghost", PriorityClass.NORMAL)
     for stream in (ghost_stream, *keys.request_streams):
         client.xgroup_create(stream, keys.group, id="0", mkstream=True)
-    channel, stub = stub_for(make_gateway(route_max_wait_ms=60_000, liveness_check_s=0.5).target)
+    gateway = make_gateway(route_max_wait_ms=60_000, liveness_check_s=0.5, worker_heartbeat_ttl_s=1)
+    channel, stub = stub_for(gateway.target)
     results: dict[str, list[generate_pb2.GenerateResponse]] = {}
     with channel:
         def call(turn: generate_pb2.GenerateRequest) -> None:
@@ -346,7 +347,8 @@ def test_a_killed_workers_routed_requests_still_queued_on_its_stream_are_served_
            "--served-model-name", MODEL]  # the in-process workers' model
     doomed = WorkerProcess(redis_url, prefix, "doomed", *sim)
     register(client, keys, "bystander", num_running=4)  # full: every turn goes to "doomed"
-    channel, stub = stub_for(make_gateway(route_max_wait_ms=60_000, liveness_check_s=0.5).target)
+    gateway = make_gateway(route_max_wait_ms=60_000, liveness_check_s=0.5, worker_heartbeat_ttl_s=1)
+    channel, stub = stub_for(gateway.target)
     turns = session(1, 4)
     for t, turn in enumerate(turns):
         turn.request_id, turn.sampling.seed, turn.stopping.max_tokens = f"turn-{t}", t, 5

@@ -29,13 +29,18 @@ def client(redis_url: str) -> Iterator[redis.Redis]:
 
 
 class Sweeps:
-    """One Sweeper on its own event loop: `sweep()` runs one sweep and returns (fenced, queued)."""
+    """One Sweeper on its own event loop: `sweep()` runs one sweep and returns (fenced, queued).
+    Its first sweep (which lists the group's consumers) has run: a first sweep judges nobody
+    for a worker heartbeat TTL (1 ms here, unless overridden)."""
 
-    def __init__(self, redis_url: str, prefix: str, **overrides: float) -> None:
+    def __init__(self, redis_url: str, prefix: str, worker_heartbeat_ttl_s: float = 0.001) -> None:
         self.loop = asyncio.new_event_loop()
-        config = GatewayConfig(redis_url=redis_url, key_prefix=prefix, **overrides)  # type: ignore[arg-type]
+        config = GatewayConfig(redis_url=redis_url, key_prefix=prefix,
+                               worker_heartbeat_ttl_s=worker_heartbeat_ttl_s)
         self._client = connect(config)
         self.sweeper = Sweeper(self._client, config, self._served)
+        assert self.sweep() == (0, 0)
+        time.sleep(worker_heartbeat_ttl_s + 0.002)
 
     async def _served(self) -> list[str]:
         return [MODEL]
@@ -144,10 +149,9 @@ def test_finished_stale_and_unreadable_entries_are_deleted_not_queued(
 def test_the_consumer_lists_find_a_dead_worker_the_registry_lost_at_every_tenth_sweep(
         client: redis.Redis, redis_url: str, prefix: str) -> None:
     keys = Keys(prefix, MODEL)
-    sweeps = Sweeps(redis_url, prefix)
+    sweeps = Sweeps(redis_url, prefix)  # its sweep 0 listed the consumers: nothing to find
     try:
         client.xgroup_create(keys.requests, keys.group, id="0", mkstream=True)
-        assert sweeps.sweep() == (0, 0)  # sweep 0 lists the consumers: nothing to find
         attach(client, keys, "lost")
         claim(client, keys, "lost")  # "lost" is in no registry (an AOF without its last second)
         found = [sweeps.sweep() for _ in range(CONSUMER_LIST_EVERY)]  # sweeps 1 .. 10
@@ -156,18 +160,36 @@ def test_the_consumer_lists_find_a_dead_worker_the_registry_lost_at_every_tenth_
         sweeps.close()
 
 
-def test_after_redis_failed_the_sweep_waits_a_worker_heartbeat_ttl(
+def test_after_a_gap_in_the_sweeps_nobody_is_judged_for_a_worker_heartbeat_ttl(
         client: redis.Redis, redis_url: str, prefix: str) -> None:
-    """Every heartbeat stopped with the outage: a sweep at once would fence live workers."""
+    """Every heartbeat stopped with Redis, and a sweep sent before a stall runs when it is back:
+    judged at once, live workers would be fenced for an outage, not a death."""
     keys = Keys(prefix, MODEL)
     sweeps = Sweeps(redis_url, prefix, worker_heartbeat_ttl_s=0.5)
     try:
         attach(client, keys, "r")
         claim(client, keys, "silent")
         client.zadd(keys.registry, {"silent": 0})
-        sweeps.sweeper.defer()  # as its loop does after a RedisError or a stalled read
+        client.hset(keys.sweep_clock, "last", 1)  # no sweep since 1970: Redis was away
         assert sweeps.sweep() == (0, 0) and not client.smembers(keys.fenced)
-        time.sleep(0.6)
+        time.sleep(0.3)
+        assert sweeps.sweep() == (0, 0)  # still within the TTL since the gap ended
+        time.sleep(0.3)
         assert sweeps.sweep() == (1, 1)
+    finally:
+        sweeps.close()
+
+
+def test_a_model_name_a_worker_made_up_neither_stops_the_sweep_nor_is_searched(
+        client: redis.Redis, redis_url: str, prefix: str) -> None:
+    keys = Keys(prefix, MODEL)
+    client.hset(keys.consumer_models, mapping={"liar": "not a model/../x", "dead": MODEL})
+    attach(client, keys, "r", owner="dead")
+    claim(client, keys, "dead")
+    client.zadd(keys.registry, {"dead": 0, "liar": 0})
+    sweeps = Sweeps(redis_url, prefix)
+    try:
+        assert sweeps.sweep() == (1, 1)
+        assert queued_ids(client, keys) == ["r"]
     finally:
         sweeps.close()
