@@ -18,7 +18,7 @@ from protos.keys import Keys
 from tests.service import ROOT, is_serving, stub_for, wait_until, workers_ready
 
 # Small batches and one torch thread each: 3 workers share 2 cores. A 2 s heartbeat TTL lets
-# a killed worker's requests be re-claimed soon; 3 s of drain keeps a SIGTERM short.
+# a killed worker's requests be queued again soon; 3 s of drain keeps a SIGTERM short.
 WORKER_ARGS = ("--max-num-seqs", "8", "--max-model-len", "256", "--heartbeat-ttl", "2",
                "--drain-timeout", "3", "--reattach-grace", "10", "--num-threads", "1")
 GATEWAY_ARGS = ("--shutdown-grace", "2", "--max-redis-outage", "30", "--worker-heartbeat-ttl", "2")
