@@ -52,7 +52,7 @@ class GatewayConfig:
     # after at most this long.
     redis_timeout_s: float = 2.0
     # A call that got no event for this long checks its request is still queued
-    # or held by a live worker (a dead worker's entry is re-claimed); an entry
+    # or held by a live worker (a dead worker's entry is queued again); an entry
     # gone without a final ends the attempt and the call starts the next one.
     # Healthy long generations stream events and never wait.
     liveness_check_s: float = 5.0

@@ -241,7 +241,7 @@ class _Liveness:
             self.failed(e)
             return False
         self._down_since = None
-        if state is not EntryState.GONE:  # ORPHANED: a live worker will re-claim and resume it
+        if state is not EntryState.GONE:  # ORPHANED: a sweep queues it again, another worker resumes it
             self._num_gone = 0
             return False
         self._num_gone += 1

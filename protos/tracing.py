@@ -9,7 +9,7 @@ Where the trace travels:
       -> Redis stream
       -> worker: CONSUMER span `process` from admission to its final (or error, park,
          hand-over), its parent the PRODUCER span. Each admission is its own span: a
-         request resumed after parking, or re-claimed by another worker, adds one to
+         request resumed after parking, or failed over to another worker, adds one to
          the same trace.
 
 Spans are per request, never per Redis command: the idle XREADGROUP poll, heartbeats

@@ -1,5 +1,5 @@
 """The worker's consumer against real Redis and the real engine, driven through Redis
-directly (no gateway): claiming, batching, parking, deadlines, draining, re-claiming."""
+directly (no gateway): claiming, batching, parking, deadlines, draining, failover."""
 
 from __future__ import annotations
 

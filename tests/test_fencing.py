@@ -208,8 +208,9 @@ def test_an_xack_lost_with_the_aof_neither_hangs_a_call_nor_runs_it_twice(
 def test_a_zombie_worker_is_fenced_and_no_stream_is_spliced(
         client: redis.Redis, redis_url: str, prefix: str, make_gateway: Callable[..., GatewayThread]) -> None:
     """SIGSTOP one of two workers for longer than the heartbeat TTL while 8 seeded streams run:
-    the other re-claims its streams; when the zombie wakes its writes are refused and it exits.
-    Each worker salts its tokens, so a stream spliced from two generations would show."""
+    a gateway fences it and queues its streams again, the other worker resumes them; when the
+    zombie wakes its writes are refused and it exits. Each worker salts its tokens, so a stream
+    spliced from two generations would show."""
     sim = ["--engine", "sim", "--sim-step-ms", "20", "--heartbeat-ttl", "1", "--max-num-seqs", "8"]
     workers = {salt: WorkerProcess(redis_url, prefix, f"w{salt}", *sim, "--sim-salt", salt) for salt in "ab"}
     gateway = make_gateway(liveness_check_s=0.5, models=("sim",), worker_heartbeat_ttl_s=1)  # as the workers'

@@ -225,7 +225,7 @@ def test_relay_gives_up_after_too_many_attempts() -> None:
 
 
 def test_relay_keeps_waiting_while_queued_running_or_waiting_to_be_resumed() -> None:
-    # ORPHANED: its worker died; another worker re-claims and resumes it (protos/keys.py)
+    # ORPHANED: its worker died; a sweep queues it again, another worker resumes it (protos/keys.py)
     states = [EntryState.QUEUED, EntryState.RUNNING, EntryState.ORPHANED, EntryState.ORPHANED,
               EntryState.QUEUED, EntryState.GONE, EntryState.GONE]
     with pytest.raises(Unavailable, match="left the queue"):

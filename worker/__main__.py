@@ -287,8 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGHUP, lambda signum, frame: consumer.reload_adapters())
     consumer.run()
     if consumer.is_fenced:  # like Kafka's ProducerFencedException: this process may not write again
-        print("tokenrelay-worker: fenced: another worker re-claimed this worker's requests while it was "
-              "unreachable; exiting so a fresh process (a new consumer) takes its place", file=sys.stderr)
+        print("tokenrelay-worker: fenced: a gateway judged this worker dead while it was unreachable and "
+              "queued its requests again; exiting so a fresh process (a new consumer) takes its place",
+              file=sys.stderr)
         return 3
     return 0
 

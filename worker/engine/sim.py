@@ -1,6 +1,6 @@
 """A simulated engine: the TextEngine contract with no model, no tokenizer and no torch.
 
-`tokenrelay-worker --engine sim` runs the whole worker (claim, re-claim, park,
+`tokenrelay-worker --engine sim` runs the whole worker (claim, reconciliation, park,
 publish, heartbeats, metrics) around this class, so routing, failover and
 scaling are tested and capacity is planned without GPUs (llm-d ships a vLLM
 simulator for the same reason). It keeps the real engine's contract:

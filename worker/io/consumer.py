@@ -118,7 +118,7 @@ class Consumer:
 
     @property
     def is_fenced(self) -> bool:
-        """This worker was judged dead and its requests re-claimed: it dropped them all and stopped."""
+        """This worker was judged dead and its requests queued again: it dropped them all and stopped."""
         return self._fenced.is_set()
 
     def _on_fenced(self) -> None:
