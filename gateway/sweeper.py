@@ -9,10 +9,13 @@ worker user needs neither XCLAIM nor a write to any other worker's keys (deploy/
 A worker is dead when its heartbeat hash ``{p}:worker:{consumer}`` has expired. That hash is
 written only by its own HEARTBEAT, and a per-worker Redis user can write no other's, so
 another worker cannot get a live worker judged dead. The registry only names the
-candidates: every member at every sweep (a registry holds one member per worker process),
-and at every CONSUMER_LIST_EVERY-th sweep the consumers of the known models' request streams
-too (XINFO CONSUMERS): one the registry lost with the last second of an AOF. A sweep is one
-script call; every tenth adds the consumer lists (one XINFO per stream) and the known models.
+candidates: its members past their expiry (the score HEARTBEAT sets with the hash's TTL), and
+at every CONSUMER_LIST_EVERY-th sweep every member (a worker that wrote another's score into
+the future cannot hide it for longer) and the consumers of the known models' request streams
+(XINFO CONSUMERS: one the registry lost with the last second of an AOF). A sweep is one script
+call of ~6 commands; every tenth adds the consumer lists (one XINFO per stream) and the known
+models. (An EXISTS of every member at every sweep was 0.011 Redis commands per token at
+bench-fleet's 16 workers x 1,024 streams with 2 gateways, more than the sweeps it replaced.)
 
 Every heartbeat stops while Redis is down or stalled, and a script sent before a stall runs
 when Redis comes back, before any worker has beaten again, whatever the client's timeout
@@ -71,12 +74,13 @@ _SUFFIXES = [s.removeprefix(Keys("p", "m").requests) for s in Keys("p", "m").req
 _DATA = STREAM_DATA_FIELD.decode()
 
 # KEYS: registry, fenced set, consumer-models, sweep clock. ARGV: group, fence TTL ms, key
-# prefix, MAX_ENTRIES, stall ms, worker heartbeat TTL ms, the known models' request streams, '--',
-# more candidates (the group's consumers). Every registry member is a candidate, and a dead one's
-# own model's streams (consumer-models) are searched with the known ones. Returns {{'wait'}} while
-# heartbeats may not have been renewed since a stall, else {name, {stream, entry id, data or
-# ''}...} per dead consumer that holds something (fenced now); the others are alive, or dead
-# with nothing left (removed from the registry and the group).
+# prefix, MAX_ENTRIES, stall ms, worker heartbeat TTL ms, '1' (every registry member is a
+# candidate) or '0' (those past their expiry), the known models' request streams, '--', more
+# candidates (the group's consumers). A dead one's own model's streams (consumer-models) are
+# searched with the known ones. Returns {{'wait'}} while heartbeats may not have been renewed
+# since a stall, else {name, {stream, entry id, data or ''}...} per dead consumer that holds
+# something (fenced now); the others are alive, or dead with nothing left (removed from the
+# registry and the group).
 SWEEP_SCRIPT = f"""
 local registry, fenced, models, clock = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local group, fence_ttl, prefix, most = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
@@ -87,9 +91,15 @@ local since = tonumber(f[2] or '0')
 if now - tonumber(f[1] or '0') > tonumber(ARGV[5]) then since = now end
 redis.call('HSET', clock, 'last', now, 'since', since)
 if now - since < tonumber(ARGV[6]) then return {{{{'wait'}}}} end
-local known, i = {{}}, 7
+local known, i = {{}}, 8
 while ARGV[i] ~= '--' do known[ARGV[i]] = true; i = i + 1 end
-local names, seen = redis.call('ZRANGE', registry, 0, -1), {{}}
+local names
+if ARGV[7] == '1' then
+  names = redis.call('ZRANGE', registry, 0, -1)
+else
+  names = redis.call('ZRANGEBYSCORE', registry, '-inf', now)
+end
+local seen = {{}}
 for _, name in ipairs(names) do seen[name] = true end
 for j = i + 1, #ARGV do
   if not seen[ARGV[j]] then seen[ARGV[j]] = true; names[#names + 1] = ARGV[j] end
@@ -225,7 +235,8 @@ class Sweeper:
         """One sweep: (consumers fenced, entries queued again). Raises RedisError."""
         keys = self.keys
         names: set[str] = set()
-        if self._num_sweeps % CONSUMER_LIST_EVERY == 0:
+        is_full = self._num_sweeps % CONSUMER_LIST_EVERY == 0
+        if is_full:
             self._streams = [s for m in await self._models() for s in keys.for_model(m).request_streams]
             pipe = self.client.pipeline(transaction=False)
             for stream in self._streams:
@@ -239,7 +250,7 @@ class Sweeper:
             keys=[keys.registry, keys.fenced, keys.consumer_models, keys.sweep_clock],
             args=[keys.group, int(RECORD_LEASE_S * 1000), keys.prefix, MAX_ENTRIES,
                   interval_ms + int(STALL_S * 1000), int(self.config.worker_heartbeat_ttl_s * 1000),
-                  *self._streams, "--", *sorted(names)]))
+                  "1" if is_full else "0", *self._streams, "--", *sorted(names)]))
         if dead and dead[0] == [b"wait"]:
             return 0, 0
         args: list[Any] = [keys.group]

@@ -34,9 +34,12 @@ from urllib.parse import parse_qs, urlsplit
 
 import kubernetes_validate
 import pytest
+import redis
 import yaml
 
+from gateway.redis_server import EmbeddedRedis
 from protos.keys import Keys
+from tests.acl_factories import NO_REDIS7, find_redis7
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -142,17 +145,24 @@ def find(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
     return found[0]
 
 
-def container(docs: list[dict[str, Any]], deployment: str) -> dict[str, Any]:
-    return find(docs, "Deployment", deployment)["spec"]["template"]["spec"]["containers"][0]
+def workload(docs: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    """The Deployment (the gateway) or StatefulSet (Redis, the workers) of that name."""
+    found = [d for d in docs if d["kind"] in ("Deployment", "StatefulSet") and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"{name}: {len(found)} found"
+    return found[0]
+
+
+def container(docs: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    return workload(docs, name)["spec"]["template"]["spec"]["containers"][0]
 
 
 def env_of(c: dict[str, Any]) -> dict[str, Any]:
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in c.get("env", [])}
 
 
-def worker_deployments(docs: list[dict[str, Any]]) -> list[str]:
-    """The names of the worker Deployments (one per served model), sorted."""
-    return sorted(d["metadata"]["name"] for d in docs if d["kind"] == "Deployment"
+def worker_sets(docs: list[dict[str, Any]]) -> list[str]:
+    """The names of the worker StatefulSets (one per served model), sorted."""
+    return sorted(d["metadata"]["name"] for d in docs if d["kind"] == "StatefulSet"
                   and d["spec"]["template"]["metadata"]["labels"].get("app") == "tokenrelay-worker")
 
 
@@ -309,10 +319,12 @@ def test_compose_file_is_valid() -> None:
 # -- the manifests agree with the code ---------------------------------------------------------------
 
 def scaled_models(docs: list[dict[str, Any]]) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
-    """served model -> (its ScaledObject, the worker Deployment it scales)."""
+    """served model -> (its ScaledObject, the worker StatefulSet it scales)."""
     found = {}
     for scaled in (d for d in docs if d["kind"] == "ScaledObject"):
-        deployment = find(docs, "Deployment", scaled["spec"]["scaleTargetRef"]["name"])
+        target = scaled["spec"]["scaleTargetRef"]
+        assert (target["apiVersion"], target["kind"]) == ("apps/v1", "StatefulSet")  # stable pod names
+        deployment = find(docs, "StatefulSet", target["name"])
         worker_env = env_of(deployment["spec"]["template"]["spec"]["containers"][0])
         model = worker_env["TOKENRELAY_SERVED_MODEL_NAME"]
         assert model not in found, f"two ScaledObjects scale workers of {model}"
@@ -384,7 +396,7 @@ def test_keda_reaches_redis_over_tls_checking_its_certificate(overlay: str) -> N
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_workers_drain_within_their_grace_period(overlay: str) -> None:
     docs = RENDERED[overlay]
-    pod = find(docs, "Deployment", "tokenrelay-worker")["spec"]["template"]["spec"]
+    pod = find(docs, "StatefulSet", "tokenrelay-worker")["spec"]["template"]["spec"]
     worker = pod["containers"][0]
     assert pod["terminationGracePeriodSeconds"] >= float(env_of(worker)["TOKENRELAY_DRAIN_TIMEOUT_S"]) + 5
     pre_stop = " ".join(worker["lifecycle"]["preStop"]["exec"]["command"])
@@ -417,25 +429,90 @@ def test_each_service_reaches_redis_as_its_own_acl_user(overlay: str) -> None:
     acl = (DEPLOY / "redis" / "users.acl").read_text()
     assert find(docs, "ConfigMap", "tokenrelay-redis-acl")["data"]["users.acl"] == acl
     secret = find(docs, "Secret", "tokenrelay-redis-credentials")["stringData"]
-    for deployment, user in (("tokenrelay-gateway", "gateway"), ("tokenrelay-worker", "worker")):
-        env = env_of(container(docs, deployment))
-        assert env["REDIS_URL"].startswith(f"rediss://{user}:$(REDIS_PASSWORD)@redis:6379/0?")
-        names = [e["name"] for e in container(docs, deployment)["env"]]
-        assert names.index("REDIS_PASSWORD") < names.index("REDIS_URL")  # $(VAR) needs it defined first
-        assert env["REDIS_PASSWORD"]["secretKeyRef"]["key"] == f"{user}-password"
+    env = env_of(container(docs, "tokenrelay-gateway"))
+    assert env["REDIS_URL"].startswith("rediss://gateway:$(REDIS_PASSWORD)@redis:6379/0?")
+    names = [e["name"] for e in container(docs, "tokenrelay-gateway")["env"]]
+    assert names.index("REDIS_PASSWORD") < names.index("REDIS_URL")  # $(VAR) needs it defined first
+    assert env["REDIS_PASSWORD"]["secretKeyRef"]["key"] == "gateway-password"
     redis_pod = find(docs, "StatefulSet", "tokenrelay-redis")["spec"]["template"]["spec"]
     init = " ".join(redis_pod["initContainers"][0]["command"])
     for placeholder in re.findall(r">(CHANGE-ME-\S+)", acl):
-        assert f">{placeholder}|" in init  # every placeholder is replaced at pod start
+        if "worker" in placeholder:  # the shared worker user is left out: one user per pod instead
+            continue
+        assert f">{placeholder}|" in init  # every other placeholder is replaced at pod start
         assert placeholder in secret.values()  # and the Secret's default is that placeholder
+    assert '"/^user worker /d"' in init
     args = redis_pod["containers"][0]["args"]
     assert args[args.index("--appendonly") + 1] == "yes"
     assert args[args.index("--appendfsync") + 1] == "everysec"
     assert "--aclfile" in args
 
 
+def init_env(docs: list[dict[str, Any]], pod: dict[str, Any], name: str) -> dict[str, str]:
+    """What an init container's environment holds, its Secret references resolved."""
+    (init,) = [c for c in pod["initContainers"] if c["name"] == name]
+    env = {}
+    for e in init["env"]:
+        if "value" in e:
+            env[e["name"]] = e["value"]
+        elif "secretKeyRef" in e["valueFrom"]:
+            ref = e["valueFrom"]["secretKeyRef"]
+            env[e["name"]] = find(docs, "Secret", ref["name"])["stringData"][ref["key"]]
+    return env
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_worker_pod_the_autoscaler_may_start_logs_in_as_its_own_redis_user(
+        overlay: str, tmp_path: Path) -> None:
+    """The Redis pod's init container writes users.acl; each worker pod's derives its password,
+    and its command builds REDIS_URL with it. Both init commands run here (sh, the `tokenrelay`
+    CLI) against a real Redis 7 with that file: the last pod the ScaledObject allows of every
+    worker StatefulSet logs in, and may not write another pod's heartbeat."""
+    redis7 = find_redis7()
+    if redis7 is None:
+        pytest.skip(NO_REDIS7)
+    docs = RENDERED[overlay]
+    redis_pod = find(docs, "StatefulSet", "tokenrelay-redis")["spec"]["template"]["spec"]
+    (acl_init,) = [c for c in redis_pod["initContainers"] if c["name"] == "acl"]
+    template, out = tmp_path / "acl-template", tmp_path / "acl"
+    template.mkdir()
+    out.mkdir()
+    (template / "users.acl").write_text((DEPLOY / "redis" / "users.acl").read_text())
+    script = acl_init["command"][2].replace("/acl-template/", f"{template}/").replace("/acl/", f"{out}/")
+    env = {**os.environ, "PATH": f"{ROOT / '.venv' / 'bin'}:{os.environ['PATH']}",
+           **init_env(docs, redis_pod, "acl")}
+    subprocess.run(["sh", "-c", script], env=env, check=True, timeout=60)
+    users = (out / "users.acl").read_text()
+    assert "user worker " not in users  # no password all workers share
+    sets = dict(s.split("=") for s in env["WORKER_STATEFULSETS"].split())
+    assert sorted(sets) == worker_sets(docs)
+    with EmbeddedRedis(binary=redis7, extra_args=("--aclfile", str(out / "users.acl"))) as server:
+        for name, count in sets.items():
+            scaled = next(d for d in docs if d["kind"] == "ScaledObject"
+                          and d["spec"]["scaleTargetRef"]["name"] == name)
+            assert int(count) >= scaled["spec"]["maxReplicaCount"]  # a user for every pod it may start
+            pod_name = f"{name}-{scaled['spec']['maxReplicaCount'] - 1}"
+            pod = find(docs, "StatefulSet", name)["spec"]["template"]["spec"]
+            (derive,) = [c for c in pod["initContainers"] if c["name"] == "redis-password"]
+            password_dir = tmp_path / pod_name
+            password_dir.mkdir()
+            derive_env = {**env, **init_env(docs, pod, "redis-password"), "POD_NAME": pod_name}
+            subprocess.run(["sh", "-c", derive["command"][2].replace("/run/redis-auth/", f"{password_dir}/")],
+                           env=derive_env, check=True, timeout=60)
+            worker_command = pod["containers"][0]["command"][2]
+            url = re.search(r'REDIS_URL="rediss://([^"]+)@', worker_command).group(1)  # type: ignore[union-attr]
+            user = url.split(":")[0].replace("$POD_NAME", pod_name)
+            password = (password_dir / "password").read_text().strip()
+            client = redis.Redis(host="127.0.0.1", port=server.port, username=user, password=password)
+            keys = Keys("tokenrelay")
+            client.hset(keys.worker(f"{pod_name}.abc123"), "model", "m")  # its own heartbeat
+            with pytest.raises(redis.exceptions.ResponseError, match="(?i)noperm|no permissions"):
+                client.hset(keys.worker(f"{name}-0.abc123"), "model", "m")  # another pod's
+            client.close()
+
+
 def test_the_gpu_overlay_asks_for_one_gpu_and_runs_on_cuda() -> None:
-    pod = find(RENDERED["gpu"], "Deployment", "tokenrelay-worker")["spec"]["template"]["spec"]
+    pod = find(RENDERED["gpu"], "StatefulSet", "tokenrelay-worker")["spec"]["template"]["spec"]
     worker = pod["containers"][0]
     assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert worker["args"][worker["args"].index("--device") + 1] == "cuda"
@@ -523,13 +600,23 @@ def test_every_redis_url_is_rediss_with_the_ca_of_redis_certificate(overlay: str
     for name, template in workloads(docs).items():
         pod = template["spec"]
         for c in pod.get("initContainers", []) + pod["containers"]:
-            for value in (e.get("value", "") for e in c.get("env", [])):
+            env = {e["name"]: e.get("value", "") for e in c.get("env", [])}
+            values = list(env.values())
+            # A worker builds its URL in its command, its password from the init container's file.
+            built = re.search(r'REDIS_URL="([^"]+)"', " ".join(c.get("command", [])))
+            if built:
+                values.append(built.group(1).replace("$REDIS_ADDRESS", env["REDIS_ADDRESS"])
+                              .replace("$(cat /run/redis-auth/password)", "FILE"))
+                (auth,) = [v for v in pod["volumes"] if v["name"] == "redis-auth"]
+                assert auth["emptyDir"]["medium"] == "Memory", name  # never on a disk
+            for value in values:
                 if re.match(r"redis[+\w]*://", value) or value.startswith("unix://"):
                     urls.append((name, pod, c, urlsplit(value)))
-    assert sorted(name for name, *_ in urls) == ["tokenrelay-gateway", *worker_deployments(docs)]
+    assert sorted(name for name, *_ in urls) == ["tokenrelay-gateway", *worker_sets(docs)]
     for name, pod, c, url in urls:
         assert url.scheme == "rediss", name
-        assert url.password == "$(REDIS_PASSWORD)", name  # from the Secret, in the pod only
+        # from the Secret, in the pod only; a worker's from the file its own init container wrote
+        assert url.password == ("$(REDIS_PASSWORD)" if name == "tokenrelay-gateway" else "FILE"), name
         assert url.hostname in certificate["dnsNames"], name  # redis-py checks it
         query = parse_qs(url.query)
         assert set(query) == {"ssl_ca_certs"}, name  # nothing that turns a check off
@@ -577,7 +664,7 @@ def test_only_gateways_workers_and_keda_reach_redis(overlay: str) -> None:
     assert [peer for peer in peers if "namespaceSelector" in peer] == [KEDA_OPERATOR]
     assert all(selected_workloads(docs, peer) for peer in inside)  # each selects someone
     assert set().union(*(selected_workloads(docs, peer) for peer in inside)) == {"tokenrelay-gateway",
-                                                                                  *worker_deployments(docs)}
+                                                                                  *worker_sets(docs)}
     assert all(rule["ports"] == [{"port": "redis", "protocol": "TCP"}] for rule in rules)
 
 
@@ -635,7 +722,7 @@ def test_every_container_runs_locked_down(overlay: str) -> None:
     docs = RENDERED[overlay]
     labels = find(docs, "Namespace", "tokenrelay")["metadata"]["labels"]
     assert labels["pod-security.kubernetes.io/enforce"] == "restricted"  # the API server holds pods to it
-    assert len(workloads(docs)) == 2 + len(worker_deployments(docs))
+    assert len(workloads(docs)) == 2 + len(worker_sets(docs))
     for name, template in workloads(docs).items():
         pod = template["spec"]
         assert pod.get("automountServiceAccountToken") is False, name
