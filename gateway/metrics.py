@@ -120,8 +120,8 @@ class GatewayMetrics:
                               m, registry=registry)
         self.requeued = Counter("tokenrelay_requests_requeued", "Requests of dead workers this gateway's "
                                 "sweeps queued again (another worker resumes them).", m, registry=registry)
-        for counter in (self.fenced, self.requeued):
-            counter.labels(self.model)  # exported at 0 from the start: the dashboard reads them
+        for swept in (self.fenced, self.requeued):
+            swept.labels(self.model)  # exported at 0 from the start: the dashboard reads them
         self.queue_oldest_age = gauge("queue_oldest_waiting_age_seconds",
                                       "Age of the oldest request not claimed yet (0 when none waits).")
 
