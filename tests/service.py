@@ -4,6 +4,7 @@ as real `python -m worker` processes, against a real Redis."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import subprocess
 import sys
@@ -73,7 +74,7 @@ class SweeperThread:
         self.sweeper = Sweeper(self._client, config, self._served)
         self._models = list(models)
         self._thread = threading.Thread(target=self.loop.run_forever, name="sweeper", daemon=True)
-        self._task: asyncio.Future[None] | None = None
+        self._task: concurrent.futures.Future[None] | None = None
 
     async def _served(self) -> list[str]:
         return self._models

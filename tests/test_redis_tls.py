@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import redis
 
+from gateway.redis_acl import worker_password
 from gateway.redis_server import free_port
 from protos.redis_conn import async_client, sync_client
 from tests.test_deploy_k8s import RENDERED, container, env_of, find, workloads, write_tls_files
@@ -61,8 +62,10 @@ def mount_paths() -> list[str]:
 
 
 def tool_env(**env: str) -> dict[str, str]:
-    """REDIS7's directory first on PATH: the pod's commands call redis-server and redis-cli."""
-    return {"PATH": f"{Path(REDIS7 or '').parent}:{os.environ['PATH']}", **env}
+    """REDIS7's directory first on PATH: the pod's commands call redis-server and redis-cli (and
+    the ACL init container the `tokenrelay` CLI, from this checkout's .venv)."""
+    venv = Path(__file__).resolve().parents[1] / ".venv" / "bin"
+    return {"PATH": f"{Path(REDIS7 or '').parent}:{venv}:{os.environ['PATH']}", **env}
 
 
 @dataclass
@@ -90,11 +93,22 @@ class K8sRedis:
     def probe(self, kind: str) -> int:
         return self.run(redis_pod()["containers"][0][kind]["exec"]["command"])
 
-    def url(self, deployment: str) -> str:
-        """The Deployment's REDIS_URL as its pod sees it, dialing localhost:port."""
-        env = env_of(container(DOCS, deployment))
-        password = self.passwords[env["REDIS_PASSWORD"]["secretKeyRef"]["key"]]
-        url = env["REDIS_URL"].replace("$(REDIS_PASSWORD)", password)
+    def url(self, workload: str) -> str:
+        """The workload's REDIS_URL as its (first) pod sees it, dialing localhost:port: the
+        gateway's from the Secret, a worker pod's built by its command, its password derived
+        from the worker key (tests/test_deploy_k8s_redis_users.py runs the init container)."""
+        c = container(DOCS, workload)
+        env = env_of(c)
+        if "REDIS_URL" in env:
+            password = self.passwords[env["REDIS_PASSWORD"]["secretKeyRef"]["key"]]
+            url = env["REDIS_URL"].replace("$(REDIS_PASSWORD)", password)
+        else:
+            pod = f"{workload}-0"
+            found = re.search(r'REDIS_URL="([^"]+)"', " ".join(c["command"]))
+            assert found, workload
+            password = worker_password(self.passwords["worker-key"], pod)
+            url = (found.group(1).replace("$REDIS_ADDRESS", env["REDIS_ADDRESS"]).replace("$POD_NAME", pod)
+                   .replace("$(cat /run/redis-auth/password)", password))
         return self.relocate(url.replace("@redis:6379/", f"@localhost:{self.port}/"))
 
     def start(self) -> None:
@@ -106,7 +120,8 @@ class K8sRedis:
         (template / "users.acl").write_text(acl)
         for folder in ("acl", "data", "run/redis"):
             (self.root / folder).mkdir(parents=True)
-        init_env = {e["name"]: self.passwords[e["valueFrom"]["secretKeyRef"]["key"]] for e in init["env"]}
+        init_env = {e["name"]: e.get("value") or self.passwords[e["valueFrom"]["secretKeyRef"]["key"]]
+                    for e in init["env"]}
         assert self.run(init["command"], init_env) == 0
         argv = [*self.command(server["command"] + server["args"]), "--bind", "127.0.0.1"]  # test-only bind
         argv[argv.index("--tls-port") + 1] = str(self.port)
@@ -147,7 +162,7 @@ def k8s_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[K8sRedis]:
 def test_gateway_and_worker_urls_reach_the_tls_only_redis_with_redis_conn_clients(
         k8s_redis: K8sRedis) -> None:
     worker_url = k8s_redis.url("tokenrelay-worker")
-    assert worker_url.startswith("rediss://worker:") and "ssl_ca_certs=" in worker_url
+    assert worker_url.startswith("rediss://worker-tokenrelay-worker-0:") and "ssl_ca_certs=" in worker_url
     client = sync_client(worker_url, timeout_s=2)
     try:
         assert client.time()  # in the worker's rights, not in the default user's (PING only)
@@ -165,7 +180,8 @@ def test_gateway_and_worker_urls_reach_the_tls_only_redis_with_redis_conn_client
 
 def test_the_users_passwords_come_from_the_secret(k8s_redis: K8sRedis) -> None:
     url = k8s_redis.url("tokenrelay-worker")
-    wrong = re.sub(r"(rediss://worker:)[0-9a-f]+@", r"\1not-the-password@", url)
+    wrong = re.sub(r"(rediss://[^:]+:)[0-9a-f]+@", r"\1not-the-password@", url)
+    assert wrong != url
     client = sync_client(wrong, timeout_s=2)
     try:
         with pytest.raises(redis.exceptions.AuthenticationError):
