@@ -204,10 +204,10 @@ Fencing: a zombie's writes fail
   and a zombie's XACK cannot remove the taker's entry. ``deliveries`` in the record counts
   takeovers from owners that died holding the request, across every attempt (a resend does
   not reset it): a request that keeps killing its workers fails with UNAVAILABLE after
-  --max-deliveries in all. Every heartbeat stops with Redis, and a sweep sent before a stall
-  runs when Redis is back: so the SWEEP script keeps the last sweep's time (``{p}:sweep-clock``,
-  Redis's clock) and after a gap judges nobody for a worker heartbeat TTL (the gateways'
-  --worker-heartbeat-ttl).
+  --max-deliveries in all. Every heartbeat stops with Redis (a restart may lose the last second
+  of them), and a sweep sent before a stall runs when Redis is back: so after a failed sweep,
+  and after a gap in the sweeps on Redis's clock (``{p}:sweep-clock``, kept by the SWEEP
+  script), a gateway judges nobody for a worker heartbeat TTL (its --worker-heartbeat-ttl).
 
   A failed-over request is resumed from the log: the prompt plus the streamed tokens are
   prefilled, sampling continues with the same seed at the next step, and events continue

@@ -166,14 +166,19 @@ def test_every_tenth_sweep_looks_at_every_member_and_at_the_groups_consumers(
 
 def test_after_a_gap_in_the_sweeps_nobody_is_judged_for_a_worker_heartbeat_ttl(
         client: redis.Redis, redis_url: str, prefix: str) -> None:
-    """Every heartbeat stopped with Redis, and a sweep sent before a stall runs when it is back:
-    judged at once, live workers would be fenced for an outage, not a death."""
+    """Every heartbeat stopped with Redis (and a restart may lose the last second of them), and a
+    sweep sent before a stall runs when it is back: judged at once, live workers would be fenced
+    for an outage, not a death. After a failed call, and after a gap on Redis's clock, nobody is
+    judged for a worker heartbeat TTL."""
     keys = Keys(prefix, MODEL)
     sweeps = Sweeps(redis_url, prefix, worker_heartbeat_ttl_s=0.5)
     try:
         attach(client, keys, "r")
         claim(client, keys, "silent")
         client.zadd(keys.registry, {"silent": 0})
+        sweeps.sweeper.defer()  # as its loop does after a call failed
+        assert sweeps.sweep() == (0, 0) and not client.smembers(keys.fenced)
+        time.sleep(0.6)
         client.hset(keys.sweep_clock, "last", 1)  # no sweep since 1970: Redis was away
         assert sweeps.sweep() == (0, 0) and not client.smembers(keys.fenced)
         time.sleep(0.3)
