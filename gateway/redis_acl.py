@@ -3,7 +3,7 @@
 deploy/redis/users.acl gives every worker one user, `worker` (its rules are
 `worker_rules(prefix)`; tests/test_redis_acl.py checks the file against them). Redis ACLs
 name keys and channels by pattern, not by connection, so with one user every worker may write
-every worker's heartbeat, log, prefix index and revoked set, and publish on every worker's out
+every worker's heartbeat, log, prefix index and fence set, and publish on every worker's out
 channel. A user per worker (`worker_rules(prefix, worker_id)`) narrows those to its own
 consumers' names, ``{worker_id}.??????`` (the incarnation: protos/keys.py INCARNATION_LEN), so
 that, with the gateway taking a request's events only from the out channel of the worker its
@@ -58,14 +58,14 @@ def worker_rules(prefix: str = DEFAULT_PREFIX, worker_id: str | None = None) -> 
     own = "*" if worker_id is None else f"{worker_id}.{'?' * INCARNATION_LEN}"
     return " ".join([
         # The scripts' declared keys (STEP declares none: its keys follow from its arguments).
-        f"(~{p}:log:{own} ~{p}:registry ~{p}:revoked:{own} ~{p}:worker:{own} ~{p}:consumer-models +evalsha)",
+        f"(~{p}:log:{own} ~{p}:registry ~{p}:fence:{own} ~{p}:worker:{own} ~{p}:consumer-models +evalsha)",
         f"(~{p}:model:* ~{p}:routed:* +xgroup|create +xreadgroup +xpending +xrange +xack +xdel)",
         f"(~{p}:prefixes:{own} +zadd +zremrangebyrank +pexpire)",
         f"(~{p}:request:* +hget +hmget +hset +hsetnx +hincrby +pexpire)",
         f"(%R~{p}:log:* +hget +hmget)",  # a claim copies the last owner's log (OWN)
         f"(~{p}:log:{own} +hget +hmget +hset +hdel +pexpire)",
         # Fence marks: its own (STEP, HEARTBEAT) and a record owner's (OWN takes only a fenced one's).
-        f"(%R~{p}:revoked:* +sismember)",
+        f"(%R~{p}:fence:* +sismember)",
         f"(~{p}:registry +zrangebyscore +zadd)",  # no ZREM: a worker cannot hide a dead one
         f"(~{p}:worker:{own} +hset +pexpire +del)",
         f"(~{p}:consumer-models +hset +hmget)",

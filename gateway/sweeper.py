@@ -157,8 +157,8 @@ for _, name in ipairs(names) do
     else
       redis.call('SADD', fenced, name)
       redis.call('PEXPIRE', fenced, fence_ttl)
-      redis.call('SADD', prefix .. ':revoked:' .. name, '{FENCE_MARK}')
-      redis.call('PEXPIRE', prefix .. ':revoked:' .. name, fence_ttl)
+      redis.call('SADD', prefix .. ':fence:' .. name, '{FENCE_MARK}')
+      redis.call('PEXPIRE', prefix .. ':fence:' .. name, fence_ttl)
       -- Dead (score 0) until nothing of it is left: later sweeps find it here.
       redis.call('ZADD', registry, 0, name)
       reply[#reply + 1] = {{name, held}}

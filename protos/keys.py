@@ -27,7 +27,7 @@ or test runs can share one Redis. ``{p}`` below is that prefix.
 | {p}:registry             | zset    | none         | workers' HEARTBEAT, sweeper| everyone (candidates)   |
 | {p}:fenced               | set     | 24 h         | the gateways' sweeper     | operators (who was fenced)|
 | {p}:sweep-clock          | hash    | none         | the gateways' sweeper     | the gateways' sweeper    |
-| {p}:revoked:{consumer}   | set     | 24 h         | the gateways' sweeper     | its STEP, HEARTBEAT; OWN |
+| {p}:fence:{consumer}     | set     | 24 h         | the gateways' sweeper     | its STEP, HEARTBEAT; OWN |
 | {p}:aborts               | channel | -            | gateway PUBLISH           | every worker (SUBSCRIBE) |
 | {p}:gateway:{gateway_id} | channel | -            | (nobody yet)              | that gateway (SUBSCRIBE) |
 | {p}:worker:{consumer}    | hash    | worker's TTL | worker HEARTBEAT          | gateway (GetServerInfo), |
@@ -122,7 +122,7 @@ Request ids are per tenant
 
 Delivery guarantee: every chunk exactly once to a caller that keeps resending.
   Per round a worker makes ONE call of its STEP script (worker/io/scripts.py): it checks
-  the fence and the revocations (below), logs the round's events and progress of every request in one HSET,
+  the fence (below), logs the round's events and progress of every request in one HSET,
   ends finished attempts (``final`` into the record, XACK+XDEL of the entry), and
   PUBLISHes every event of the round in one ``queue.TokenEventBatch`` on
   ``{p}:out:{consumer}``. A script is atomic, so an event is logged before anyone hears
@@ -188,7 +188,7 @@ Fencing: a zombie's writes fail
   lost with the last second of an AOF). Its SWEEP script takes the candidates whose hash has
   expired; one that holds nothing leaves the registry and the group, and one that holds
   entries (pending under it, or in its routed streams) is fenced, atomically: the member
-  ``*`` in its ``{p}:revoked:{consumer}``, its name in ``{p}:fenced`` for operators, score 0
+  ``*`` in its ``{p}:fence:{consumer}``, its name in ``{p}:fenced`` for operators, score 0
   in the registry until nothing of it is left. Then REQUEUE moves each of its entries to the
   tail of the shared stream of its model and class, one script for the batch: the record
   follows (compare-and-set on its entry, as MOVE; an owner that died holding it is cleared
@@ -296,7 +296,7 @@ WORKER_KEY_MARK = ":worker:"
 # A worker's prefix index outlives its last claim this long (its cache outlives it too);
 # a dead worker's index is never read (only live workers are scored), just left to expire.
 PREFIX_INDEX_TTL_S = 3600
-FENCE_MARK = "*"  # the member of {p}:revoked:{consumer} that fences the whole consumer
+FENCE_MARK = "*"  # the member of {p}:fence:{consumer} that fences the whole consumer
 # A consumer name is {worker_id}.{incarnation}, the incarnation this many hex digits: a
 # per-worker Redis user's patterns name its keys as {worker_id}.?????? (gateway/redis_acl.py).
 INCARNATION_LEN = 6
@@ -553,9 +553,9 @@ class Keys:
         """Set of consumers judged dead and fenced (for operators): their writes are refused."""
         return f"{self.prefix}:fenced"
 
-    def revoked(self, consumer: str) -> str:
+    def fence(self, consumer: str) -> str:
         """Set whose member FENCE_MARK fences `consumer` (the gateways' sweeper adds it)."""
-        return f"{self.prefix}:revoked:{consumer}"
+        return f"{self.prefix}:fence:{consumer}"
 
     def log(self, consumer: str) -> str:
         """Hash (`LogField`): the events and progress of the requests `consumer` runs or ran."""

@@ -168,7 +168,7 @@ WORKER_DENIED = [
     # ... nor take over, fence or tidy away another worker: the gateways' sweeper does that ...
     ("XCLAIM", R, KEYS.group, "w.2", "0", "0-1"), ("XAUTOCLAIM", R, KEYS.group, "w.2", "0", "0"),
     ("XGROUP", "DELCONSUMER", R, KEYS.group, W), ("XINFO", "CONSUMERS", R, KEYS.group),
-    ("SADD", KEYS.revoked(W), FENCE_MARK), ("SREM", KEYS.revoked(W), "other"), ("SADD", KEYS.fenced, W),
+    ("SADD", KEYS.fence(W), FENCE_MARK), ("SREM", KEYS.fence(W), "other"), ("SADD", KEYS.fenced, W),
     ("ZREM", KEYS.registry, W), ("HDEL", KEYS.consumer_models, W),
     # ... nor DEL anything but heartbeat hashes (records, logs and the registry: HSET, HDEL, ZREM) ...
     ("DEL", KEYS.record(RID)), ("DEL", KEYS.log(W)), ("DEL", KEYS.registry),
@@ -204,14 +204,14 @@ GATEWAY_DENIED = [
     ("SUBSCRIBE", KEYS.out(W)), ("PSUBSCRIBE", f"{PREFIX}:*"), ("SUBSCRIBE", "other:events:1"),
 ]
 # A worker with its own user (gateway/redis_acl.py), OWN_USERS["wa"], on the keys of consumer W,
-# another worker's: it may not write its heartbeat, log, prefix index or revoked set, nor
+# another worker's: it may not write its heartbeat, log, prefix index or fence set, nor
 # publish on its out channel (it may read W's log, which a claim of W's request copies, and
 # W's fence mark).
 OWN_WORKER_DENIED = [
     ("HSET", KEYS.worker(W), "model", "x"), ("DEL", KEYS.worker(W)), ("PEXPIRE", KEYS.worker(W), "1"),
     ("HSET", KEYS.log(W), f"{RID}:1", "x"), ("HDEL", KEYS.log(W), f"{RID}:0"), ("PEXPIRE", KEYS.log(W), "1"),
     ("PUBLISH", KEYS.out(W), "x"), ("ZADD", KEYS.prefixes(W), "1", "x"),
-    ("SREM", KEYS.revoked(W), "other"), ("SMEMBERS", KEYS.revoked(W)),
+    ("SREM", KEYS.fence(W), "other"), ("SMEMBERS", KEYS.fence(W)),
     ("HSET", KEYS.worker("wa"), "model", "x"),  # not one of wa's consumers either: no incarnation
     *WORKER_DENIED,  # and all a shared worker user is refused
 ]

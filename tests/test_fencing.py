@@ -64,7 +64,7 @@ def test_a_fenced_consumer_writes_nothing(client: redis.Redis, prefix: str) -> N
     keys = Keys(prefix, DEFAULT_MODEL_NAME)
     outbox = Outbox()
     outbox.log(chunk_event("r", 0))
-    client.sadd(keys.revoked("zombie"), FENCE_MARK)  # what a sweeper leaves for a consumer it fenced
+    client.sadd(keys.fence("zombie"), FENCE_MARK)  # what a sweeper leaves for a consumer it fenced
     assert step(client, keys, "zombie", outbox) == ["fenced"]
     assert not client.exists(keys.log("zombie"))
     assert step(client, keys, "live", outbox) == ["ok"]
@@ -85,7 +85,7 @@ def test_a_claim_takes_a_record_only_from_a_fenced_owner_and_copies_its_log(clie
     # keeps it, and nothing of b's is written
     assert own(client, keys, "b", "r", entry_id)[:2] == [b"busy", 0]
     assert client.hget(keys.record("r"), Record.OWNER) == b"a" and not client.exists(keys.log("b"))
-    client.sadd(keys.revoked("a"), FENCE_MARK)  # then a sweeper fences a
+    client.sadd(keys.fence("a"), FENCE_MARK)  # then a sweeper fences a
     state, deliveries, progress, *chunks = own(client, keys, "b", "r", entry_id)
     assert (state, deliveries, queue_pb2.Progress.FromString(progress).seed) == (b"own", 1, 5)
     assert [event_from_log(c).seq for c in chunks] == [0, 1, 2]

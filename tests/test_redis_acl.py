@@ -332,7 +332,7 @@ def deployed(admin: redis.Redis) -> Iterator[redis.Redis]:
     admin.hset(KEYS.worker(WORKER), mapping={Heartbeat.WORKER_ID: "w"})
     admin.hset(KEYS.tenant_tokens("acme"), mapping={"tokens": 5, "updated_ms": 0})
     admin.zadd(KEYS.tenant_calls("acme"), {"x": 1e15})
-    admin.sadd(KEYS.revoked(WORKER), "other")
+    admin.sadd(KEYS.fence(WORKER), "other")
     before = snapshot(admin)
     yield admin
     assert snapshot(admin) == before

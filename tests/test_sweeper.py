@@ -112,7 +112,7 @@ def test_a_dead_workers_requests_go_back_to_the_queue_and_it_is_fenced(
     attach(client, keys, "routed-waiting", stream=routed)  # routed to it, never claimed
     assert sweeps.sweep() == (1, 3)
     assert client.smembers(keys.fenced) == {b"dead"}
-    assert client.smembers(keys.revoked("dead")) == {FENCE_MARK.encode()}
+    assert client.smembers(keys.fence("dead")) == {FENCE_MARK.encode()}
     assert client.zscore(keys.registry, "dead") == 0  # dead until nothing of it is left
     assert queued_ids(client, keys) == ["kept", "running", "routed-running", "routed-waiting"]
     pending = client.xpending_range(keys.requests, keys.group, min="-", max="+", count=10)

@@ -260,7 +260,7 @@ class Heartbeat:
         self._closed = threading.Event()
         self._script = client.register_script(HEARTBEAT)
         name = config.consumer_name
-        self._script_keys = [self._keys.registry, self._keys.revoked(name), self._keys.worker(name),
+        self._script_keys = [self._keys.registry, self._keys.fence(name), self._keys.worker(name),
                              self._keys.log(name), self._keys.consumer_models]
         self.log_ttl_ms = 0  # how long the log must outlive this worker: its longest result TTL
         # The log's TTL is renewed every LOG_RENEW_S (and at once when log_ttl_ms grows), not at

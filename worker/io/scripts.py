@@ -3,7 +3,7 @@
 Ownership (protos/keys.py, "Fencing"): a worker process is one consumer of the group, named
 ``{worker_id}.{incarnation}``. It is alive while its heartbeat hash exists (HEARTBEAT renews it
 and its registry score). A gateway's sweeper that finds a consumer dead fences it (the mark in
-its revoked set) and queues its entries again (gateway/sweeper.py): workers never write
+its fence set) and queues its entries again (gateway/sweeper.py): workers never write
 another worker's keys, nor take over another's entries. A claim takes a request's record (OWN:
 sets ``owner``, copies the request's log into the claimant's log hash, never writing another
 worker's) only when its owner released it or was fenced; a record a live owner holds (an entry
@@ -63,7 +63,7 @@ STEP = _LIB + f"""
 local prefix, me = ARGV[1], ARGV[2]
 local group = prefix .. ':workers'
 local log, out = prefix .. ':log:' .. me, prefix .. ':out:' .. me
-if redis.call('SISMEMBER', prefix .. ':revoked:' .. me, '{FENCE_MARK}') == 1 then return {{'fenced'}} end
+if redis.call('SISMEMBER', prefix .. ':fence:' .. me, '{FENCE_MARK}') == 1 then return {{'fenced'}} end
 local i = 3
 local n = tonumber(ARGV[i])
 local reown_at = i + 1
@@ -156,7 +156,7 @@ for i = 3, #ARGV, 3 do
     reply[#reply + 1] = {{'stale', deliveries, false}}
   elseif f[4] then
     reply[#reply + 1] = {{'finished', deliveries, false}}
-  elseif held and redis.call('SISMEMBER', prefix .. ':revoked:' .. owner, '{FENCE_MARK}') == 0 then
+  elseif held and redis.call('SISMEMBER', prefix .. ':fence:' .. owner, '{FENCE_MARK}') == 0 then
     reply[#reply + 1] = {{'busy', deliveries, false}}
   else
     if held then deliveries = redis.call('HINCRBY', rec, '{Record.DELIVERIES}', 1) end
@@ -187,9 +187,9 @@ return reply
 """
 
 HEARTBEAT = _LIB + f"""
-local registry, revoked, beat, log, models = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local registry, fence, beat, log, models = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local me, ttl, log_ttl, model = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
-if redis.call('SISMEMBER', revoked, '{FENCE_MARK}') == 1 then return 0 end
+if redis.call('SISMEMBER', fence, '{FENCE_MARK}') == 1 then return 0 end
 local now = now_ms()
 -- ZADD answers 1 only for a new member: this worker's first beat, or a Redis that came back
 -- without it. The model and the log's TTL are written then (a sweeper removes the model with the
