@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import redis
 
 from gateway.config import GatewayConfig
 from gateway.redis_server import DEFAULT_MAXMEMORY, EVICTION_ARGS, PERSISTENCE_ARGS, EmbeddedRedis, free_port
@@ -73,6 +74,14 @@ def redis_url() -> Iterator[str]:
             return
     with EmbeddedRedis() as server:
         yield server.url
+
+
+@pytest.fixture
+def client(redis_url: str) -> Iterator[redis.Redis]:
+    """A plain redis-py client of the test's Redis."""
+    c = redis.Redis.from_url(redis_url)
+    yield c
+    c.close()
 
 
 @pytest.fixture

@@ -3,9 +3,6 @@ cost of a poll that finds nothing, and never more than the worker's room; on a r
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import pytest
 import redis
 
 from protos.keys import Keys, PriorityClass
@@ -13,13 +10,6 @@ from protos.tokenrelay.v1 import queue_pb2
 from worker.config import DEFAULT_MODEL_NAME as MODEL
 from worker.config import WorkerConfig
 from worker.io.claim import Claimer
-
-
-@pytest.fixture
-def client(redis_url: str) -> Iterator[redis.Redis]:
-    c = redis.Redis.from_url(redis_url)
-    yield c
-    c.close()
 
 
 def test_a_workers_own_stream_comes_before_the_shared_one_of_its_class_never_before_a_higher_class(

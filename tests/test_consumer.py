@@ -55,13 +55,6 @@ def test_worker_config_rejects_bad_values(fields: dict) -> None:
 
 # -- through Redis ------------------------------------------------------------------------------------
 
-@pytest.fixture
-def client(redis_url: str) -> Iterator[redis.Redis]:
-    c = redis.Redis.from_url(redis_url)
-    yield c
-    c.close()
-
-
 class Replies:
     """A caller's side without a gateway: follow requests (their presence channels, and every
     worker's out channel for the events), collect their events."""

@@ -8,7 +8,7 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -24,13 +24,6 @@ from worker.engine.sim import SimConfig, SimEngine, sim_token_ids
 from worker.io.pending import reconcile
 from worker.io.redis_io import LOG_RENEW_S, Heartbeat, Outbox
 from worker.io.scripts import OWN, STEP
-
-
-@pytest.fixture
-def client(redis_url: str) -> Iterator[redis.Redis]:
-    c = redis.Redis.from_url(redis_url)
-    yield c
-    c.close()
 
 
 def chunk_event(request_id: str, seq: int, token: int = 7) -> queue_pb2.TokenEvent:

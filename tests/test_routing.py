@@ -10,10 +10,9 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-import pytest
 import redis
 
 from gateway.auth import ANONYMOUS
@@ -53,13 +52,6 @@ def session(n: int, turns: int) -> list[generate_pb2.GenerateRequest]:
         requests.append(chat(*contents))
         contents.append("x" * 3)  # CountingEngine answers "xxx"
     return requests
-
-
-@pytest.fixture
-def client(redis_url: str) -> Iterator[redis.Redis]:
-    c = redis.Redis.from_url(redis_url)
-    yield c
-    c.close()
 
 
 # -- the hashes -----------------------------------------------------------------------------------

@@ -21,13 +21,6 @@ from worker.config import DEFAULT_MODEL_NAME
 MODEL = DEFAULT_MODEL_NAME
 
 
-@pytest.fixture
-def client(redis_url: str) -> Iterator[redis.Redis]:
-    c = redis.Redis.from_url(redis_url)
-    yield c
-    c.close()
-
-
 class Sweeps:
     """One Sweeper on its own event loop: `sweep()` runs one sweep and returns (fenced, queued).
     Its first sweep (which lists the group's consumers) has run: a first sweep judges nobody
