@@ -52,16 +52,19 @@ class EntryState(enum.Enum):
 # worker the router chose: protos/keys.py, "Routing"; a routed entry names its record, for
 # MOVE); with `expect` = the entry of an attempt that ended without a final, XADD the next
 # attempt (compare-and-set: two gateways never start two). The record's STREAM says where
-# its current attempt is. Results: {"mismatch"} {"unknown"} {"finished", entry}
+# its current attempt is; it has finished when the log the record names holds its final
+# (`LogField.FINAL`; ARGV[8] = the request's key). Results: {"mismatch"} {"unknown"} {"finished", entry}
 # {"live", entry, seed, stream} {"ended", entry, seed, stream} {"created", entry, seed, stream}.
 ATTACH_SCRIPT = f"""
 local rec, stream = KEYS[1], KEYS[2]
 local digest, data, seed, lease_ms, may_create, expect = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
-local f = redis.call('HMGET', rec, '{Record.DIGEST}', '{Record.ENTRY}', '{Record.FINAL}', '{Record.SEED}',
+local f = redis.call('HMGET', rec, '{Record.DIGEST}', '{Record.ENTRY}', '{Record.LOG}', '{Record.SEED}',
                      '{Record.STREAM}')
 if f[1] then
   if f[1] ~= digest then return {{'mismatch'}} end
-  if f[3] then return {{'finished', f[2]}} end
+  if f[3] and redis.call('HEXISTS', f[3], ARGV[8] .. '{LogField.FINAL}') == 1 then
+    return {{'finished', f[2]}}
+  end
   local at = f[5] or stream
   if f[2] and #redis.call('XRANGE', at, f[2], f[2]) > 0 then return {{'live', f[2], f[4], at}} end
   if expect == '' or expect ~= (f[2] or '') then return {{'ended', f[2] or '', f[4], at}} end
@@ -141,9 +144,9 @@ MAX_LOG_READ = 2048  # events per READ_LOG call (Lua's unpack() takes a few thou
 # gap). A caller asking past the end of a finished request gets the final alone.
 READ_LOG_SCRIPT = f"""
 local rid, first, most = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local f = redis.call('HMGET', KEYS[1], '{Record.LOG}', '{Record.FINAL}')
-local log, final = f[1], f[2]
+local log = redis.call('HGET', KEYS[1], '{Record.LOG}')
 if not log then return {{first}} end
+local final = redis.call('HGET', log, rid .. '{LogField.FINAL}')
 if final and tonumber(final) < first then
   return {{tonumber(final), redis.call('HGET', log, rid .. ':' .. final)}}
 end
@@ -155,6 +158,13 @@ for s = first, last do names[#names + 1] = rid .. ':' .. s end
 local reply = redis.call('HMGET', log, unpack(names))
 table.insert(reply, 1, first)
 return reply
+"""
+
+# A finished request's record lives its result TTL (ARGV[1], ms) from its final: it is shortened
+# from the creation lease, never lengthened (a later replay must not outlive the worker's log).
+SHORTEN_SCRIPT = """
+local left = redis.call('PTTL', KEYS[1])
+if left > tonumber(ARGV[1]) then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
 """
 
 # Live workers in one round trip: the registry's members (consumer names) whose expiry
@@ -221,6 +231,7 @@ class RequestQueue:
         self._depths: dict[str, _Depth] = {}  # per model (protos/keys.py, "Models")
         self._attach = client.register_script(ATTACH_SCRIPT)
         self._read_log = client.register_script(READ_LOG_SCRIPT)
+        self._shorten = client.register_script(SHORTEN_SCRIPT)
         self._live_workers = client.register_script(LIVE_WORKERS_SCRIPT)
         self._entry_state = client.register_script(ENTRY_STATE_SCRIPT)
         # The live workers' routed streams by model, as the router last saw them: queue depth
@@ -239,7 +250,8 @@ class RequestQueue:
                   else self.keys.for_model(request.request.model).requests_of(priority_class))
         seed, lease_ms = str(request.request.sampling.seed), int(RECORD_LEASE_S * 1000)
         args: list[bytes | str | int] = [digest, request.SerializeToString(), seed, lease_ms,
-                                         "1" if may_create else "0", expect, "1" if routed_to else "0"]
+                                         "1" if may_create else "0", expect, "1" if routed_to else "0",
+                                         request.request_id]
         reply = await self._attach(keys=[self.keys.record(request.request_id), stream], args=args)
         state = reply[0].decode()
         if state == "created":
@@ -262,6 +274,10 @@ class RequestQueue:
             return []
         keys = [self.keys.prefixes(c) for c in consumers]
         return [int(n) for n in await self._route(keys=keys, args=[len(hashes), *hashes])]
+
+    async def finished(self, request_id: str, result_ttl_s: float) -> None:
+        """The request's final reached a caller: its record lives result_ttl_s more at most."""
+        await self._shorten(keys=[self.keys.record(request_id)], args=[int(result_ttl_s * 1000)])
 
     async def read_log(self, request_id: str, first_seq: int = 0) -> dict[int, queue_pb2.TokenEvent]:
         """seq -> event of what the request's log holds from first_seq on (chunks and the final),

@@ -18,8 +18,9 @@ reserved at admission and settled at the end, when the call is charged what it u
 - at its end a call is charged the tokens it was sent (every chunk's token ids, a replay
   of the log included: a replay costs what it returns), plus the generation's prompt
   tokens if no call was charged for them yet. The worker counts them (the gateway does not
-  tokenize) and writes them into the request's record when it admits the request
-  (`Record.PROMPT_TOKENS`); SETTLE charges them once per generation (`Record.PROMPT_BILLED`),
+  tokenize) and writes them into its log when it admits the request (`LogField.PROMPT`,
+  read from the log the request's record names, which a gateway checked: gateway/sources.py);
+  SETTLE charges them once per generation (`Record.PROMPT_BILLED`),
   to the first call of the tenant that ends after that: the caller that left before its
   first token pays its prompt as well as the one that waited for the final;
 - the difference is given back, or taken: a prompt longer than the unused max_tokens puts
@@ -43,7 +44,7 @@ from redis.exceptions import RedisError
 
 from gateway.auth import Tenant
 from gateway.errors import PUSHBACK_TRAILER, GatewayError, InvalidArgument, redis_unavailable
-from protos.keys import Bucket, Keys, Record
+from protos.keys import Bucket, Keys, LogField, Record
 
 log = logging.getLogger(__name__)
 
@@ -95,14 +96,15 @@ return {{{ADMITTED}, 0, 0}}
 
 # KEYS: calls zset, bucket hash, and the request's record if the call attached to one. ARGV:
 # call id ("" = no slot), tokens_per_minute (0 = none), tokens to give back (negative: to
-# take). Frees the slot, takes the record's prompt tokens if nobody paid them yet (HMGET
-# first: a record that expired is not created again), and settles the bucket, which may go
-# below zero. -> tokens in the bucket after (0 without a bucket)
+# take), the request's key. Frees the slot, takes the prompt tokens the record's log holds if
+# nobody paid them yet (read first: a record that expired is not created again), and settles
+# the bucket, which may go below zero. -> tokens in the bucket after (0 without a bucket)
 SETTLE_SCRIPT = f"""
 if ARGV[1] ~= '' then redis.call('ZREM', KEYS[1], ARGV[1]) end
 local tpm, back = tonumber(ARGV[2]), tonumber(ARGV[3])
 if tpm > 0 and KEYS[3] then
-  local prompt = redis.call('HMGET', KEYS[3], '{Record.PROMPT_TOKENS}')[1]
+  local log = redis.call('HGET', KEYS[3], '{Record.LOG}')
+  local prompt = log and redis.call('HGET', log, ARGV[4] .. '{LogField.PROMPT}')
   if prompt and redis.call('HSETNX', KEYS[3], '{Record.PROMPT_BILLED}', '1') == 1 then
     back = back - tonumber(prompt)
   end
@@ -198,7 +200,8 @@ class Quotas:
         self._open.discard(slot)
         keys = [slot.key, slot.bucket, *([self.keys.record(request_key)] if request_key else [])]
         try:
-            await self._settle(keys=keys, args=[slot.call_id, slot.tpm, slot.reserved - used_tokens])
+            await self._settle(keys=keys,
+                               args=[slot.call_id, slot.tpm, slot.reserved - used_tokens, request_key])
         except RedisError as e:  # the slot expires by itself after slot_ttl; the tokens stay spent
             log.info("quota slot %s not settled (it expires): %s", slot.call_id, e)
 

@@ -6,10 +6,12 @@ name keys and channels by pattern, not by connection, so with one user every wor
 every worker's heartbeat, log, prefix index and fence set, and publish on every worker's out
 channel. A user per worker (`worker_rules(prefix, worker_id)`) narrows those to its own
 consumers' names, ``{worker_id}.??????`` (the incarnation: protos/keys.py INCARNATION_LEN), so
-that, with the gateway taking a request's events only from the out channel of the worker its
-record names (gateway/sources.py), a worker cannot put tokens into a stream it does not run by
-publishing them. No worker user may XCLAIM, fence or deregister another worker: the gateways
-sweep for dead workers (gateway/sweeper.py). deploy/redis/README.md says what is still open.
+that, with the gateway taking a request's events only from the out channel of the worker that
+holds its entry (gateway/sources.py), a worker cannot put tokens into a stream it does not run by
+publishing them. No worker user may write a request record (only gateways do: a worker could
+otherwise point one at a log it forged), nor XCLAIM, fence or deregister another worker: the
+gateways sweep for dead workers (gateway/sweeper.py). deploy/redis/README.md says what is still
+open.
 
     tokenrelay acl worker --worker-id w1 [--user worker-w1] [--key-prefix tokenrelay]
 
@@ -61,10 +63,10 @@ def worker_rules(prefix: str = DEFAULT_PREFIX, worker_id: str | None = None) -> 
         f"(~{p}:log:{own} ~{p}:registry ~{p}:fence:{own} ~{p}:worker:{own} ~{p}:consumer-models +evalsha)",
         f"(~{p}:model:* ~{p}:routed:* +xgroup|create +xreadgroup +xpending +xrange +xack +xdel)",
         f"(~{p}:prefixes:{own} +zadd +zremrangebyrank +pexpire)",
-        f"(~{p}:request:* +hget +hmget +hset +hsetnx +hincrby +pexpire)",
-        f"(%R~{p}:log:* +hget +hmget)",  # a claim copies the last owner's log (OWN)
+        f"(%R~{p}:request:* +hget +hmget)",  # only gateways write records (gateway/sources.py)
+        f"(%R~{p}:log:* +hget +hmget)",  # a claim copies the log its record names (OWN)
         f"(~{p}:log:{own} +hget +hmget +hset +hdel +pexpire)",
-        # Fence marks: its own (STEP, HEARTBEAT) and a record owner's (OWN takes only a fenced one's).
+        # Fence marks: its own (STEP, HEARTBEAT) and a log's worker's (OWN takes only a fenced one's).
         f"(%R~{p}:fence:* +sismember)",
         f"(~{p}:registry +zrangebyscore +zadd)",  # no ZREM: a worker cannot hide a dead one
         f"(~{p}:worker:{own} +hset +pexpire +del)",

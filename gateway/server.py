@@ -180,6 +180,7 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
                 is_done = response.HasField("final")
                 if is_done:
                     response.final.tenant = tenant.name
+                    self._in_background(self._finished(key))
                     if is_new and self.metrics is not None:
                         self.metrics.observe_route(request.model, route, response.final.usage)
                 else:
@@ -303,6 +304,12 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
         task = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    async def _finished(self, request_id: str) -> None:
+        try:
+            await self.queue.finished(request_id, self.config.result_ttl_s)
+        except RedisError as e:  # the record keeps its creation lease (RECORD_LEASE_S) instead
+            log.warning("request %s: could not shorten its record to the result TTL: %s", request_id, e)
 
     async def _abort(self, request_id: str, reason: str, entry_id: bytes) -> None:
         try:

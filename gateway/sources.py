@@ -1,15 +1,19 @@
-"""Which worker may stream a request: the one whose log the request's record names.
+"""Which worker may stream a request: the one that holds its current entry.
 
-A worker's claim points the request's record at its own log (`Record.LOG`, the OWN script)
-before it publishes anything, and the round that admits the request announces it
-(`TokenEventBatch.admitted`, before the prefill). The reply router (gateway/replies.py) asks
-`Sources` about every event: an event of the request's known worker is relayed at once; the
-first event (or announcement) of another worker is held while the record is read (HMGET of
-that one field; the checks asked together share one pipelined round trip), then relayed, or
-dropped and counted (`on_refused`) if the record names another log. So a worker that may
-publish only on its own out channel (a per-worker Redis user: deploy/redis) cannot put tokens
-into a stream it does not run, and a late event of an owner that was taken over is not relayed
-(the log it was copied into fills any gap).
+Only gateways write request records (workers may not: deploy/redis). The round of a worker that
+admits a request announces it (`TokenEventBatch.admitted`, before the prefill). The reply router
+(gateway/replies.py) asks `Sources` about every event: an event of the request's known worker is
+relayed at once; the first event (or announcement) of another worker is held while VERIFY runs
+(one script call for every check asked together), then relayed, or dropped and counted
+(`on_refused`). VERIFY accepts the worker whose log the record names, or one that holds the
+record's entry in the stream's pending list, which only a claim (XREADGROUP) writes and no
+worker can move; the record then names that worker's log (`Record.LOG`), so a resume on any
+gateway reads the log of a worker it may trust. A finished attempt's entry stays pending until
+its record names its worker's log (worker/io/scripts.py STEP), so a final is never refused for
+being quick. So a worker that may publish only on its own out channel (a per-worker Redis
+user) cannot put tokens into a stream it does not run, nor point a record at a log it wrote,
+and a late event of an owner that was taken over is not relayed (the log it was copied into
+fills any gap).
 """
 
 from __future__ import annotations
@@ -28,6 +32,29 @@ from protos.tokenrelay.v1 import queue_pb2
 
 log = logging.getLogger(__name__)
 
+# Per check: ARGV = record key, the worker's log key, its consumer name. ARGV[1] = the group.
+# Returns 1 (it may stream the request) or 0 per check.
+VERIFY_SCRIPT = f"""
+local group = ARGV[1]
+local reply = {{}}
+for i = 2, #ARGV, 3 do
+  local rec, log, consumer = ARGV[i], ARGV[i + 1], ARGV[i + 2]
+  local f = redis.call('HMGET', rec, '{Record.LOG}', '{Record.ENTRY}', '{Record.STREAM}')
+  local ok = 0
+  if f[1] == log then
+    ok = 1
+  elseif f[2] and f[3] then
+    local found, pending = pcall(redis.call, 'XPENDING', f[3], group, f[2], f[2], 1)
+    if found and pending[1] and pending[1][2] == consumer then
+      redis.call('HSET', rec, '{Record.LOG}', log)
+      ok = 1
+    end
+  end
+  reply[#reply + 1] = ok
+end
+return reply
+"""
+
 # After a worker was refused for a request, its further events for that request are dropped this
 # long without reading the record again (a misbehaving worker cannot make every gateway read
 # Redis once per event it publishes).
@@ -41,7 +68,8 @@ class Sources:
     def __init__(self, client: aioredis.Redis, keys: Keys, deliver: Callable[[queue_pb2.TokenEvent], None],
                  max_held: int) -> None:
         self._client, self._keys, self._deliver, self._max_held = client, keys, deliver, max_held
-        self.known: dict[str, str] = {}  # request id -> the consumer whose log its record names
+        self._verify = client.register_script(VERIFY_SCRIPT)
+        self.known: dict[str, str] = {}  # request id -> the consumer VERIFY accepted
         self._held: dict[str, dict[str, list[queue_pb2.TokenEvent]]] = {}  # while a check runs
         self._refused: dict[str, dict[str, float]] = {}  # request id -> consumer -> until (monotonic)
         self._asked: list[tuple[str, str]] = []  # (request id, consumer) for the next pipeline
@@ -78,22 +106,21 @@ class Sources:
         together (bench-e2e, 16 streams: one HMGET each added ~5 ms to the first token)."""
         await asyncio.sleep(0)  # let the pub/sub reader dispatch what it already received
         asked, self._asked = self._asked, []
-        pipe = self._client.pipeline(transaction=False)
-        for request_id, _ in asked:
-            pipe.hmget(self._keys.record(request_id), [Record.LOG])
+        args: list[str] = [self._keys.group]
+        for request_id, consumer in asked:
+            args += [self._keys.record(request_id), self._keys.log(consumer), consumer]
         try:
-            found: list[Any] = await pipe.execute()
+            found: list[Any] = await self._verify(args=args)
         except RedisError:
-            found = [[None]] * len(asked)  # as refused: the relay re-reads the log after a gap or a resync
-        for (request_id, consumer), (log_key,) in zip(asked, found, strict=True):
-            self._checked(request_id, consumer, log_key)
+            found = [0] * len(asked)  # as refused: the relay re-reads the log after a gap or a resync
+        for (request_id, consumer), ok in zip(asked, found, strict=True):
+            self._checked(request_id, consumer, bool(ok))
 
-    def _checked(self, request_id: str, consumer: str, log_key: bytes | str | None) -> None:
+    def _checked(self, request_id: str, consumer: str, ok: bool) -> None:
         if request_id not in self._held:  # forgotten meanwhile: nobody follows it any more
             return
         held = self._held[request_id].pop(consumer, [])
-        owner = log_key.decode() if isinstance(log_key, bytes) else log_key
-        if owner == self._keys.log(consumer):
+        if ok:
             self.known[request_id] = consumer
             self._refused.get(request_id, {}).pop(consumer, None)
             for event in held:
@@ -102,8 +129,8 @@ class Sources:
         self._refused.setdefault(request_id, {})[consumer] = time.monotonic() + REFUSED_FOR_S
         if not held:  # an announcement alone (a takeover raced it): nothing was dropped
             return
-        log.warning("request %s: refused worker %s (%d events dropped): the request's record names %s",
-                    request_id, consumer, len(held), owner or "no worker's log")
+        log.warning("request %s: refused worker %s (%d events dropped): it does not hold the request's "
+                    "current entry", request_id, consumer, len(held))
         self._count_refused(len(held))
 
     def _count_refused(self, num_events: int) -> None:

@@ -31,11 +31,12 @@ pending under it in a request stream, or anything in its routed streams), fences
 those entries; a dead one holding nothing leaves the registry and the group. The gateway
 parses each entry (its record and its model's stream need the QueuedRequest) and
 REQUEUE_SCRIPT moves it to the tail of the shared stream of its model and class: the record
-follows (compare-and-set on its entry, as MOVE), a record the dead worker owned is released
-and its `deliveries` counted, and the old entry is acknowledged and deleted, all in one
-script, so the entry is either still the dead worker's or queued once. The first worker with
-room then claims it like any other and resumes it from its log (the OWN script). Like a
-migration in Dynamo, a re-queued request waits behind what is queued before it.
+follows (compare-and-set on its entry, as MOVE) and names the dead worker's log when it had
+taken the request (its `deliveries` counted; a final logged there: finished, not queued again),
+and the old entry is acknowledged and deleted, all in one script, so the entry is either still
+the dead worker's or queued once. The first worker with room then claims it like any other and
+resumes it from its log (the OWN script). Like a migration in Dynamo, a re-queued request waits
+behind what is queued before it.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from protos.keys import (
     STREAM_DATA_FIELD,
     WORKER_KEY_MARK,
     Keys,
+    LogField,
     PriorityClass,
     Record,
     check_model_name,
@@ -168,15 +170,18 @@ end
 return reply
 """
 
-# ARGV: group, then per entry: the dead consumer, its stream, entry id, 'r' (a routed stream of
-# that consumer: its entries are all the dead one's) or 'p' (a shared stream: only while
-# pending under it), the shared stream it goes to, its record key ('' = unreadable: deleted).
-# Returns how many entries were queued again.
+# ARGV: group, key prefix, then per entry: the dead consumer, its stream, entry id, 'r' (a routed
+# stream of that consumer: its entries are all the dead one's) or 'p' (a shared stream: only while
+# pending under it), the shared stream it goes to, its record key and request key ('' =
+# unreadable: deleted). What the dead worker logged for an entry it held (HELD = the entry: the
+# pending list says it was delivered to it, and only it writes its log) is the request's log
+# from now on: the record names it, so the next claimant resumes from there, and a final there
+# means finished (the entry is only deleted). Returns how many entries were queued again.
 REQUEUE_SCRIPT = f"""
-local group, queued = ARGV[1], 0
-for i = 2, #ARGV, 6 do
+local group, prefix, queued = ARGV[1], ARGV[2], 0
+for i = 3, #ARGV, 7 do
   local name, from, id, kind = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
-  local to, rec = ARGV[i + 4], ARGV[i + 5]
+  local to, rec, rid = ARGV[i + 4], ARGV[i + 5], ARGV[i + 6]
   local ok, pending = pcall(redis.call, 'XPENDING', from, group, id, id, 1)
   local holder = ok and pending[1] and pending[1][2]
   if holder == name or (kind == 'r' and not holder) then
@@ -186,17 +191,21 @@ for i = 2, #ARGV, 6 do
       for k = 1, #found[1][2], 2 do
         if found[1][2][k] == '{_DATA}' then data = found[1][2][k + 1] end
       end
-      local f = redis.call('HMGET', rec, '{Record.ENTRY}', '{Record.FINAL}', '{Record.OWNER}')
+      local entry = redis.call('HGET', rec, '{Record.ENTRY}')
+      local log = prefix .. ':log:' .. name
+      local h = {{false, false}}
+      if holder == name then
+        h = redis.call('HMGET', log, rid .. '{LogField.HELD}', rid .. '{LogField.FINAL}')
+      end
+      local took = h[1] == id and entry == id
+      if took then redis.call('HSET', rec, '{Record.LOG}', log) end
       -- No record (a Redis that lost it): queued again all the same; the claimant makes do.
-      if not f[1] or (f[1] == id and not f[2]) then
+      if not entry or (entry == id and not (took and h[2])) then
         local new = redis.call('XADD', to, '*', '{_DATA}', data)
         queued = queued + 1
-        if f[1] then
+        if entry then
           redis.call('HSET', rec, '{Record.ENTRY}', new, '{Record.STREAM}', to)
-          if f[3] == name then  -- it died holding the request: released, and counted
-            redis.call('HSET', rec, '{Record.OWNER}', '')
-            redis.call('HINCRBY', rec, '{Record.DELIVERIES}', 1)
-          end
+          if took then redis.call('HINCRBY', rec, '{Record.DELIVERIES}', 1) end  -- it died holding it
         end
       end
     end
@@ -265,15 +274,16 @@ class Sweeper:
                   "1" if is_full else "0", *self._streams, "--", *sorted(names)]))
         if dead and dead[0] == [b"wait"]:
             return 0, 0
-        args: list[Any] = [keys.group]
+        args: list[Any] = [keys.group, keys.prefix]
         for name, held in dead:
             consumer = _text(name)
             routed = set(keys.routed_streams(consumer))
             for stream, entry_id, data in held:
                 is_routed = _text(stream) in routed
-                to, record = self._destination(entry_id, data, None if is_routed else _text(stream))
-                args += [consumer, stream, entry_id, "r" if is_routed else "p", to, record]
-        queued = int(await self._requeue(args=args)) if len(args) > 1 else 0
+                to, request_key = self._destination(entry_id, data, None if is_routed else _text(stream))
+                record = keys.record(request_key) if request_key else ""
+                args += [consumer, stream, entry_id, "r" if is_routed else "p", to, record, request_key]
+        queued = int(await self._requeue(args=args)) if len(args) > 2 else 0
         if dead:
             log.warning("fenced %d dead workers (%s); %d of their requests queued again", len(dead),
                         ", ".join(_text(n) for n, _ in dead), queued)
@@ -295,7 +305,7 @@ class Sweeper:
         return sorted(models)
 
     def _destination(self, entry_id: bytes, data: bytes, shared: str | None) -> tuple[str, str]:
-        """(the shared stream the entry goes to, its record). shared: the one it is pending in;
+        """(the shared stream the entry goes to, its request's key). shared: the one it is pending in;
         None for a routed entry, which goes to that of its model and class. ('', '') when the
         entry cannot be read: it is deleted, as a worker acknowledges what it cannot parse."""
         try:  # a foreign or corrupt entry must not stop the sweep
@@ -308,7 +318,7 @@ class Sweeper:
         except Exception:
             log.error("deleting an unreadable stream entry %r of a dead worker", entry_id)
             return "", ""
-        return shared, self.keys.record(queued.request_id)
+        return shared, queued.request_id
 
 
 def _text(value: str | bytes) -> str:

@@ -391,20 +391,21 @@ class Heartbeat:
 
 
 class Record:
-    """Field names of a request record ``{p}:request:{request_id}`` (see above)."""
+    """Field names of a request record ``{p}:request:{request_id}`` (see above). Only gateways
+    write a record: what a worker says about a request (its progress, final, prompt count) is in
+    its own log (`LogField`), and a record names that log only once a gateway saw the worker
+    hold the request's current entry in the stream's pending list (gateway/sources.py)."""
 
     DIGEST = "digest"  # sha256 hex of the caller's GenerateRequest (request_id, resume_from_index cleared)
     SEED = "seed"  # the sampling seed every attempt uses (decimal)
     ENTRY = "entry"  # stream entry id of the current attempt, in the stream STREAM names
     STREAM = "stream"  # the request stream of its priority class (set with every ENTRY)
-    FINAL = "final"  # seq of the final event, written with it: the request has finished
-    OWNER = "owner"  # consumer name of the worker holding the current attempt ("" = released)
-    LOG = "log"  # the worker log hash holding the request's events and progress (`LogField`)
+    # The worker log hash holding the request's events (`LogField`): the log of a worker that
+    # held the current entry (the gateways' VERIFY, or the sweeper for a dead worker's entry).
+    LOG = "log"
     DELIVERIES = "deliveries"  # takeovers from an owner that died holding it, over all attempts
-    # The prompt's tokens as the worker counted them, written when it admits the request (STEP's
-    # PROMPT section), and "1" once a call of the tenant was charged for them (gateway/quotas.py
+    # "1" once a call of the tenant was charged for the prompt (`LogField.PROMPT`, gateway/quotas.py
     # SETTLE): every generation's prompt is billed once, to the first call that ends after it.
-    PROMPT_TOKENS = "prompt_tokens"
     PROMPT_BILLED = "prompt_billed"
 
 
@@ -416,6 +417,11 @@ class LogField:
 
     PROGRESS = ":p"  # {request_id}:p -> queue.Progress (O(1): no token ids)
     NEXT = ":n"  # {request_id}:n -> decimal: seq of the next event (= events logged)
+    # {request_id}:a -> the entry id of the attempt this worker holds (OWN), kept with a final and
+    # deleted when the attempt ends without one: another worker's OWN leaves a held request alone.
+    HELD = ":a"
+    FINAL = ":f"  # {request_id}:f -> decimal: seq of the final event (the request has finished)
+    PROMPT = ":t"  # {request_id}:t -> decimal: the prompt's tokens as this worker counted them
 
     @staticmethod
     def event(request_id: str, seq: int) -> str:
@@ -426,7 +432,8 @@ class LogField:
     def all_of(request_id: str, num_events: int) -> list[str]:
         """Every field the request has in a log."""
         return ([LogField.event(request_id, s) for s in range(num_events)]
-                + [request_id + LogField.PROGRESS, request_id + LogField.NEXT])
+                + [request_id + f for f in (LogField.PROGRESS, LogField.NEXT, LogField.HELD, LogField.FINAL,
+                                            LogField.PROMPT)])
 
 
 class Bucket:

@@ -64,25 +64,27 @@ def test_a_fenced_consumer_writes_nothing(client: redis.Redis, prefix: str) -> N
     assert client.hget(keys.log("live"), "r" + LogField.NEXT) == b"1"
 
 
-def test_a_claim_takes_a_record_only_from_a_fenced_owner_and_copies_its_log(client: redis.Redis,
-                                                                           prefix: str) -> None:
+def test_a_claim_takes_a_request_only_from_a_fenced_holder_and_copies_its_log(client: redis.Redis,
+                                                                              prefix: str) -> None:
     keys = Keys(prefix, DEFAULT_MODEL_NAME)
     entry_id = enqueue(client, keys, "r")
     assert own(client, keys, "a", "r", entry_id)[0] == b"own"
+    assert client.hget(keys.log("a"), "r" + LogField.HELD) == entry_id
     first = Outbox()
     for seq in range(3):
         first.log(chunk_event("r", seq))
     first.progress["r"] = queue_pb2.Progress(seed=5, worker_id="a").SerializeToString()
     assert step(client, keys, "a", first) == ["ok"]
+    client.hset(keys.record("r"), Record.LOG, keys.log("a"))  # a gateway saw a hold it (VERIFY)
     # b is handed r's entry while a still runs it (an entry delivered twice after an AOF loss): a
     # keeps it, and nothing of b's is written
     assert own(client, keys, "b", "r", entry_id)[:2] == [b"busy", 0]
-    assert client.hget(keys.record("r"), Record.OWNER) == b"a" and not client.exists(keys.log("b"))
+    assert not client.exists(keys.log("b"))
     client.sadd(keys.fence("a"), FENCE_MARK)  # then a sweeper fences a
     state, deliveries, progress, *chunks = own(client, keys, "b", "r", entry_id)
-    assert (state, deliveries, queue_pb2.Progress.FromString(progress).seed) == (b"own", 1, 5)
+    assert (state, deliveries, queue_pb2.Progress.FromString(progress).seed) == (b"own", 0, 5)
     assert [event_from_log(c).seq for c in chunks] == [0, 1, 2]
-    assert client.hget(keys.record("r"), Record.OWNER) == b"b"
+    assert client.hget(keys.record("r"), Record.LOG) == keys.log("a").encode()  # workers write no record
     assert client.hget(keys.log("b"), "r" + LogField.NEXT) == b"3"
     assert client.hget(keys.log("a"), "r" + LogField.NEXT) == b"3"  # a copy: b writes no log of a's
     late = Outbox()
@@ -91,9 +93,9 @@ def test_a_claim_takes_a_record_only_from_a_fenced_owner_and_copies_its_log(clie
     assert client.hget(keys.log("b"), "r" + LogField.NEXT) == b"3"  # nothing of a's spliced in
 
 
-def test_an_admission_goes_into_the_record_and_is_announced_only_while_its_worker_owns_it(
-        client: redis.Redis, prefix: str) -> None:
-    """What the gateway bills a tenant for its prompt (gateway/quotas.py SETTLE)."""
+def test_an_admission_goes_into_the_workers_log_and_is_announced(client: redis.Redis, prefix: str) -> None:
+    """What the gateway bills a tenant for its prompt (gateway/quotas.py SETTLE), from the log
+    the record names; the worker writes no record."""
     keys = Keys(prefix, DEFAULT_MODEL_NAME)
     entry_id = enqueue(client, keys, "r")
     assert own(client, keys, "a", "r", entry_id)[0] == b"own"
@@ -102,16 +104,45 @@ def test_an_admission_goes_into_the_record_and_is_announced_only_while_its_worke
     pubsub = client.pubsub()
     pubsub.psubscribe(keys.out_pattern)
     assert pubsub.get_message(timeout=5)["type"] == "psubscribe"
-    assert step(client, keys, "b", outbox) == ["ok"]  # b does not own r
-    assert not client.hexists(keys.record("r"), Record.PROMPT_TOKENS)
+    record = client.hgetall(keys.record("r"))
     assert step(client, keys, "a", outbox) == ["ok"]
-    assert client.hget(keys.record("r"), Record.PROMPT_TOKENS) == b"40"
-    assert not client.exists(keys.record("gone"))  # not created again without a TTL
-    # a's round told the gateways it admitted r (b's published nothing: it wrote nothing)
-    message = pubsub.get_message(timeout=5)
+    assert client.hget(keys.log("a"), "r" + LogField.PROMPT) == b"40"
+    assert client.hgetall(keys.record("r")) == record
+    assert not client.exists(keys.record("gone"))
+    message = pubsub.get_message(timeout=5)  # the gateways hear of the admission: they check a now
     assert message["channel"] == keys.out("a").encode()
-    assert list(queue_pb2.TokenEventBatch.FromString(message["data"]).admitted) == ["r"]
+    assert list(queue_pb2.TokenEventBatch.FromString(message["data"]).admitted) == ["r", "gone"]
     pubsub.close()
+
+
+def test_an_ended_attempt_stays_pending_until_a_gateway_saw_its_worker_hold_it(
+        client: redis.Redis, prefix: str) -> None:
+    """Else the XACK would empty the pending list that VERIFY judges by, and the final or error
+    published with it would be refused (gateway/sources.py)."""
+    keys = Keys(prefix, DEFAULT_MODEL_NAME)
+    client.xgroup_create(keys.requests, keys.group, id="0", mkstream=True)
+    entries = {rid: enqueue(client, keys, rid) for rid in ("seen", "unseen", "failed")}
+    client.xreadgroup(keys.group, "a", {keys.requests: ">"}, count=3)
+    for rid, entry_id in entries.items():
+        assert own(client, keys, "a", rid, entry_id)[0] == b"own"
+    client.hset(keys.record("seen"), Record.LOG, keys.log("a"))
+    outbox = Outbox()
+    for rid in ("seen", "unseen"):
+        outbox.log(chunk_event(rid, 0))
+        outbox.end(rid, keys.record(rid), keys.requests, entries[rid], final_seq=0)
+    outbox.end("failed", keys.record("failed"), keys.requests, entries["failed"])  # an error, no final
+    assert step(client, keys, "a", outbox) == ["ok", keys.requests, entries["unseen"].decode(),
+                                               keys.requests, entries["failed"].decode()]
+    pending = {p["message_id"] for p in client.xpending_range(keys.requests, keys.group, "-", "+", 10)}
+    assert pending == {entries["unseen"], entries["failed"]}
+    assert client.hmget(keys.log("a"), ["unseen" + LogField.FINAL, "unseen" + LogField.HELD,
+                                        "failed" + LogField.HELD]) == [b"0", entries["unseen"], None]
+    again = Outbox()  # the worker's next round: a gateway saw "unseen"; nobody came for "failed"
+    client.hset(keys.record("unseen"), Record.LOG, keys.log("a"))
+    again.end("unseen", keys.record("unseen"), keys.requests, entries["unseen"], final_seq=0)
+    again.end("failed", "", keys.requests, entries["failed"])
+    assert step(client, keys, "a", again) == ["ok"]
+    assert client.xlen(keys.requests) == 0
 
 
 def test_a_round_says_the_workers_room_with_what_it_publishes_and_never_alone(
@@ -139,7 +170,8 @@ def test_a_round_says_the_workers_room_with_what_it_publishes_and_never_alone(
 def test_own_acknowledges_finished_and_stale_attempts(client: redis.Redis, prefix: str) -> None:
     keys = Keys(prefix, DEFAULT_MODEL_NAME)
     entry_id = enqueue(client, keys, "done")
-    client.hset(keys.record("done"), Record.FINAL, 4)
+    client.hset(keys.record("done"), Record.LOG, keys.log("z"))
+    client.hset(keys.log("z"), "done" + LogField.FINAL, 4)
     assert own(client, keys, "a", "done", entry_id)[0] == b"finished"
     old = enqueue(client, keys, "old")
     client.hset(keys.record("old"), Record.ENTRY, "99-0")  # a later attempt replaced it
@@ -186,7 +218,8 @@ def test_an_xack_lost_with_the_aof_neither_hangs_a_call_nor_runs_it_twice(
             queued = queue_pb2.QueuedRequest(request_id=request_id, request=request, result_ttl_s=60)
             entry_id = client.xadd(keys.requests, {STREAM_DATA_FIELD: queued.SerializeToString()})
             client.hset(keys.record(request_id), mapping={Record.DIGEST: request_digest(request),
-                                                         Record.ENTRY: entry_id, Record.SEED: 12})
+                                                         Record.ENTRY: entry_id, Record.SEED: 12,
+                                                         Record.STREAM: keys.requests})
             client.xreadgroup(keys.group, worker.config.consumer_name, {keys.requests: ">"}, count=1)
         lost = list(stub.Generate(build_request("hi", max_tokens=8, seed=12, request_id="lost"), timeout=30))
         wait_until(lambda: client.xlen(keys.requests) == 0, timeout=10)  # both reconciled

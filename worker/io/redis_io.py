@@ -44,14 +44,16 @@ def connect(config: WorkerConfig) -> redis.Redis:
 
 @dataclass(frozen=True)
 class End:
-    """An attempt that ended: its record (final seq, TTL) and its entry to acknowledge."""
+    """An attempt that ended: its final seq (logged) and its entry to acknowledge."""
 
     request_id: str  # "" for an unreadable entry (no record)
+    # The entry is acknowledged only once this record names this worker's log (a gateway saw it
+    # hold the entry: the STEP script); "" acknowledges it all the same.
     record: str
     final_seq: int | None
-    ttl_ms: int
     stream: str
     entry_id: bytes
+    since: float = field(default_factory=time.monotonic)  # when the attempt ended
 
 
 @dataclass
@@ -78,12 +80,12 @@ class Outbox:
 
     def ack(self, stream: str, entry_id: bytes) -> None:
         """An entry without a record (unreadable): acknowledge it only."""
-        self.ends.append(End("", "", None, 0, stream, entry_id))
+        self.ends.append(End("", "", None, stream, entry_id))
 
-    def end(self, request_id: str, record: str, stream: str, entry_id: bytes, ttl_ms: int,
+    def end(self, request_id: str, record: str, stream: str, entry_id: bytes,
             final_seq: int | None = None) -> None:
-        """The attempt ended: release its record (kept for ttl_ms) and acknowledge its entry."""
-        self.ends.append(End(request_id, record, final_seq, ttl_ms, stream, entry_id))
+        """The attempt ended: log its final (if any) and acknowledge its entry."""
+        self.ends.append(End(request_id, record, final_seq, stream, entry_id))
 
     def merge(self, other: Outbox) -> None:
         for request_id, events in other.logged.items():
@@ -96,15 +98,12 @@ class Outbox:
         if other.room is not None:  # the later round knows better
             self.room = other.room
 
-    def args(self, prefix: str, consumer: str, *, is_resent: bool = False) -> list[bytes | str | int]:
-        """ARGV of the STEP script (its comment has the layout); is_resent: the round failed once
-        (Redis may have come back empty), so it also points its requests' records at this
-        worker's log (REOWN)."""
-        reown = list(self.logged) if is_resent else []
+    def args(self, prefix: str, consumer: str) -> list[bytes | str | int]:
+        """ARGV of the STEP script (its comment has the layout)."""
         # one run of consecutive seqs a section item: its first seq names every event's field
         runs = [(request_id, run) for request_id, events in self.logged.items()
                 for run in _consecutive(events)]
-        args: list[bytes | str | int] = [prefix, consumer, len(reown), *reown, len(runs)]
+        args: list[bytes | str | int] = [prefix, consumer, len(runs)]
         for request_id, run in runs:
             args += [request_id, run[0].seq, len(run), *(log_value(e) for e in run)]
         args.append(len(self.progress))
@@ -119,8 +118,7 @@ class Outbox:
         args += [len(published), *published]
         args.append(len(self.ends))
         for e in self.ends:
-            args += [e.request_id, e.record, "" if e.final_seq is None else e.final_seq, e.ttl_ms, e.stream,
-                     e.entry_id]
+            args += [e.request_id, e.record, "" if e.final_seq is None else e.final_seq, e.stream, e.entry_id]
         args += [len(self.drops), *self.drops]
         return args
 
@@ -155,6 +153,8 @@ class Publisher:
         self._queue: queue.Queue[Outbox | None] = queue.Queue()
         self._give_up_at = float("inf")
         self._step = client.register_script(STEP)
+        self._left: list[End] = []  # finished attempts no gateway has seen this worker hold yet
+        self._left_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="publisher", daemon=True)
 
     def start(self) -> None:
@@ -194,9 +194,8 @@ class Publisher:
 
     def _send(self, outbox: Outbox) -> None:
         backoff = Backoff(self._config.max_backoff_s)
-        is_resent = False
         while True:
-            args = outbox.args(self._keys.prefix, self._config.consumer_name, is_resent=is_resent)
+            args = outbox.args(self._keys.prefix, self._config.consumer_name)
             try:
                 reply = self._step(args=args)
             except redis.ResponseError as e:  # a bug in the round, not an outage: resending cannot help
@@ -210,7 +209,6 @@ class Publisher:
                               len(outbox.logged), e)
                     return
                 delay = backoff.failed()
-                is_resent = True
                 log.warning("publish failed (%s); retrying in %.2fs", e, delay)
                 time.sleep(delay)  # nothing else for this thread to do until Redis answers
                 continue
@@ -221,6 +219,21 @@ class Publisher:
                       len(outbox.logged))
             if self._on_fenced is not None:
                 self._on_fenced()
+            return
+        if len(reply) > 1:
+            left = {(_text(s), _text(e)) for s, e in zip(reply[1::2], reply[2::2], strict=True)}
+            with self._left_lock:
+                self._left += [e for e in outbox.ends if (e.stream, _text(e.entry_id)) in left]
+
+    def take_left(self) -> list[End]:
+        """The finished attempts whose entries the last rounds left pending (STEP): to end again."""
+        with self._left_lock:
+            left, self._left = self._left, []
+        return left
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def heartbeat_fields(config: WorkerConfig, s: Any, num_finished: int, num_parked: int,

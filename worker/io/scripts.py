@@ -19,7 +19,7 @@ commands per token with the per-request pipeline; see benchmarks/fleet.py).
 
 from __future__ import annotations
 
-from protos.keys import FENCE_MARK, RECORD_LEASE_S, LogField, Record
+from protos.keys import FENCE_MARK, LogField, Record
 
 # Lua helpers shared by the scripts: HSET/HDEL of long argument lists in slices (Lua's unpack()
 # is limited to a few thousand values), and Redis's clock.
@@ -44,17 +44,19 @@ end
 # (protos/keys.py), so a round's fixed cost is ~100 bytes, not ~300 (at batch 1 the fixed part
 # was half of what Redis received per token). ARGV: key prefix, consumer name, then sections,
 # each a count followed by its items:
-#   REOWN  request_id                                (a resent round: see below)
 #   LOG    request_id, first seq, k, k events (each framed as a one-event TokenEventBatch)
 #                                                    logged as {request_id}:{seq}, then published
 #   PROG   request_id, Progress bytes
-#   ADMIT  request_id, prompt tokens, notice        the count into its record while this worker owns
-#                                                    it, and the framed notice (TokenEventBatch.admitted)
-#                                                    published with the round
+#   ADMIT  request_id, prompt tokens, notice        the count into this worker's log, and the framed
+#                                                    notice (TokenEventBatch.admitted) published
 #   PUB    framed event                              published only (errors; the round's room)
-#   END    request_id (or ''), record key (or ''), final seq (or ''), ttl ms, stream, entry id
+#   END    request_id (or ''), record key (or ''), final seq (or ''), stream, entry id
 #   DROP   log field names whose results expired
-# Returns {'fenced'} (nothing was written: a sweeper judged this worker dead) or {'ok'}.
+# Returns {'fenced'} (nothing was written: a sweeper judged this worker dead) or {'ok', stream,
+# entry, ...}: the entries of ended attempts left pending because no gateway has seen this worker
+# hold them yet (their record does not name this log). gateway/sources.py VERIFY judges that from
+# the pending list, which an XACK would empty: it would refuse a final or an error published with
+# the XACK. The worker ends them again in a later round (record '': acknowledged all the same).
 # Why the worker frames the events: per event the script then appends a string to the message
 # where it built a varint and a field in Lua, and it filters nothing per request (measured on a
 # 2-core EPYC, 64 requests a round: 368 -> ~270 us per call, Redis CPU 8.2 -> ~6 us per token).
@@ -64,21 +66,9 @@ local prefix, me = ARGV[1], ARGV[2]
 local group = prefix .. ':workers'
 local log, out = prefix .. ':log:' .. me, prefix .. ':out:' .. me
 if redis.call('SISMEMBER', prefix .. ':fence:' .. me, '{FENCE_MARK}') == 1 then return {{'fenced'}} end
+local flat, msg, left = {{}}, {{}}, {{'ok'}}
 local i = 3
-local n = tonumber(ARGV[i])
-local reown_at = i + 1
-i = i + 1 + n
--- REOWN: a round resent after a failure may land in a Redis that came back empty; its
--- requests' records then name no log, and a gateway could not find what this round logs.
-for j = reown_at, reown_at + tonumber(ARGV[3]) - 1 do
-  local rec = prefix .. ':request:' .. ARGV[j]
-  if redis.call('HSETNX', rec, '{Record.LOG}', log) == 1 then
-    redis.call('HSET', rec, '{Record.OWNER}', me)
-    redis.call('PEXPIRE', rec, {int(RECORD_LEASE_S * 1000)})
-  end
-end
-local flat, msg = {{}}, {{}}
-n = tonumber(ARGV[i]); i = i + 1
+local n = tonumber(ARGV[i]); i = i + 1
 for _ = 1, n do
   local rid, first, k = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
   i = i + 3
@@ -94,43 +84,40 @@ for _ = 1, n do
   flat[#flat + 1] = ARGV[i] .. '{LogField.PROGRESS}'; flat[#flat + 1] = ARGV[i + 1]
   i = i + 2
 end
-if #flat > 0 then hset_all(log, flat) end
 n = tonumber(ARGV[i]); i = i + 1
 for _ = 1, n do
-  local rec = prefix .. ':request:' .. ARGV[i]
-  if redis.call('HGET', rec, '{Record.OWNER}') == me then
-    redis.call('HSET', rec, '{Record.PROMPT_TOKENS}', ARGV[i + 1])
-    msg[#msg + 1] = ARGV[i + 2]
-  end
+  flat[#flat + 1] = ARGV[i] .. '{LogField.PROMPT}'; flat[#flat + 1] = ARGV[i + 1]
+  msg[#msg + 1] = ARGV[i + 2]
   i = i + 3
 end
 n = tonumber(ARGV[i])
 for j = i + 1, i + n do msg[#msg + 1] = ARGV[j] end
 i = i + 1 + n
 n = tonumber(ARGV[i]); i = i + 1
+local ended = {{}}
 for _ = 1, n do
-  local rid, rec, final, ttl = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
-  local stream, entry = ARGV[i + 4], ARGV[i + 5]
-  i = i + 6
-  if rec ~= '' then
-    if redis.call('HGET', rec, '{Record.OWNER}') == me then
-      if final ~= '' then
-        redis.call('HSET', rec, '{Record.FINAL}', final, '{Record.OWNER}', '')
-      else
-        redis.call('HSET', rec, '{Record.OWNER}', '')
-      end
-    elseif final ~= '' then
-      redis.call('HSET', rec, '{Record.FINAL}', final)
-    end
-    redis.call('PEXPIRE', rec, ttl)
+  local rid, rec, final, stream, entry = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4]
+  i = i + 5
+  if final ~= '' then
+    flat[#flat + 1] = rid .. '{LogField.FINAL}'; flat[#flat + 1] = final
+  elseif rid ~= '' then
+    redis.call('HDEL', log, rid .. '{LogField.HELD}')
   end
-  redis.call('XACK', stream, group, entry)
-  redis.call('XDEL', stream, entry)
+  if rec == '' or redis.call('HGET', rec, '{Record.LOG}') == log then
+    ended[#ended + 1] = {{stream, entry}}
+  else
+    left[#left + 1] = stream; left[#left + 1] = entry
+  end
+end
+if #flat > 0 then hset_all(log, flat) end
+for _, e in ipairs(ended) do
+  redis.call('XACK', e[1], group, e[2])
+  redis.call('XDEL', e[1], e[2])
 end
 n = tonumber(ARGV[i]); i = i + 1
 if n > 0 then hdel_all(log, {{unpack(ARGV, i, i + n - 1)}}) end
 if #msg > 0 then redis.call('PUBLISH', out, table.concat(msg)) end
-return {{'ok'}}
+return left
 """
 
 # Take the records of claimed entries. KEYS: own log hash. ARGV: consumer name, key prefix,
@@ -138,46 +125,44 @@ return {{'ok'}}
 #   {state, deliveries, progress or false, events...}
 # state: 'own' (run it; events = its logged chunks, in seq order, for a resume),
 # 'stale' (the record names another attempt: acknowledge and drop), 'finished' (its final is
-# logged: acknowledge and drop), 'busy' (another worker holds the record and is not fenced: an
+# logged: acknowledge and drop), 'busy' (another worker holds the request and is not fenced: an
 # entry delivered again after an AOF loss; left pending, looked at again by reconciliation).
-# deliveries counts takeovers from owners that died holding the request, across every attempt
-# of the request id (the sweeper counts those it queues again; OWN a fenced owner's record).
+# The request's log is the one its record names (gateways write records: a log a gateway saw
+# hold the request), or this worker's own when it names none. The claim writes only this
+# worker's log: the copied events and HELD (the entry). deliveries counts takeovers from owners
+# that died holding the request, across every attempt (the sweeper counts them).
 OWN = _LIB + f"""
 local mine, me, prefix = KEYS[1], ARGV[1], ARGV[2]
+local log_mark = prefix .. ':log:'
 local reply = {{}}
 for i = 3, #ARGV, 3 do
   local rid, rec, entry = ARGV[i], ARGV[i + 1], ARGV[i + 2]
-  local f = redis.call('HMGET', rec, '{Record.ENTRY}', '{Record.OWNER}', '{Record.LOG}', '{Record.FINAL}',
-                       '{Record.DELIVERIES}')
-  local deliveries = tonumber(f[5] or '0')
-  local owner, from = f[2] or '', f[3]
-  local held = owner ~= '' and owner ~= me
+  local f = redis.call('HMGET', rec, '{Record.ENTRY}', '{Record.LOG}', '{Record.DELIVERIES}')
+  local deliveries = tonumber(f[3] or '0')
+  local from = f[2] or mine
+  local other = from ~= mine
+  local h = redis.call('HMGET', from, rid .. '{LogField.HELD}', rid .. '{LogField.FINAL}')
   if f[1] and f[1] ~= entry then
     reply[#reply + 1] = {{'stale', deliveries, false}}
-  elseif f[4] then
+  elseif h[2] then
     reply[#reply + 1] = {{'finished', deliveries, false}}
-  elseif held and redis.call('SISMEMBER', prefix .. ':fence:' .. owner, '{FENCE_MARK}') == 0 then
+  elseif other and h[1] and redis.call('SISMEMBER', prefix .. ':fence:' .. string.sub(from, #log_mark + 1),
+                                       '{FENCE_MARK}') == 0 then
     reply[#reply + 1] = {{'busy', deliveries, false}}
   else
-    if held then deliveries = redis.call('HINCRBY', rec, '{Record.DELIVERIES}', 1) end
+    local nxt = tonumber(redis.call('HGET', from, rid .. '{LogField.NEXT}') or '0')
     local names = {{}}
-    local nxt = 0
-    if from then nxt = tonumber(redis.call('HGET', from, rid .. '{LogField.NEXT}') or '0') end
     for s = 0, nxt - 1 do names[#names + 1] = rid .. ':' .. s end
     names[#names + 1] = rid .. '{LogField.PROGRESS}'
     names[#names + 1] = rid .. '{LogField.NEXT}'
-    local values = {{}}
-    if from then values = redis.call('HMGET', from, unpack(names)) end
-    if from and from ~= mine and nxt > 0 then
-      local flat = {{}}
+    local values = redis.call('HMGET', from, unpack(names))
+    local flat = {{rid .. '{LogField.HELD}', entry}}
+    if other then
       for j, name in ipairs(names) do
         if values[j] then flat[#flat + 1] = name; flat[#flat + 1] = values[j] end
       end
-      if #flat > 0 then hset_all(mine, flat) end
-    elseif from and from ~= mine and values[nxt + 1] then
-      redis.call('HSET', mine, names[nxt + 1], values[nxt + 1])
     end
-    redis.call('HSET', rec, '{Record.OWNER}', me, '{Record.LOG}', mine)
+    hset_all(mine, flat)
     local item = {{'own', deliveries, values[nxt + 1] or false}}
     for s = 1, nxt do item[#item + 1] = values[s] or '' end
     reply[#reply + 1] = item
