@@ -102,11 +102,17 @@ def replies(client: redis.Redis) -> Iterator[Replies]:
 
 
 def enqueue(client: redis.Redis, keys: Keys, request_id: str, deadline_unix: float = 0.0,
-            **params: object) -> bytes:
+            with_record: bool = False, **params: object) -> bytes:
+    """XADD a request; with_record: and its record, as a gateway's ATTACH writes it."""
     request = build_request("Once upon a time", temperature=0.0, **params)
     queued = queue_pb2.QueuedRequest(request_id=request_id, request=request, result_ttl_s=60,
                                      enqueued_unix=time.time(), deadline_unix=deadline_unix)
-    return client.xadd(keys.requests, {STREAM_DATA_FIELD: queued.SerializeToString()})
+    entry_id = client.xadd(keys.requests, {STREAM_DATA_FIELD: queued.SerializeToString()})
+    if with_record:
+        client.hset(keys.record(request_id), mapping={Record.DIGEST: "d", Record.ENTRY: entry_id,
+                                                      Record.STREAM: keys.requests, Record.SEED: 1})
+        client.expire(keys.record(request_id), 600)
+    return entry_id
 
 
 def kinds(events: list[queue_pb2.TokenEvent]) -> list[str]:
@@ -134,8 +140,8 @@ def test_queued_requests_past_their_deadline_fail_and_unfollowed_ones_are_parked
     assert not client.hexists(keys.log(worker.config.consumer_name), "gone" + LogField.PROGRESS)
     wait_until(lambda: client.xlen(keys.requests) == 0, timeout=5)  # abandoned after the grace
     assert client.hget(heartbeat, Heartbeat.NUM_PARKED) == b"0"
-    assert 0 < client.ttl(keys.record("fine")) <= 60  # kept for the request's result TTL
-    assert client.hexists(keys.record("fine"), Record.FINAL)
+    assert client.hexists(keys.log(worker.config.consumer_name), "fine" + LogField.FINAL)
+    assert not client.exists(keys.record("fine"))  # records are the gateways' to write
 
 
 @pytest.fixture
@@ -242,10 +248,10 @@ def test_an_engine_failure_answers_every_caller_before_the_worker_dies(
 FAST_SWEEP = {"heartbeat_interval_s": 0.1, "heartbeat_ttl_s": 0.5}  # the `sweeper` fixture's TTL
 
 
-def log_as(client: redis.Redis, keys: Keys, consumer: str, request_id: str, token_ids: list[int],
-           seed: int) -> None:
-    """Write what `consumer` had logged for a request when it died: one chunk per token, its
-    progress, and the record naming it as owner (protos/keys.py)."""
+def log_as(client: redis.Redis, keys: Keys, consumer: str, request_id: str, entry_id: bytes,
+           token_ids: list[int], seed: int) -> None:
+    """Write what `consumer` had logged for a request (entry `entry_id`) when it died: one chunk per
+    token, its progress, that it held the entry, and the record naming its log (protos/keys.py)."""
     log = keys.log(consumer)
     for i, token in enumerate(token_ids):
         chunk = generate_pb2.Chunk(index=i, token_ids=[token])
@@ -253,8 +259,8 @@ def log_as(client: redis.Redis, keys: Keys, consumer: str, request_id: str, toke
         client.hset(log, LogField.event(request_id, i), log_value(event))
     progress = queue_pb2.Progress(seed=seed, first_token_unix=time.time(), worker_id=consumer)
     client.hset(log, mapping={request_id + LogField.PROGRESS: progress.SerializeToString(),
-                              request_id + LogField.NEXT: len(token_ids)})
-    client.hset(keys.record(request_id), mapping={Record.OWNER: consumer, Record.LOG: log})
+                              request_id + LogField.NEXT: len(token_ids), request_id + LogField.HELD: entry_id})
+    client.hset(keys.record(request_id), mapping={Record.ENTRY: entry_id, Record.LOG: log})
 
 
 def claim_as(client: redis.Redis, keys: Keys, consumer: str) -> bytes:
@@ -287,7 +293,7 @@ def test_a_dead_workers_request_is_queued_again_and_resumed_without_a_gap(
     replies.follow(keys, "r")
     entry_id = enqueue(client, keys, "r", max_tokens=12, ignore_eos=True)
     assert claim_as(client, keys, "ghost") == entry_id
-    log_as(client, keys, "ghost", "r", ref_ids[:5], seed=3)  # it streamed 5 tokens, then died
+    log_as(client, keys, "ghost", "r", entry_id, ref_ids[:5], seed=3)  # it streamed 5 tokens, then died
     worker = make_worker(**FAST_SWEEP)
     events = replies(1)["r"]
     assert [e.seq for e in events] == list(range(5, 5 + len(events)))  # continues at the next seq
@@ -297,8 +303,8 @@ def test_a_dead_workers_request_is_queued_again_and_resumed_without_a_gap(
     final = events[-1].final
     assert (final.text, final.usage.completion_tokens, final.worker_id) == (
         ref_text, 12, worker.config.worker_id)
-    wait_until(lambda: client.xlen(keys.requests) == 0 and client.hexists(keys.record("r"), Record.FINAL),
-               timeout=5)
+    log = keys.log(worker.config.consumer_name)
+    wait_until(lambda: client.xlen(keys.requests) == 0 and client.hexists(log, "r" + LogField.FINAL), timeout=5)
     names = lambda: {c["name"] for c in client.xinfo_consumers(keys.requests, keys.group)}  # noqa: E731
     wait_until(lambda: b"ghost" not in names() and "ghost" not in names(), timeout=5)  # tidied up
 
@@ -341,15 +347,17 @@ def test_requests_of_live_workers_are_left_alone_and_serial_killers_are_failed(
     assert claim_as(client, keys, "third") == poison
     # Two workers died on it already (counted in its record, across attempts); the third
     # held it when it died.
-    client.hset(keys.record("poison"), mapping={Record.DELIVERIES: 2, Record.OWNER: "third"})
+    client.hset(keys.record("poison"), mapping={Record.DELIVERIES: 2, Record.ENTRY: poison})
+    client.hset(keys.log("third"), "poison" + LogField.HELD, poison)
     make_worker(**FAST_SWEEP, max_deliveries=3)
     events = replies(1)
     assert list(events) == ["poison"]
     assert events["poison"][-1].error.code == queue_pb2.ERROR_CODE_UNAVAILABLE
     assert "3 workers stopped" in events["poison"][-1].error.message
     time.sleep(0.5)  # several sweeps later the live worker's entry is still its own
-    pending = client.xpending_range(keys.requests, keys.group, min="-", max="+", count=10)
-    assert [(p["message_id"], p["consumer"]) for p in pending] == [(busy, b"alive")]
+    pending = lambda: [(p["message_id"], p["consumer"])  # noqa: E731
+                       for p in client.xpending_range(keys.requests, keys.group, min="-", max="+", count=10)]
+    wait_until(lambda: pending() == [(busy, b"alive")], timeout=5)  # and the failed one acknowledged
 
 
 @pytest.mark.slow
@@ -358,7 +366,7 @@ def test_on_shutdown_unfinished_requests_are_handed_to_another_live_worker(
         make_worker: Callable[..., WorkerThread], sweeper: SweeperThread) -> None:
     keys = Keys(prefix, DEFAULT_MODEL_NAME)
     replies.follow(keys, "long")
-    enqueue(client, keys, "long", max_tokens=100, ignore_eos=True)
+    enqueue(client, keys, "long", max_tokens=100, ignore_eos=True, with_record=True)
     client.zadd(keys.registry, {"other": (time.time() + 60) * 1000})  # alive: hand over, do not fail
     client.hset(keys.consumer_models, "other", keys.model)  # ... as it serves this model
     client.hset(keys.worker("other"), "heartbeat_unix", time.time())  # what the sweeper judges by
@@ -394,7 +402,7 @@ def test_a_worker_restarted_under_the_same_id_resumes_what_its_earlier_run_left(
     entry_id = enqueue(client, keys, "r", max_tokens=10, ignore_eos=True)
     earlier = "fixed-id.0ld0ne"  # the consumer of the earlier run: it took it, streamed 4, died
     assert claim_as(client, keys, earlier) == entry_id
-    log_as(client, keys, earlier, "r", ref_ids[:4], seed=3)
+    log_as(client, keys, earlier, "r", entry_id, ref_ids[:4], seed=3)
     make_worker(worker_id="fixed-id")  # a new consumer: the earlier one is dead and swept
     events = replies(1)["r"]
     assert [e.seq for e in events] == list(range(4, 11))

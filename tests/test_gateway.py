@@ -27,7 +27,7 @@ from gateway.redis_server import EmbeddedRedis, free_port
 from gateway.relay import Follow, relay
 from gateway.replies import RESYNC, TICK
 from protos.convert import build_request
-from protos.keys import RECORD_LEASE_S, Record
+from protos.keys import RECORD_LEASE_S, LogField, Record
 from protos.tokenrelay.v1 import generate_pb2, queue_pb2
 from tests.factories import make_stats
 from tests.service import GatewayProcess, GatewayThread, WorkerThread, stub_for, wait_until, workers_ready
@@ -442,14 +442,17 @@ def test_attach_creates_finds_or_refuses_a_request_record(redis_url: str, prefix
         assert second.entry_id != first.entry_id and sync.xlen(keys.requests) == 1
         sync.xdel(keys.requests, second.entry_id)
         assert (await attach(may_create=False, expect=first.entry_id)).state == "ended"  # lost the race
-        sync.hset(keys.record("r"), Record.FINAL, "3")
+        sync.hset(keys.record("r"), Record.LOG, keys.log("w"))  # a gateway saw w hold it (VERIFY) ...
+        await attach(may_create=True)  # ... and w has not finished it: it ended
+        sync.hset(keys.log("w"), "r" + LogField.FINAL, "3")
         await attach(may_create=True)
         await client.aclose()
         return seen
 
     try:
         assert asyncio.run(go()) == [("unknown", None), ("created", 7), ("live", 7), ("mismatch", None),
-                                     ("ended", 7), ("created", 7), ("ended", 7), ("finished", None)]
+                                     ("ended", 7), ("created", 7), ("ended", 7), ("ended", 7),
+                                     ("finished", None)]
         assert 0 < sync.ttl(keys.record("r")) <= RECORD_LEASE_S
     finally:
         sync.close()

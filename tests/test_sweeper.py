@@ -14,7 +14,7 @@ from gateway.config import GatewayConfig
 from gateway.queue import connect
 from gateway.sweeper import CONSUMER_LIST_EVERY, Sweeper
 from protos.convert import build_request
-from protos.keys import FENCE_MARK, ROUTE_FIELD, STREAM_DATA_FIELD, Keys, PriorityClass, Record
+from protos.keys import FENCE_MARK, ROUTE_FIELD, STREAM_DATA_FIELD, Keys, LogField, PriorityClass, Record
 from protos.tokenrelay.v1 import queue_pb2
 from worker.config import DEFAULT_MODEL_NAME
 
@@ -62,7 +62,8 @@ def alive(client: redis.Redis, keys: Keys, consumer: str) -> None:
 
 
 def attach(client: redis.Redis, keys: Keys, request_id: str, stream: str = "", owner: str = "") -> bytes:
-    """What the gateway's ATTACH leaves: an entry and its record (with an owner once claimed)."""
+    """What the gateway's ATTACH leaves: an entry and its record; owner: a worker's OWN took it
+    (HELD in its log)."""
     request = build_request("hi", max_tokens=4, seed=1)
     request.model = keys.model
     queued = queue_pb2.QueuedRequest(request_id=request_id, request=request, result_ttl_s=60)
@@ -72,7 +73,9 @@ def attach(client: redis.Redis, keys: Keys, request_id: str, stream: str = "", o
         fields[ROUTE_FIELD] = keys.record(request_id).encode()
     entry_id = client.xadd(stream, fields)
     client.hset(keys.record(request_id), mapping={Record.DIGEST: "d", Record.ENTRY: entry_id,
-                                                  Record.STREAM: stream, Record.SEED: 1, Record.OWNER: owner})
+                                                  Record.STREAM: stream, Record.SEED: 1})
+    if owner:
+        client.hset(keys.log(owner), request_id + LogField.HELD, entry_id)
     return entry_id
 
 
@@ -111,11 +114,12 @@ def test_a_dead_workers_requests_go_back_to_the_queue_and_it_is_fenced(
     pending = client.xpending_range(keys.requests, keys.group, min="-", max="+", count=10)
     assert [p["consumer"] for p in pending] == [b"live"]  # the live worker's entry is its own still
     assert client.xlen(routed) == 0
-    fields = (Record.ENTRY, Record.STREAM, Record.OWNER, Record.DELIVERIES)
+    fields = (Record.ENTRY, Record.STREAM, Record.LOG, Record.DELIVERIES)
     record = client.hmget(keys.record("running"), *fields)
-    assert record[0] != running and record[1:] == [keys.requests.encode(), b"", b"1"]  # it died running it
-    waiting = client.hmget(keys.record("routed-waiting"), Record.STREAM, Record.DELIVERIES)
-    assert waiting == [keys.requests.encode(), None]  # nobody died running it
+    # it died running it: counted, and its log is the request's from now on (the next claim copies it)
+    assert record[0] != running and record[1:] == [keys.requests.encode(), keys.log("dead").encode(), b"1"]
+    waiting = client.hmget(keys.record("routed-waiting"), Record.STREAM, Record.LOG, Record.DELIVERIES)
+    assert waiting == [keys.requests.encode(), None, None]  # nobody died running it
     assert sweeps.sweep() == (0, 0)  # the next sweep finds nothing of it left: gone from everywhere
     assert client.zscore(keys.registry, "dead") is None and client.hget(keys.consumer_models, "dead") is None
     assert not client.exists(routed)
@@ -127,7 +131,7 @@ def test_finished_stale_and_unreadable_entries_are_deleted_not_queued(
         client: redis.Redis, prefix: str, sweeps: Sweeps) -> None:
     keys = Keys(prefix, MODEL)
     attach(client, keys, "finished", owner="dead")
-    client.hset(keys.record("finished"), Record.FINAL, 3)
+    client.hset(keys.log("dead"), "finished" + LogField.FINAL, 3)  # no gateway saw it finish
     attach(client, keys, "stale", owner="dead")
     client.hset(keys.record("stale"), Record.ENTRY, "99-0")  # a later attempt replaced it
     client.xadd(keys.requests, {STREAM_DATA_FIELD: b"\xff not a request"})
@@ -137,6 +141,7 @@ def test_finished_stale_and_unreadable_entries_are_deleted_not_queued(
     assert sweeps.sweep() == (1, 0)
     assert client.xlen(keys.requests) == 0
     assert client.xpending(keys.requests, keys.group)["pending"] == 0
+    assert client.hget(keys.record("finished"), Record.LOG) == keys.log("dead").encode()  # a resume replays it
 
 
 def test_every_tenth_sweep_looks_at_every_member_and_at_the_groups_consumers(

@@ -23,7 +23,6 @@ Redis was reachable is lost.
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import logging
 import threading
@@ -51,13 +50,6 @@ from worker.io.redis_io import Heartbeat as HeartbeatThread
 from worker.io.redis_io import Outbox, Publisher, connect, heartbeat_fields
 from worker.io.tracing import RequestSpans
 from worker.io.tracked import Tracked
-
-# An ended attempt's entry stays pending until a gateway has seen this worker hold it (its
-# record then names this worker's log: worker/io/scripts.py STEP), so that the final or error
-# is not refused and a later resume finds the answer. A gateway following the request does that
-# within a round trip of hearing the worker; after this long nobody followed it, and the entry
-# is acknowledged anyway (a later resume generates the answer again, with the same seed).
-UNSEEN_END_WAIT_S = 2.0
 
 log = logging.getLogger(__name__)
 
@@ -436,10 +428,7 @@ class Consumer:
         now = time.monotonic()
         while self._expiring and self._expiring[0][0] <= now:
             self._outbox.drops += heapq.heappop(self._expiring)[1]
-        for end in self._publisher.take_left():  # ended; no gateway has seen it held here yet
-            if now - end.since > UNSEEN_END_WAIT_S:  # nobody followed it: acknowledged all the same
-                end = dataclasses.replace(end, record="")
-            self._outbox.ends.append(end)
+        self._outbox.ends += self._publisher.take_left(now)  # ended; no gateway saw them held here yet
         if self._outbox and not self.is_fenced:
             self._outbox.room = max(0, stats.max_num_seqs - stats.num_running - stats.num_waiting)
             self._publisher.submit(self._outbox)

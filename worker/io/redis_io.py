@@ -14,6 +14,7 @@ guarantees are in `protos/keys.py`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -35,6 +36,14 @@ log = logging.getLogger(__name__)
 
 LOG_RENEW_S = 10.0  # how often a heartbeat renews the log's TTL (see Heartbeat)
 CLOSE_FLUSH_TIMEOUT_S = 5.0  # how long a stopping worker keeps trying to publish its last events
+# An ended attempt's entry stays pending until a gateway has seen this worker hold it (its
+# record then names this worker's log: worker/io/scripts.py STEP), so that its final or error
+# is not refused and a later resume finds the answer. A gateway following the request does that
+# within a round trip of hearing the worker; after this long nobody followed it, and the entry is
+# acknowledged anyway (a later resume generates the answer again, with the same seed). A
+# stopping worker waits at most CLOSE_END_WAIT_S for it.
+UNSEEN_END_WAIT_S = 2.0
+CLOSE_END_WAIT_S = 1.0
 
 
 def connect(config: WorkerConfig) -> redis.Redis:
@@ -175,6 +184,10 @@ class Publisher:
             outbox, closing = self._collect(self._queue.get())
             if outbox:
                 self._send(outbox)
+        give_up_at = min(self._give_up_at, time.monotonic() + CLOSE_END_WAIT_S)
+        while ends := self.take_left(float("inf") if time.monotonic() > give_up_at else time.monotonic()):
+            self._send(Outbox(ends=ends))
+            time.sleep(0.05)
 
     def _collect(self, first: Outbox | None) -> tuple[Outbox, bool]:
         """Merge everything already queued, so a backlog goes out as one round."""
@@ -225,11 +238,12 @@ class Publisher:
             with self._left_lock:
                 self._left += [e for e in outbox.ends if (e.stream, _text(e.entry_id)) in left]
 
-    def take_left(self) -> list[End]:
-        """The finished attempts whose entries the last rounds left pending (STEP): to end again."""
+    def take_left(self, now: float) -> list[End]:
+        """The ended attempts whose entries the last rounds left pending (STEP), to end again; those
+        that waited UNSEEN_END_WAIT_S by `now` (monotonic) are acknowledged all the same."""
         with self._left_lock:
             left, self._left = self._left, []
-        return left
+        return [dataclasses.replace(e, record="") if now - e.since > UNSEEN_END_WAIT_S else e for e in left]
 
 
 def _text(value: bytes | str) -> str:
