@@ -170,8 +170,12 @@ WORKER_DENIED = [
     ("XGROUP", "DELCONSUMER", R, KEYS.group, W), ("XINFO", "CONSUMERS", R, KEYS.group),
     ("SADD", KEYS.fence(W), FENCE_MARK), ("SREM", KEYS.fence(W), "other"), ("SADD", KEYS.fenced, W),
     ("ZREM", KEYS.registry, W), ("HDEL", KEYS.consumer_models, W),
-    # ... nor DEL anything but heartbeat hashes (records, logs and the registry: HSET, HDEL, ZREM) ...
+    # ... nor DEL anything but heartbeat hashes (logs and the registry: HSET, HDEL, ZREM) ...
     ("DEL", KEYS.record(RID)), ("DEL", KEYS.log(W)), ("DEL", KEYS.registry),
+    # ... nor write a request record (only gateways do: it could point one at a log it forged) ...
+    ("HSET", KEYS.record(RID), "log", KEYS.log("w.2")), ("HSETNX", KEYS.record(RID), "log", "x"),
+    ("HINCRBY", KEYS.record(RID), "deliveries", "9"), ("PEXPIRE", KEYS.record(RID), "1"),
+    ("HDEL", KEYS.record(RID), "entry"),
     # ... nor load adapters of its own accord (operators write that hash) ...
     ("HSET", KEYS.adapters(KEYS.model), "evil", "/tmp/evil"), ("DEL", KEYS.consumer_models),
     # ... nor touch the tenants' quota keys, even to read them ...
@@ -229,6 +233,7 @@ SCRIPT_DENIED = [
     ("worker", f"return redis.call('PUBLISH', '{KEYS.aborts}', 'x')"),
     ("worker", f"return redis.call('HSET', '{KEYS.tenant_tokens('acme')}', 'tokens', '1e9')"),
     ("worker", f"return redis.call('XADD', '{R}', '*', 'data', 'x')"),
+    ("worker", f"return redis.call('HSET', '{KEYS.record(RID)}', 'log', '{KEYS.log(W)}')"),
     ("gateway", f"return redis.call('DEL', '{R}')"),
     ("gateway", f"return redis.call('INCRBY', '{KEYS.tenant_calls('acme')}', 1)"),
     ("gateway", f"return redis.call('PUBLISH', '{KEYS.out(W)}', 'x')"),

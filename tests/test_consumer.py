@@ -259,7 +259,8 @@ def log_as(client: redis.Redis, keys: Keys, consumer: str, request_id: str, entr
         client.hset(log, LogField.event(request_id, i), log_value(event))
     progress = queue_pb2.Progress(seed=seed, first_token_unix=time.time(), worker_id=consumer)
     client.hset(log, mapping={request_id + LogField.PROGRESS: progress.SerializeToString(),
-                              request_id + LogField.NEXT: len(token_ids), request_id + LogField.HELD: entry_id})
+                              request_id + LogField.NEXT: len(token_ids),
+                              request_id + LogField.HELD: entry_id})
     client.hset(keys.record(request_id), mapping={Record.ENTRY: entry_id, Record.LOG: log})
 
 
@@ -304,7 +305,8 @@ def test_a_dead_workers_request_is_queued_again_and_resumed_without_a_gap(
     assert (final.text, final.usage.completion_tokens, final.worker_id) == (
         ref_text, 12, worker.config.worker_id)
     log = keys.log(worker.config.consumer_name)
-    wait_until(lambda: client.xlen(keys.requests) == 0 and client.hexists(log, "r" + LogField.FINAL), timeout=5)
+    wait_until(lambda: client.xlen(keys.requests) == 0 and client.hexists(log, "r" + LogField.FINAL),
+               timeout=5)
     names = lambda: {c["name"] for c in client.xinfo_consumers(keys.requests, keys.group)}  # noqa: E731
     wait_until(lambda: b"ghost" not in names() and "ghost" not in names(), timeout=5)  # tidied up
 

@@ -120,11 +120,17 @@ def test_a_tenants_call_streams_replays_and_parks_under_the_gateway_and_worker_u
         order_1 = build_request("hi", max_tokens=4, seed=7, request_id="order-1")
         first = list(stub.Generate(order_1, metadata=meta, timeout=20))
         assert tokens_of(first) == sim_token_ids(7, 0, 4)
-        assert admin.hget(KEYS.record("acme/order-1"), Record.FINAL) == b"4"
+        # the gateway's VERIFY named the worker's log in the record, the final is in it, and the
+        # record lives the result TTL from the final on (SHORTEN)
+        log = KEYS.log(consumer)
+        assert admin.hget(KEYS.record("acme/order-1"), Record.LOG) == log.encode()
+        assert admin.hget(log, "acme/order-1" + LogField.FINAL) == b"4"
+        ttl = lambda: admin.ttl(KEYS.record("acme/order-1"))  # noqa: E731
+        wait_until(lambda: 0 < ttl() <= gateway.config.result_ttl_s, timeout=5)
         replay = list(stub.Generate(resumed_at(order_1, 2), metadata=meta, timeout=20))
         assert tokens_of(replay) == sim_token_ids(7, 2, 2)  # from the log, not generated again
-        # STEP wrote the prompt's tokens into the record, SETTLE billed them once (HSETNX)
-        assert admin.hget(KEYS.record("acme/order-1"), Record.PROMPT_TOKENS) is not None
+        # STEP wrote the prompt's tokens into the worker's log, SETTLE billed them once (HSETNX)
+        assert admin.hget(log, "acme/order-1" + LogField.PROMPT) is not None
         wait_until(lambda: admin.hget(KEYS.record("acme/order-1"), Record.PROMPT_BILLED) == b"1", timeout=5)
         assert stub.GetServerInfo(generate_pb2.GetServerInfoRequest(), metadata=meta, timeout=5)
 
@@ -169,7 +175,7 @@ def test_prefix_routing_moves_and_a_dead_workers_routed_stream_under_the_gateway
     assert admin.hget(KEYS.record("stucks"), Record.STREAM) == KEYS.requests.encode()  # moved
     # nobody follows "ghosts" (no call): the worker takes it and parks it
     taker = worker.config.consumer_name.encode()
-    wait_until(lambda: admin.hget(KEYS.record("ghosts"), Record.OWNER) == taker, timeout=10)
+    wait_until(lambda: admin.hget(KEYS.log(taker.decode()), "ghosts" + LogField.HELD) is not None, timeout=10)
     # its routed stream goes once the entry ends: parked with nobody following, it is abandoned
     # reattach_grace_s (10 s) after the claim, so this wait must outlast that (at 10 s it raced)
     wait_until(lambda: not admin.exists(KEYS.routed("ghost", PriorityClass.NORMAL)), timeout=20)
@@ -180,7 +186,7 @@ def test_prefix_routing_moves_and_a_dead_workers_routed_stream_under_the_gateway
 @pytest.mark.parametrize("own_users", [False, True], ids=["shared-user", "user-per-worker"])
 def test_a_worker_takes_over_a_dead_workers_call_under_the_worker_user(
         acl_redis: EmbeddedRedis, admin: redis.Redis, stack: Stack, own_users: bool) -> None:
-    """The failover and fencing paths: a worker (real Claimer, Heartbeat, STEP with REOWN)
+    """The failover and fencing paths: a worker (real Claimer, Heartbeat, STEP)
     claims a call and streams two chunks, then dies; the gateway's sweeper fences it and queues
     the entry again, the taker's OWN copies its log, the call ends with every token once; the
     zombie's next STEP and HEARTBEAT are refused by the scripts (not by the ACL). With a user per
@@ -208,7 +214,7 @@ def test_a_worker_takes_over_a_dead_workers_call_under_the_worker_user(
                 outbox.log(sim_chunk("r1", 9, seq))
             outbox.progress["r1"] = queue_pb2.Progress(seed=9, worker_id="dead").SerializeToString()
             step = dead_client.register_script(STEP)
-            assert step(args=outbox.args(PREFIX, dead, is_resent=True)) == [b"ok"]
+            assert step(args=outbox.args(PREFIX, dead)) == [b"ok"]
             admin.delete(KEYS.worker(dead))  # its heartbeat expired: it died
             stack.worker(url(taker_user, acl_redis.port), sim_engine(), reconcile_interval_s=0.2,
                          worker_id="wa")
@@ -249,9 +255,9 @@ def test_the_gateways_rarer_paths_run_under_its_user(acl_redis: EmbeddedRedis, a
             assert await queue.entry_state(found.entry_id, found.stream) is EntryState.ORPHANED
             assert (await queue.queue_gauges(KEYS.model))[:2] == (0, 1)
             batch = queue_pb2.TokenEventBatch(events=[sim_chunk("acme/r", 3, 0)])
-            admin.hset(KEYS.record("acme/r"), Record.LOG, KEYS.log("w.1"))  # as w.1's OWN did
-            worker.publish(KEYS.out("w.1"), batch.SerializeToString())  # taken after an HMGET of the record
+            worker.publish(KEYS.out("w.1"), batch.SerializeToString())  # taken after VERIFY
             assert (await asyncio.wait_for(calls.get(), 5)).seq == 0
+            assert admin.hget(KEYS.record("acme/r"), Record.LOG) == KEYS.log("w.1").encode()
             admin.xack(KEYS.requests, KEYS.group, found.entry_id)  # abandoned: no final
             admin.xdel(KEYS.requests, found.entry_id)
             assert await queue.entry_state(found.entry_id, found.stream) is EntryState.GONE
@@ -290,9 +296,13 @@ def test_the_workers_rarer_paths_run_under_its_user(acl_redis: EmbeddedRedis, ad
         admin.hset(KEYS.log(me), mapping={"old" + LogField.NEXT: 1, "old:0": b"x"})
         outbox = Outbox()
         outbox.publish(queue_pb2.TokenEvent(request_id="kept", seq=0))
-        outbox.end("kept", KEYS.record("kept"), KEYS.requests, kept, ttl_ms=60_000)
+        outbox.end("kept", KEYS.record("kept"), KEYS.requests, kept)
         outbox.drops += ["old" + LogField.NEXT, "old:0"]
-        assert client.register_script(STEP)(args=outbox.args(PREFIX, me)) == [b"ok"]
+        step = client.register_script(STEP)
+        assert step(args=outbox.args(PREFIX, me)) == [b"ok", KEYS.requests.encode(), kept]  # nobody saw it
+        again = Outbox()
+        again.end("kept", "", KEYS.requests, kept)  # acknowledged all the same
+        assert step(args=again.args(PREFIX, me)) == [b"ok"]
         assert admin.xlen(KEYS.requests) == 0 and not admin.exists(KEYS.log(me))
         assert not other_workers_alive(client, config)
         gateway.publish(KEYS.aborts, queue_pb2.Abort(request_id="kept", entry_id=kept).SerializeToString())

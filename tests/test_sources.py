@@ -1,5 +1,5 @@
 """gateway/sources.py through the reply router, on real Redis: a request's events are relayed
-only from the worker its record names."""
+only from the worker that holds its entry (or whose log its record names: a gateway's check)."""
 
 from __future__ import annotations
 
@@ -12,43 +12,54 @@ from protos.tokenrelay.v1 import queue_pb2
 from tests.test_replies import event, router
 
 
-def test_a_calls_events_come_only_from_the_worker_its_record_names(redis_url: str, prefix: str) -> None:
-    """w1 runs "r" (its record names w1's log); w2 publishes events for "r" too (a misbehaving
-    worker): refused. w3 takes "r" over (OWN points the record at its log): its events are
+def test_a_calls_events_come_only_from_the_worker_that_holds_its_entry(redis_url: str, prefix: str) -> None:
+    """w1 claimed "r" (its entry is pending under w1; the record names no log yet): its events are
+    taken, and the record then names w1's log. w2 publishes events for "r" too (a misbehaving
+    worker): refused. The sweeper queues "r" again and w3 claims the new entry: its events are
     taken, and the late event of w1 is not."""
-    keys = Keys(prefix)
+    keys = Keys(prefix, "m")
 
-    async def go() -> tuple[list[int], list[int]]:
+    async def go() -> tuple[list[int], list[int], list[bytes | None]]:
         client = aioredis.Redis.from_url(redis_url)
         replies = router(client, keys)
         refused: list[int] = []
         replies.sources.on_refused = refused.append
         assert await replies.start(timeout_s=5)
         calls = await replies.follow("r")
-        await client.hset(keys.record("r"), Record.LOG, keys.log("w1"))
+        await client.xgroup_create(keys.requests, keys.group, id="0", mkstream=True)
+
+        async def claim(worker: str) -> None:  # what ATTACH (or REQUEUE) and a worker's XREADGROUP leave
+            entry_id = await client.xadd(keys.requests, {"data": b"r"})
+            record = {Record.ENTRY: entry_id, Record.STREAM: keys.requests}
+            await client.hset(keys.record("r"), mapping=record)
+            await client.xreadgroup(keys.group, worker, {keys.requests: ">"}, count=1)
 
         async def publish(worker: str, *events: queue_pb2.TokenEvent) -> None:
             batch = queue_pb2.TokenEventBatch(events=list(events))
             await client.publish(keys.out(worker), batch.SerializeToString())
 
+        await claim("w1")
         other = queue_pb2.TokenEvent(request_id="x")  # a request this gateway does not follow
         await publish("w1", event(0), other)
         await publish("w2", event(1))
         got = [(await asyncio.wait_for(calls.get(), 5)).seq]
-        await client.hset(keys.record("r"), Record.LOG, keys.log("w3"))
+        logs = [await client.hget(keys.record("r"), Record.LOG)]
+        await claim("w3")
         await publish("w3", event(1))
         got.append((await asyncio.wait_for(calls.get(), 5)).seq)
+        logs.append(await client.hget(keys.record("r"), Record.LOG))
         await publish("w1", event(2))
-        await publish("w2", event(2))  # refused a moment ago: dropped without reading the record
+        await publish("w2", event(2))  # refused a moment ago: dropped without running VERIFY
         await publish("w3", event(3))
         got.append((await asyncio.wait_for(calls.get(), 5)).seq)
         replies.unfollow("r", calls)
         await replies.close()
         await client.aclose()
-        return got, refused
-    got, refused = asyncio.run(go())
+        return got, refused, logs
+    got, refused, logs = asyncio.run(go())
     assert got == [0, 1, 3]
     assert sum(refused) == 3  # w2's two events and w1's late one
+    assert logs == [keys.log("w1").encode(), keys.log("w3").encode()]
 
 
 def test_a_workers_admission_notice_checks_the_record_before_the_first_token(redis_url: str,

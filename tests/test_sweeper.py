@@ -141,7 +141,8 @@ def test_finished_stale_and_unreadable_entries_are_deleted_not_queued(
     assert sweeps.sweep() == (1, 0)
     assert client.xlen(keys.requests) == 0
     assert client.xpending(keys.requests, keys.group)["pending"] == 0
-    assert client.hget(keys.record("finished"), Record.LOG) == keys.log("dead").encode()  # a resume replays it
+    # a resume replays it from the dead worker's log
+    assert client.hget(keys.record("finished"), Record.LOG) == keys.log("dead").encode()
 
 
 def test_every_tenth_sweep_looks_at_every_member_and_at_the_groups_consumers(
