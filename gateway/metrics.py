@@ -111,8 +111,8 @@ class GatewayMetrics:
                                       "prompt_tokens the worker reported.", RATIO_BUCKETS)
         # Not by tenant: the router drops them before any call sees them; model is the default's.
         self.refused_events = Counter(
-            "tokenrelay_refused_worker_events", "Token events a worker published for a request whose "
-            "record names another worker's log: dropped (a worker taken over, or a misbehaving one).",
+            "tokenrelay_refused_worker_events", "Token events a worker published for a request it does "
+            "not hold: dropped (a worker taken over, or a misbehaving one).",
             m, registry=registry)
         self.refused_events.labels(self.model)  # exported at 0 from the start: an alert reads it
         # Not by tenant; model is the default's (a sweep covers every model).

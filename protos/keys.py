@@ -18,10 +18,11 @@ or test runs can share one Redis. ``{p}`` below is that prefix.
 |                          |         | _TTL_S       |                           |                          |
 | {p}:workers              | group   | (on each     | worker XGROUP CREATE/XACK,| gateway XINFO/XPENDING   |
 |                          |         |  stream)     | sweeper XACK/DELCONSUMER  |                          |
-| {p}:request:{request_id} | hash    | lease (*)    | gateway ATTACH, SETTLE;   | gateways, workers        |
-|                          |         |              | worker OWN/STEP, sweeper  |                          |
+| {p}:request:{request_id} | hash    | lease (*)    | gateways only: ATTACH,    | gateways, workers (OWN,  |
+|                          |         |              | VERIFY, SETTLE, SHORTEN,  | STEP)                    |
+|                          |         |              | MOVE, the sweeper         |                          |
 | {p}:log:{consumer}       | hash    | longest      | that worker's STEP, OWN   | gateways READ_LOG, OWN   |
-|                          |         | result TTL   | of a taker                |                          |
+|                          |         | result TTL   |                           | of a taker               |
 | {p}:out:{consumer}       | channel | -            | that worker's STEP        | every gateway PSUBSCRIBE |
 | {p}:events:{request_id}  | channel | -            | (nothing: presence only)  | workers PUBSUB NUMSUB    |
 | {p}:registry             | zset    | none         | workers' HEARTBEAT, sweeper| everyone (candidates)   |
@@ -34,7 +35,7 @@ or test runs can share one Redis. ``{p}`` below is that prefix.
 |                          |         |              |                           | sweeper (alive = exists) |
 | {p}:tenant:{name}:calls  | zset    | slot TTL (+) | gateway scripts           | gateways (admission)     |
 | {p}:tenant:{name}:tokens | hash    | until full   | gateway script            | gateways (admission)     |
-(*) RECORD_LEASE_S from creation, then the request's result TTL once an attempt ended.
+(*) RECORD_LEASE_S from creation, then the request's result TTL once a gateway relayed its final.
 (+) the gateway's --quota-slot-ttl, renewed with every admission and refresh.
 No key is ever found by SCAN: the registry answers "which workers are alive" in one round
 trip, and every other key is named by a request id or a consumer name.
@@ -84,32 +85,35 @@ Requests (one stream per priority class, each with the same consumer group)
 
 The request record and its log: one generation per request id
   ``{p}:request:{request_id}`` (fields: `Record` below) names the request's body (a
-  digest), its seed, its current attempt (stream entry id), its owner (the consumer
-  running it, "" once an attempt ended) and the log hash holding its events. The
-  gateway's ATTACH script (gateway/queue.py) creates the record and XADDs the first
-  attempt atomically, or finds the record: the same body attaches to it, another body
-  is refused (FAILED_PRECONDITION). A new attempt is XADDed only when the current entry
-  has left the stream without a final (its worker abandoned or failed it),
-  compare-and-set on ``entry``, so two gateways never start two attempts. The record
-  lives RECORD_LEASE_S from its creation; once an attempt ends (final, error,
-  abandoned) the worker sets its TTL to the request's result TTL
-  (``QueuedRequest.result_ttl_s``, the gateway's --result-ttl), so a finished answer is
+  digest), its seed, its current attempt (stream entry id) and the log hash holding its
+  events. Only gateways write records: a worker user may not (deploy/redis), as a worker that
+  could would point a record at a log it forged. The gateway's ATTACH script
+  (gateway/queue.py) creates the record and XADDs the first attempt atomically, or finds the
+  record: the same body attaches to it, another body is refused (FAILED_PRECONDITION). A new
+  attempt is XADDed only when the current entry has left the stream without a final (its
+  worker abandoned or failed it), compare-and-set on ``entry``, so two gateways never start
+  two. The record lives RECORD_LEASE_S from its creation; once a gateway relayed the final,
+  it lives the gateway's --result-ttl (SHORTEN: never lengthened), so a finished answer is
   replayed, not generated again, for that long.
 
-  The events live in the owner's log hash ``{p}:log:{consumer}`` (fields: `LogField`):
-  ``{request_id}:{seq}`` per chunk and the final (the `queue.TokenEvent` framed as a
-  one-event `queue.TokenEventBatch`, so a round's published batch is its events' logged
-  values concatenated: protos/convert.py `log_value`), ``{request_id}:n`` the next seq, and
-  ``{request_id}:p`` the `queue.Progress` (seed, first-token time: O(1), written when it
-  changes, never the tokens so far). One HSET per worker round logs every request's
-  events, so a round costs O(new tokens) whatever the output length. A claim (OWN
-  script) copies the request's fields into the claimant's log and points the record at it,
-  so a request's whole log is always in the one hash its record names; a worker writes
-  only its own log (deploy/redis: a per-worker user may be refused every other). Each
-  owner HDELs its fields once the result TTL passed (a live owner that was taken over: at
-  once, when it drops the request), and the hash itself expires (its TTL, the longest
-  result TTL, is renewed with every heartbeat) when its worker is gone. A resume reads the
-  chunks it needs with READ_LOG (HMGET of ``{request_id}:{K..}``): its cost is what it
+  The events live in the log hash ``{p}:log:{consumer}`` of the worker running the request
+  (fields: `LogField`): ``{request_id}:{seq}`` per chunk and the final (the `queue.TokenEvent`
+  framed as a one-event `queue.TokenEventBatch`, so a round's published batch is its events'
+  logged values concatenated: protos/convert.py `log_value`), ``{request_id}:n`` the next
+  seq, ``{request_id}:p`` the `queue.Progress` (seed, first-token time: O(1), written when it
+  changes, never the tokens so far), ``{request_id}:f`` the final's seq, ``{request_id}:t``
+  the prompt's token count and ``{request_id}:a`` the entry the worker holds. One HSET per
+  worker round logs every request's events, so a round costs O(new tokens) whatever the output
+  length. A worker writes only its own log (deploy/redis: a per-worker user may be refused
+  every other). The record names a worker's log (``log``) once a gateway saw that worker hold
+  the request's current entry in the stream's pending list (VERIFY, gateway/sources.py: only a
+  claim writes the pending list, and no worker can move an entry in it), or the sweeper found
+  it holding the entry when it died: so every log a record names is one a gateway may trust,
+  and it holds every event a caller was sent. A claim (OWN script) copies the request's fields
+  from the log its record names into the claimant's log. Each worker HDELs its fields once the
+  result TTL passed, and the hash itself expires (its TTL, the longest result TTL, is renewed
+  with every heartbeat) when its worker is gone. A resume reads the chunks it needs with
+  READ_LOG (HMGET of ``{request_id}:{K..}`` in the log the record names): its cost is what it
   returns, never HGETALL.
 
 Request ids are per tenant
@@ -123,14 +127,17 @@ Request ids are per tenant
 Delivery guarantee: every chunk exactly once to a caller that keeps resending.
   Per round a worker makes ONE call of its STEP script (worker/io/scripts.py): it checks
   the fence (below), logs the round's events and progress of every request in one HSET,
-  ends finished attempts (``final`` into the record, XACK+XDEL of the entry), and
-  PUBLISHes every event of the round in one ``queue.TokenEventBatch`` on
-  ``{p}:out:{consumer}``. A script is atomic, so an event is logged before anyone hears
-  of it, and an entry leaves the stream only once its final is logged. Every gateway
-  PSUBSCRIBEs ``{p}:out:*`` once and hands events to its calls by request id, taking a
-  request's events only from the out channel of the worker whose log its record names (the
-  round that admits a request announces it, ``TokenEventBatch.admitted``, so the gateway
-  reads the record during the prefill; gateway/sources.py): a call registers locally before
+  ends attempts (the final into its log, XACK+XDEL of the entry), and PUBLISHes every event
+  of the round in one ``queue.TokenEventBatch`` on ``{p}:out:{consumer}``. A script is
+  atomic, so an event is logged before anyone hears of it, and an entry leaves the stream
+  only once its final is logged. Every gateway PSUBSCRIBEs ``{p}:out:*`` once and hands
+  events to its calls by request id, taking a request's events only from the out channel of
+  the worker that VERIFY accepts (the round that admits a request announces it,
+  ``TokenEventBatch.admitted``, so the gateway checks during the prefill; gateway/sources.py).
+  An ended attempt's entry is acknowledged only once its record names the worker's log (a
+  gateway saw it hold the entry), else left pending for the next rounds, for at most
+  UNSEEN_END_WAIT_S (worker/io/redis_io.py): an XACK would empty the pending list VERIFY
+  judges by, and the final or error published with it would be refused. A call registers locally before
   it reads the log or enqueues anything, so an event is either in the log it reads or arrives after (or both:
   duplicates are dropped by ``seq``). Events carry a per-request ``seq`` 0, 1, 2, ...
   that every attempt continues: a chunk's seq is its index and the final's is the number
@@ -191,14 +198,15 @@ Fencing: a zombie's writes fail
   ``*`` in its ``{p}:fence:{consumer}``, its name in ``{p}:fenced`` for operators, score 0
   in the registry until nothing of it is left. Then REQUEUE moves each of its entries to the
   tail of the shared stream of its model and class, one script for the batch: the record
-  follows (compare-and-set on its entry, as MOVE; an owner that died holding it is cleared
-  and counted in ``deliveries``), the old entry is acknowledged and deleted, and a finished
+  follows (compare-and-set on its entry, as MOVE; when the dead worker had taken the entry,
+  HELD in its log, the record names its log from then on and ``deliveries`` counts it), the
+  old entry is acknowledged and deleted, and a finished (its final in the dead worker's log)
   or stale one only deleted. The first worker with room claims it like any other. A fenced
   consumer's STEP and HEARTBEAT (one SISMEMBER of that set) refuse every write; it drops all
   it holds and exits (status 3), like a Kafka producer fenced by a newer epoch. A claim (OWN
-  script) takes a record only from an owner that released it or was fenced: a record a live
-  owner holds (an entry delivered twice after an AOF loss, say) is left to it ('busy'), and
-  reconciliation looks at the entry again later. Since STEP, SWEEP, REQUEUE and OWN are
+  script) leaves a request whose record names another worker's log alone while that worker
+  holds it (HELD, no final) and is not fenced (an entry delivered twice after an AOF loss,
+  say: 'busy'), and reconciliation looks at the entry again later. Since STEP, SWEEP, REQUEUE and OWN are
   scripts, a round is either wholly before the fence (and the taker resumes after everything
   it published) or refused: a caller never receives a stream spliced from two generations,
   and a zombie's XACK cannot remove the taker's entry. ``deliveries`` in the record counts
@@ -221,7 +229,7 @@ Reconciliation
   it runs or parks. An entry pending under it that it forgot (an XACK or XDEL lost with
   the last second of an AOF) is claimed again: OWN finds its final logged and it is only
   acknowledged, or it is resumed from its log; so no call waits forever and nothing runs
-  twice. An entry whose record another live worker holds is left pending and looked at again
+  twice. An entry whose request another live worker holds is left pending and looked at again
   at a later reconciliation (above).
 
 Deadlines are judged on one clock
@@ -237,10 +245,11 @@ Deadlines are judged on one clock
   the gateway following it (same seed: the same tokens), a forgotten pending entry is
   reconciled, and a chunk that vanished from a log is a gap the gateway reports
   (DATA_LOSS) to a resuming caller. A Redis that comes back empty under a running call:
-  the worker's resent round points the requests' records at its log again (STEP's REOWN
-  section), a claim over a log with holes starts the request over with the same seed, and
-  a gateway that sees a gap it cannot fill starts the next attempt at once when the entry
-  is gone too, and fails the call with DATA_LOSS only if that attempt does not fill the
+  the record and the entry are gone, so the gateway following the call attaches again (a
+  new record and attempt: the same seed, the same tokens), and the old worker's events are
+  refused (it holds no entry of the request any more: it finishes it for nobody); a claim over a
+  log with holes starts the request over with the same seed, and a gateway that sees a gap
+  it cannot fill starts the next attempt at once when the entry is gone too, and fails the call with DATA_LOSS only if that attempt does not fill the
   gap within REGENERATE_GRACE_S (gateway/relay.py). An eviction policy other than noeviction would
   silently drop heartbeats, registry entries, records and logs: never use one.
 
@@ -263,10 +272,10 @@ Tenant quotas (gateway/quotas.py; only with --auth-tokens-file)
   together, or neither; another (SETTLE) ends a call: it frees the slot and gives back what
   the call reserved but did not use, or takes what it used beyond (a long prompt): the
   bucket may go below zero. A call's use includes the prompt of the request it attached to,
-  once per generation: the worker writes the prompt's token count into the record when it
-  admits the request (``Record.PROMPT_TOKENS``, STEP's PROMPT section, only while it owns
-  the record), and SETTLE charges it to the first call that ends after that
-  (``Record.PROMPT_BILLED``, HSETNX), whether that call saw the final or left early.
+  once per generation: the worker writes the prompt's token count into its log when it
+  admits the request (``LogField.PROMPT``, STEP's ADMIT section), and SETTLE charges the
+  count in the log the record names (one a gateway checked) to the first call that ends after
+  that (``Record.PROMPT_BILLED``, HSETNX), whether that call saw the final or left early.
 
 Worker heartbeat
   Each worker's HEARTBEAT script, about every half second and whenever its load changes

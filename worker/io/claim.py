@@ -8,7 +8,8 @@ the shared one, where a dead worker's requests come back (gateway/sweeper.py). O
 worker that found nothing blocks, on every stream at once (one entry of each at most:
 XREADGROUP's COUNT is per stream; the read that wakes it returns the stream that woke it), then
 claims what keeps arriving in a burst. Then, for all of them in one round trip, the OWN script
-takes their records (owner, log, progress), PUBSUB NUMSUB says how many callers follow them,
+reads their records and copies their logs into this worker's (progress, events so far, the entry
+it holds), PUBSUB NUMSUB says how many callers follow them,
 and their prefix hashes go into this worker's prefix index.
 """
 
@@ -57,10 +58,10 @@ def claim_capacity(stats: Any) -> int:
 
 @dataclass
 class Owned:
-    """What the OWN script found in a claimed entry's record (worker/io/scripts.py)."""
+    """What the OWN script found for a claimed entry (worker/io/scripts.py)."""
 
-    # "own" (run it), "stale" or "finished" (acknowledge and drop it), "busy" (a live worker
-    # holds its record: leave it pending)
+    # "own" (run it), "stale" or "finished" (acknowledge and drop it), "busy" (another live
+    # worker holds the request: leave it pending)
     state: str
     num_deliveries: int  # takeovers from owners that died holding it, over every attempt
     progress: queue_pb2.Progress | None = None  # None: never admitted (start from scratch)
@@ -105,7 +106,7 @@ class Claimer:
 
     def own(self, entries: list[Claimed],
             num_cached_tokens: int = 0) -> tuple[dict[str, Owned], dict[str, int]]:
-        """Per claimed request, in one round trip: its record taken over (by Claimed.key), and how
+        """Per claimed request, in one round trip: what OWN found (by Claimed.key), and how
         many callers follow it (by event channel); their prefix hashes join the prefix index,
         kept to about what a KV cache of num_cached_tokens holds."""
         readable = [(c.key, c.request) for c in entries if c.request is not None]

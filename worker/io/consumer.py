@@ -315,7 +315,7 @@ class Consumer:
         if (tracked.record.seed, tracked.record.worker_id) != (admitted.seed, self.config.worker_id):
             tracked.record.seed, tracked.record.worker_id = admitted.seed, self.config.worker_id
             self._outbox.progress[qr.request_id] = tracked.progress()
-        # billed once the worker knows it, even if the caller leaves; the gateways check its record now
+        # billed once the worker knows it, even if the caller leaves; the gateways check this worker now
         self._outbox.admitted[qr.request_id] = admitted.num_prompt_tokens
         if admitted.text:
             tracked.text_parts.append(admitted.text)

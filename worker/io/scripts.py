@@ -4,13 +4,13 @@ Ownership (protos/keys.py, "Fencing"): a worker process is one consumer of the g
 ``{worker_id}.{incarnation}``. It is alive while its heartbeat hash exists (HEARTBEAT renews it
 and its registry score). A gateway's sweeper that finds a consumer dead fences it (the mark in
 its fence set) and queues its entries again (gateway/sweeper.py): workers never write
-another worker's keys, nor take over another's entries. A claim takes a request's record (OWN:
-sets ``owner``, copies the request's log into the claimant's log hash, never writing another
-worker's) only when its owner released it or was fenced; a record a live owner holds (an entry
-delivered twice after an AOF loss) is left to it. Every round of a worker is one STEP script
-that first checks the fence: a fenced worker writes nothing. Scripts run atomically, so a
-round is either entirely before the fence (and the new owner resumes after everything it
-published) or refused.
+another worker's keys, nor take over another's entries, and write no request record (only
+gateways do). What a worker says about a request is in its own log hash: OWN copies the request's
+log from the log its record names and marks the entry it holds (HELD), never writing another
+worker's; a request another worker holds, unfenced, is left to it (an entry delivered twice after
+an AOF loss). Every round of a worker is one STEP script that first checks the fence: a fenced
+worker writes nothing. Scripts run atomically, so a round is either entirely before the fence
+(and the new owner resumes after everything it published) or refused.
 
 Why scripts and not a pipeline: the check and the writes must be one atomic step, and one
 EVALSHA per round replaces one HSET and one PUBLISH per request (bench-e2e measured 2.1
