@@ -247,10 +247,11 @@ Deadlines are judged on one clock
   (DATA_LOSS) to a resuming caller. A Redis that comes back empty under a running call:
   the record and the entry are gone, so the gateway following the call attaches again (a
   new record and attempt: the same seed, the same tokens), and the old worker's events are
-  refused (it holds no entry of the request any more: it finishes it for nobody); a claim over a
-  log with holes starts the request over with the same seed, and a gateway that sees a gap
-  it cannot fill starts the next attempt at once when the entry is gone too, and fails the call with DATA_LOSS only if that attempt does not fill the
-  gap within REGENERATE_GRACE_S (gateway/relay.py). An eviction policy other than noeviction would
+  refused (it holds no entry of the request any more: it finishes it for nobody); a claim
+  over a log with holes starts the request over with the same seed, and a gateway that sees
+  a gap it cannot fill starts the next attempt at once when the entry is gone too, and fails
+  the call with DATA_LOSS only if that attempt does not fill the gap within
+  REGENERATE_GRACE_S (gateway/relay.py). An eviction policy other than noeviction would
   silently drop heartbeats, registry entries, records and logs: never use one.
 
 Aborts
