@@ -160,13 +160,6 @@ table.insert(reply, 1, first)
 return reply
 """
 
-# A finished request's record lives its result TTL (ARGV[1], ms) from its final: it is shortened
-# from the creation lease, never lengthened (a later replay must not outlive the worker's log).
-SHORTEN_SCRIPT = """
-local left = redis.call('PTTL', KEYS[1])
-if left > tonumber(ARGV[1]) then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
-"""
-
 # Live workers in one round trip: the registry's members (consumer names) whose expiry
 # (Redis ms) is ahead, each with its heartbeat hash. No SCAN: the registry is one sorted set.
 LIVE_WORKERS_SCRIPT = f"""
@@ -231,7 +224,6 @@ class RequestQueue:
         self._depths: dict[str, _Depth] = {}  # per model (protos/keys.py, "Models")
         self._attach = client.register_script(ATTACH_SCRIPT)
         self._read_log = client.register_script(READ_LOG_SCRIPT)
-        self._shorten = client.register_script(SHORTEN_SCRIPT)
         self._live_workers = client.register_script(LIVE_WORKERS_SCRIPT)
         self._entry_state = client.register_script(ENTRY_STATE_SCRIPT)
         # The live workers' routed streams by model, as the router last saw them: queue depth
@@ -274,10 +266,6 @@ class RequestQueue:
             return []
         keys = [self.keys.prefixes(c) for c in consumers]
         return [int(n) for n in await self._route(keys=keys, args=[len(hashes), *hashes])]
-
-    async def finished(self, request_id: str, result_ttl_s: float) -> None:
-        """The request's final reached a caller: its record lives result_ttl_s more at most."""
-        await self._shorten(keys=[self.keys.record(request_id)], args=[int(result_ttl_s * 1000)])
 
     async def read_log(self, request_id: str, first_seq: int = 0) -> dict[int, queue_pb2.TokenEvent]:
         """seq -> event of what the request's log holds from first_seq on (chunks and the final),

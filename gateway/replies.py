@@ -11,10 +11,10 @@ worker whether anyone follows the request (PUBSUB NUMSUB), so an unfollowed one 
 Several calls of this gateway may follow one request (a client resumed before the gateway
 noticed its old call was gone): each gets every event.
 
-An event is relayed only from the out channel of the worker whose log the request's record
-names (gateway/sources.py): the round that admits a request announces it, so that worker is
-known before its first token; an event from any other worker is held while the record is
-read, then relayed or dropped.
+An event is relayed only from the out channel of the worker that holds the request's entry
+(gateway/sources.py): the round that admits a request announces it, so that worker is known
+before its first token; an event from any other worker is held while it is checked, then
+relayed or dropped.
 
 Each call's queue is bounded (`max_queued_events`): a call that reads slower than its
 request generates loses what is queued, and gets `RESYNC` instead, so its relay re-reads
@@ -96,11 +96,12 @@ def offer(queue: asyncio.Queue[CallItem], item: CallItem) -> None:
 class ReplyRouter:
     def __init__(self, client: aioredis.Redis, keys: Keys, home: str, *,
                  max_backoff_s: float = 2.0, max_queued_events: int = DEFAULT_MAX_QUEUED_EVENTS,
-                 tick_s: float = DEFAULT_TICK_S,
-                 on_ready_change: Callable[[bool], Any] | None = None) -> None:
+                 tick_s: float = DEFAULT_TICK_S, on_ready_change: Callable[[bool], Any] | None = None,
+                 result_ttl_s: float | None = None) -> None:
         """home: the gateway's own channel (`Keys.gateway`); tick_s: how often an idle call gets
-        TICK. Calls follow a request's presence channel (`Keys.events`); events come from every
-        worker's out channel (`Keys.out_pattern`)."""
+        TICK; result_ttl_s: a relayed final shortens its record to it (None: left alone). Calls
+        follow a request's presence channel (`Keys.events`); events come from every worker's out
+        channel (`Keys.out_pattern`)."""
         self._client, self._keys, self._home = client, keys, home
         self._channel_of, self._out_pattern = keys.events, keys.out_pattern
         self._out_mark = keys.out("")  # an out channel's name is this + the worker's consumer name
@@ -109,7 +110,7 @@ class ReplyRouter:
         self._tick_s = tick_s
         self._on_ready_change = on_ready_change
         self._calls: dict[str, list[CallQueue]] = {}  # request id -> its followers
-        self.sources = Sources(client, keys, self._deliver, self._max_queued)
+        self.sources = Sources(client, keys, self._deliver, self._max_queued, result_ttl_s)
         self._confirmed: dict[str, asyncio.Future[None]] = {}  # channel -> its SUBSCRIBE confirmation
         self._pubsub: Any = None
         self._ready = asyncio.Event()
@@ -279,6 +280,8 @@ class ReplyRouter:
             if sources.known.get(event.request_id) == consumer:
                 for queue in queues:
                     offer(queue, event)
+                if event.HasField("final"):
+                    sources.finished(event.request_id)
             else:
                 sources.check(event.request_id, consumer, event)
 

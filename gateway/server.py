@@ -180,7 +180,6 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
                 is_done = response.HasField("final")
                 if is_done:
                     response.final.tenant = tenant.name
-                    self._in_background(self._finished(key))
                     if is_new and self.metrics is not None:
                         self.metrics.observe_route(request.model, route, response.final.usage)
                 else:
@@ -305,12 +304,6 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _finished(self, request_id: str) -> None:
-        try:
-            await self.queue.finished(request_id, self.config.result_ttl_s)
-        except RedisError as e:  # the record keeps its creation lease (RECORD_LEASE_S) instead
-            log.warning("request %s: could not shorten its record to the result TTL: %s", request_id, e)
-
     async def _abort(self, request_id: str, reason: str, entry_id: bytes) -> None:
         try:
             await self.queue.abort(request_id, reason, entry_id)
@@ -329,7 +322,7 @@ class Gateway:
                                   max_backoff_s=config.max_backoff_s,
                                   max_queued_events=config.max_queued_events,
                                   tick_s=min(DEFAULT_TICK_S, config.liveness_check_s / 2),
-                                  on_ready_change=self._on_ready_change)
+                                  on_ready_change=self._on_ready_change, result_ttl_s=config.result_ttl_s)
         self.health = health_aio.HealthServicer()
         self.metrics_server = MetricsServer(config.metrics_port, compat_vllm=config.metrics_compat == "vllm")
         metrics, interceptors = None, []

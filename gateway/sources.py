@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -55,6 +55,15 @@ end
 return reply
 """
 
+# A finished request's record lives its result TTL (ARGV[1], ms) from the final on: shortened from
+# the creation lease, never lengthened (a record must not outlive the worker's log, which drops
+# the request's fields after the result TTL). KEYS: the records of the finals relayed together.
+SHORTEN_SCRIPT = """
+for _, rec in ipairs(KEYS) do
+  if redis.call('PTTL', rec) > tonumber(ARGV[1]) then redis.call('PEXPIRE', rec, ARGV[1]) end
+end
+"""
+
 # After a worker was refused for a request, its further events for that request are dropped this
 # long without reading the record again (a misbehaving worker cannot make every gateway read
 # Redis once per event it publishes).
@@ -63,12 +72,16 @@ REFUSED_FOR_S = 1.0
 
 class Sources:
     """deliver(event): hand a checked event to the request's calls; max_held: events held per
-    (request, worker) while its check runs (beyond: dropped, the relay fills the gap from the log)."""
+    (request, worker) while its check runs (beyond: dropped, the relay fills the gap from the log);
+    result_ttl_s: what `finished` shortens a record to (None: nothing)."""
 
     def __init__(self, client: aioredis.Redis, keys: Keys, deliver: Callable[[queue_pb2.TokenEvent], None],
-                 max_held: int) -> None:
+                 max_held: int, result_ttl_s: float | None = None) -> None:
         self._client, self._keys, self._deliver, self._max_held = client, keys, deliver, max_held
         self._verify = client.register_script(VERIFY_SCRIPT)
+        self._shorten = client.register_script(SHORTEN_SCRIPT)
+        self._result_ttl_ms = 0 if result_ttl_s is None else max(1, int(result_ttl_s * 1000))  # 0: none
+        self._finished: list[str] = []  # records to shorten in the next call
         self.known: dict[str, str] = {}  # request id -> the consumer VERIFY accepted
         self._held: dict[str, dict[str, list[queue_pb2.TokenEvent]]] = {}  # while a check runs
         self._refused: dict[str, dict[str, float]] = {}  # request id -> consumer -> until (monotonic)
@@ -90,10 +103,32 @@ class Sources:
             return
         self._held[request_id][consumer] = [] if event is None else [event]
         self._asked.append((request_id, consumer))
-        if len(self._asked) == 1:  # the checks asked until the task runs join its pipeline
-            task = asyncio.ensure_future(self._check_asked())
-            self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
+        if len(self._asked) == 1:  # the checks asked until the task runs join its call
+            self._spawn(self._check_asked())
+
+    def finished(self, request_id: str) -> None:
+        """A checked worker's final reached the request's calls: its record lives the result TTL
+        from now (at most). The finals relayed until the task runs share one script call (a burst
+        of requests ends together)."""
+        if not self._result_ttl_ms:
+            return
+        self._finished.append(self._keys.record(request_id))
+        if len(self._finished) == 1:
+            self._spawn(self._shorten_finished())
+
+    async def _shorten_finished(self) -> None:
+        await asyncio.sleep(0)
+        records, self._finished = self._finished, []
+        try:
+            await self._shorten(keys=records, args=[self._result_ttl_ms])
+        except RedisError as e:  # they keep their creation lease (RECORD_LEASE_S) instead
+            log.warning("could not shorten %d finished requests' records to the result TTL: %s",
+                        len(records), e)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
 
     def forget(self, request_id: str) -> None:
         """Nobody on this gateway follows the request any more."""
@@ -125,6 +160,8 @@ class Sources:
             self._refused.get(request_id, {}).pop(consumer, None)
             for event in held:
                 self._deliver(event)
+                if event.HasField("final"):
+                    self.finished(request_id)
             return
         self._refused.setdefault(request_id, {})[consumer] = time.monotonic() + REFUSED_FOR_S
         if not held:  # an announcement alone (a takeover raced it): nothing was dropped

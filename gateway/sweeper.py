@@ -63,6 +63,7 @@ from protos.keys import (
     Record,
     check_model_name,
 )
+from protos.redis_conn import text
 from protos.tokenrelay.v1 import queue_pb2
 
 log = logging.getLogger(__name__)
@@ -264,7 +265,7 @@ class Sweeper:
                 pipe.xinfo_consumers(stream, keys.group)
             for reply in await pipe.execute(raise_on_error=False):
                 if not isinstance(reply, Exception):  # no stream or group yet: nobody claimed there
-                    names |= {_text(c["name"]) for c in reply}
+                    names |= {text(c["name"]) for c in reply}
         self._num_sweeps += 1
         interval_ms = int(self.config.sweep_interval_s * 1000)
         dead = cast(list[Any], await self._sweep(
@@ -276,17 +277,17 @@ class Sweeper:
             return 0, 0
         args: list[Any] = [keys.group, keys.prefix]
         for name, held in dead:
-            consumer = _text(name)
+            consumer = text(name)
             routed = set(keys.routed_streams(consumer))
             for stream, entry_id, data in held:
-                is_routed = _text(stream) in routed
-                to, request_key = self._destination(entry_id, data, None if is_routed else _text(stream))
+                is_routed = text(stream) in routed
+                to, request_key = self._destination(entry_id, data, None if is_routed else text(stream))
                 record = keys.record(request_key) if request_key else ""
                 args += [consumer, stream, entry_id, "r" if is_routed else "p", to, record, request_key]
         queued = int(await self._requeue(args=args)) if len(args) > 2 else 0
         if dead:
             log.warning("fenced %d dead workers (%s); %d of their requests queued again", len(dead),
-                        ", ".join(_text(n) for n, _ in dead), queued)
+                        ", ".join(text(n) for n, _ in dead), queued)
         if self._on_swept is not None:
             self._on_swept(len(dead), queued)
         return len(dead), queued
@@ -294,7 +295,7 @@ class Sweeper:
     async def _models(self) -> list[str]:
         """The served models and every model a worker heart-beats (a name that is not a model's,
         which only a misbehaving worker writes, is left out)."""
-        heartbeats = {_text(m) for m in cast(list[bytes], await self.client.hvals(self.keys.consumer_models))}
+        heartbeats = {text(m) for m in cast(list[bytes], await self.client.hvals(self.keys.consumer_models))}
         models = set(await self._served())
         for model in heartbeats - models:
             try:
@@ -319,7 +320,3 @@ class Sweeper:
             log.error("deleting an unreadable stream entry %r of a dead worker", entry_id)
             return "", ""
         return shared, queued.request_id
-
-
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value

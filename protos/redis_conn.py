@@ -94,6 +94,11 @@ _USERINFO_PASSWORD = re.compile(r"(?P<head>^[A-Za-z][A-Za-z0-9+.-]*://[^:@/?#]*)
 _QUERY_PASSWORD = re.compile(r"(?P<head>[?&]password=)[^&#]*", re.IGNORECASE)
 
 
+def text(value: str | bytes) -> str:
+    """A reply's value as text: clients made without decode_responses answer bytes."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
 def redact_url(url: str) -> str:
     """`url` with its password (userinfo or ?password=) replaced by ***: the only form of a
     Redis URL that may be logged or put in an error message."""

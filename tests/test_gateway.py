@@ -417,33 +417,6 @@ def test_entry_state_follows_a_request_through_redis(redis_url: str, prefix: str
         sync.close()
 
 
-def test_a_finished_requests_record_is_shortened_to_the_result_ttl_never_lengthened(
-        redis_url: str, prefix: str) -> None:
-    """SHORTEN (gateway/queue.py), sent when a call relays a final: a replay later must not keep
-    the record beyond the worker's log, which drops the request's fields after the result TTL."""
-    config = GatewayConfig(listen="127.0.0.1:0", redis_url=redis_url, key_prefix=prefix)
-    keys, sync = config.keys, redis.Redis.from_url(redis_url)
-
-    async def go() -> list[int]:
-        client = connect(config)
-        queue = RequestQueue(client, config)
-        sync.hset(keys.record("r"), Record.DIGEST, "d")
-        sync.expire(keys.record("r"), 3600)  # the creation lease
-        await queue.finished("r", 300)
-        ttls = [sync.ttl(keys.record("r"))]
-        await queue.finished("r", 600)  # a replay's final, later
-        ttls.append(sync.ttl(keys.record("r")))
-        await queue.finished("gone", 300)  # expired meanwhile: not created again
-        await client.aclose()
-        return ttls
-
-    try:
-        assert [t > 290 and t <= 300 for t in asyncio.run(go())] == [True, True]
-        assert not sync.exists(keys.record("gone"))
-    finally:
-        sync.close()
-
-
 def test_attach_creates_finds_or_refuses_a_request_record(redis_url: str, prefix: str) -> None:
     """The ATTACH script: one generation per request id, new attempts only after one ended."""
     config = GatewayConfig(listen="127.0.0.1:0", redis_url=redis_url, key_prefix=prefix)

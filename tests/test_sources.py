@@ -7,6 +7,7 @@ import asyncio
 
 import redis.asyncio as aioredis
 
+from gateway.sources import Sources
 from protos.keys import Keys, Record
 from protos.tokenrelay.v1 import queue_pb2
 from tests.test_replies import event, router
@@ -89,3 +90,27 @@ def test_a_workers_admission_notice_checks_the_record_before_the_first_token(red
         await client.aclose()
         return seq
     assert asyncio.run(go()) == 0
+
+
+def test_a_relayed_final_shortens_its_record_to_the_result_ttl_never_lengthens_it(redis_url: str,
+                                                                                  prefix: str) -> None:
+    """SHORTEN: a record lives the result TTL from its final on, one script call for the finals
+    relayed together; a later final (a replay's, say) must not keep it beyond the worker's log,
+    which drops the request's fields after the result TTL."""
+    keys = Keys(prefix)
+
+    async def go() -> list[int]:
+        client = aioredis.Redis.from_url(redis_url)
+        sources = Sources(client, keys, lambda event: None, max_held=4, result_ttl_s=300)
+        for request_id, lease_s in (("r", 3600), ("short", 60)):
+            await client.hset(keys.record(request_id), Record.DIGEST, "d")
+            await client.expire(keys.record(request_id), lease_s)
+        for request_id in ("r", "short", "gone"):  # "gone" expired meanwhile: not created again
+            sources.finished(request_id)
+        await asyncio.gather(*sources.tasks)
+        ttls = [await client.ttl(keys.record(r)) for r in ("r", "short", "gone")]
+        await client.aclose()
+        return ttls
+
+    r, short, gone = asyncio.run(go())
+    assert 290 < r <= 300 and 50 < short <= 60 and gone == -2

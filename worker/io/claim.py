@@ -25,6 +25,7 @@ import redis
 
 from protos.convert import event_from_log
 from protos.keys import PREFIX_INDEX_TTL_S
+from protos.redis_conn import text
 from protos.routing import CHUNK_CHARS, prefix_hashes
 from protos.tokenrelay.v1 import queue_pb2
 from worker.config import WorkerConfig
@@ -188,8 +189,8 @@ class Claimer:
             self._has_group = False  # Redis restarted without our group: recreate it next round
             return []
         by_stream: list[tuple[Any, list[tuple[bytes, dict[bytes, bytes]]]]] = cast(Any, reply) or []
-        by_stream = sorted(by_stream, key=lambda s: self._order.get(_text(s[0]), len(self._order)))
-        return [Claimed(_text(stream), entry_id, parse_entry(entry_id, fields))
+        by_stream = sorted(by_stream, key=lambda s: self._order.get(text(s[0]), len(self._order)))
+        return [Claimed(text(stream), entry_id, parse_entry(entry_id, fields))
                 for stream, entries in by_stream for entry_id, fields in entries]
 
     def _read_burst(self, count: int) -> list[Claimed]:
@@ -216,14 +217,10 @@ class Claimer:
         self._has_group = True
 
 
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
 def _owned(item: list[Any]) -> Owned:
     state, deliveries, progress, *chunks = item
     if not all(chunks):  # Redis lost part of the log (it came back empty, say): start over, same seed
-        return Owned(_text(state), int(deliveries))
-    return Owned(_text(state), int(deliveries),
+        return Owned(text(state), int(deliveries))
+    return Owned(text(state), int(deliveries),
                  queue_pb2.Progress.FromString(progress) if progress else None,
                  [event_from_log(c) for c in chunks])

@@ -81,10 +81,6 @@ def other_workers_alive(client: redis.Redis, config: WorkerConfig) -> bool:
     return any(model == keys.model.encode() for model in models)
 
 
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
 def parse_entry(entry_id: bytes, fields: dict[bytes, bytes]) -> queue_pb2.QueuedRequest | None:
     try:
         return queue_pb2.QueuedRequest.FromString(fields[STREAM_DATA_FIELD])

@@ -27,7 +27,7 @@ import redis
 
 from protos.convert import admitted_value, log_value, room_value
 from protos.keys import Heartbeat as HeartbeatField
-from protos.redis_conn import Backoff, sync_client
+from protos.redis_conn import Backoff, sync_client, text
 from protos.tokenrelay.v1 import queue_pb2
 from worker.config import WorkerConfig
 from worker.io.scripts import HEARTBEAT, STEP
@@ -162,7 +162,7 @@ class Publisher:
         self._queue: queue.Queue[Outbox | None] = queue.Queue()
         self._give_up_at = float("inf")
         self._step = client.register_script(STEP)
-        self._left: list[End] = []  # finished attempts no gateway has seen this worker hold yet
+        self._left: list[End] = []  # ended attempts no gateway has seen this worker hold yet
         self._left_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="publisher", daemon=True)
 
@@ -234,9 +234,9 @@ class Publisher:
                 self._on_fenced()
             return
         if len(reply) > 1:
-            left = {(_text(s), _text(e)) for s, e in zip(reply[1::2], reply[2::2], strict=True)}
+            left = {(text(s), text(e)) for s, e in zip(reply[1::2], reply[2::2], strict=True)}
             with self._left_lock:
-                self._left += [e for e in outbox.ends if (e.stream, _text(e.entry_id)) in left]
+                self._left += [e for e in outbox.ends if (e.stream, text(e.entry_id)) in left]
 
     def take_left(self, now: float) -> list[End]:
         """The ended attempts whose entries the last rounds left pending (STEP), to end again; those
@@ -244,10 +244,6 @@ class Publisher:
         with self._left_lock:
             left, self._left = self._left, []
         return [dataclasses.replace(e, record="") if now - e.since > UNSEEN_END_WAIT_S else e for e in left]
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def heartbeat_fields(config: WorkerConfig, s: Any, num_finished: int, num_parked: int,

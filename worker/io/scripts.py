@@ -141,7 +141,8 @@ for i = 3, #ARGV, 3 do
   local deliveries = tonumber(f[3] or '0')
   local from = f[2] or mine
   local other = from ~= mine
-  local h = redis.call('HMGET', from, rid .. '{LogField.HELD}', rid .. '{LogField.FINAL}')
+  local h = redis.call('HMGET', from, rid .. '{LogField.HELD}', rid .. '{LogField.FINAL}',
+                       rid .. '{LogField.NEXT}')
   if f[1] and f[1] ~= entry then
     reply[#reply + 1] = {{'stale', deliveries, false}}
   elseif h[2] then
@@ -150,7 +151,7 @@ for i = 3, #ARGV, 3 do
                                        '{FENCE_MARK}') == 0 then
     reply[#reply + 1] = {{'busy', deliveries, false}}
   else
-    local nxt = tonumber(redis.call('HGET', from, rid .. '{LogField.NEXT}') or '0')
+    local nxt = tonumber(h[3] or '0')
     local names = {{}}
     for s = 0, nxt - 1 do names[#names + 1] = rid .. ':' .. s end
     names[#names + 1] = rid .. '{LogField.PROGRESS}'
