@@ -85,7 +85,7 @@ class Sources:
         self.known: dict[str, str] = {}  # request id -> the consumer VERIFY accepted
         self._held: dict[str, dict[str, list[queue_pb2.TokenEvent]]] = {}  # while a check runs
         self._refused: dict[str, dict[str, float]] = {}  # request id -> consumer -> until (monotonic)
-        self._asked: list[tuple[str, str]] = []  # (request id, consumer) for the next pipeline
+        self._asked: list[tuple[str, str]] = []  # (request id, consumer) for the next VERIFY call
         self.tasks: set[asyncio.Task[None]] = set()
         self.on_refused: Callable[[int], Any] | None = None  # called with each count of events dropped
 
