@@ -17,7 +17,7 @@ from typing import cast
 
 from gateway.config import DEFAULT_LISTEN, EVENT_LOOPS, ROUTINGS, GatewayConfig
 from gateway.limits import KEEPALIVE_TIMEOUT_MS, MAX_PING_STRIKES
-from gateway.server import Gateway
+from gateway.process import Gateway
 from protos.keys import DEFAULT_PREFIX, default_instance_id
 from protos.logs import configure
 from protos.metrics import DEFAULT_GATEWAY_PORT

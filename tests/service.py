@@ -21,8 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from gateway.config import GatewayConfig
+from gateway.process import Gateway
 from gateway.queue import connect as connect_redis
-from gateway.server import Gateway
 from gateway.sweeper import Sweeper
 from protos.keys import Keys
 from protos.tokenrelay.v1 import generate_pb2, generate_pb2_grpc

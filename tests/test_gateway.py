@@ -35,8 +35,8 @@ from worker.config import WorkerConfig
 from worker.engine.outputs import Admitted
 from worker.engine.sim import SimConfig, SimEngine, sim_token_ids
 
-NO_TORCH_MODULES = ["gateway.server", "gateway.client", "gateway.cli", "gateway.launcher", "gateway.__main__",
-                    "worker.io.consumer", "worker.config", "worker.__main__"]
+NO_TORCH_MODULES = ["gateway.server", "gateway.process", "gateway.client", "gateway.cli", "gateway.launcher",
+                    "gateway.__main__", "worker.io.consumer", "worker.config", "worker.__main__"]
 
 
 def test_gateway_and_consumer_never_import_torch() -> None:

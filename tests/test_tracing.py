@@ -230,7 +230,7 @@ def test_tracing_off_builds_no_provider_and_no_exporter() -> None:
     code = """if True:
         import asyncio, sys, threading
         from gateway.config import GatewayConfig
-        from gateway.server import Gateway
+        from gateway.process import Gateway
         import worker.io.consumer
         async def build():
             gateway = Gateway(GatewayConfig())
