@@ -18,6 +18,7 @@ from worker.engine.core import EngineCore
 from worker.engine.draft import DraftProposer
 from worker.engine.kv_manager import KVCacheManager
 from worker.model.llama import KVCache, LlamaModel
+from worker.model.static_decode import StaticDecode
 
 
 @pytest.fixture(scope="module")
@@ -32,12 +33,15 @@ def draft() -> LlamaModel:
 
 
 def draft_engine(target: LlamaModel, draft: LlamaModel, k: int, *, draft_blocks: int = 256,
-                 max_prefill_tokens: int = 512, **kw: Any) -> EngineCore:
-    """Every sequence speculates in every step, with `draft`'s proposals (blocks of 4 tokens)."""
+                 max_prefill_tokens: int = 512, static: bool = False, **kw: Any) -> EngineCore:
+    """Every sequence speculates in every step, with `draft`'s proposals (blocks of 4 tokens);
+    static: the draft's decode passes through static buffers (eager here, CUDA graphs on CUDA)."""
     engine = spec_engine(target, k, max_prefill_tokens=max_prefill_tokens, **kw)
-    cache = KVCache(draft.config, draft_blocks, 4, torch.float32, draft.device)
+    cache = KVCache(draft.config, draft_blocks + int(static), 4, torch.float32, draft.device)
     kv = KVCacheManager(draft_blocks, 4, 128, enable_prefix_caching=False)
-    engine.proposer = DraftProposer(draft, cache, kv, max_prefill_tokens)
+    buffers = StaticDecode(draft, cache, engine.scheduler.max_num_seqs, 128 // 4, capture=False) if static \
+        else None
+    engine.proposer = DraftProposer(draft, cache, kv, max_prefill_tokens, buffers)
     return engine
 
 
@@ -72,6 +76,26 @@ def test_same_output_with_another_model_as_draft(target: LlamaModel, draft: Llam
     kv = draft_kv(engine)
     kv.check()
     assert kv.num_free_blocks == kv.num_blocks  # finished sequences gave the draft's blocks back
+
+
+def test_the_draft_through_static_buffers_proposes_exactly_what_it_proposes_without(
+        target: LlamaModel) -> None:
+    """The draft's passes go through its own model runner: with static decode buffers (the
+    CUDA-graph step, eager on CPU) every proposal is the same. A copy of the target as the draft
+    makes each pass count: every proposal is accepted only if every pass computed exactly."""
+    prompts = repetitive_prompts(5)
+    params = [list(PARAMS.values())[i % len(PARAMS)] for i in range(5)]
+    runs = []
+    for static in (False, True):
+        engine = draft_engine(target, target, 3, num_seqs=3, max_prefill_tokens=8, static=static)
+        answers = run(engine, prompts, params)
+        runs.append((answers, engine.num_spec_draft_tokens, engine.num_spec_accepted_tokens))
+        assert isinstance(engine.proposer, DraftProposer)
+        static_steps = engine.proposer.runner.static.num_steps if engine.proposer.runner.static else 0
+        assert (static_steps > 10) == static
+        assert engine.num_spec_accepted_tokens == engine.num_spec_draft_tokens > 0
+    assert_same(runs[1][0], runs[0][0])
+    assert runs[1][1:] == runs[0][1:]
 
 
 def test_preemption_a_full_draft_pool_and_resumes_change_nothing(target: LlamaModel,

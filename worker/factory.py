@@ -21,6 +21,7 @@ from worker.model.llama import KVCache, LlamaModel
 from worker.model.loader import default_model_path, load_model
 from worker.model.memory import weights_loading
 from worker.model.native import NativeKernels, load_native_kernels
+from worker.model.static_decode import StaticDecode
 from worker.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -101,10 +102,15 @@ def build_text_engine(config: EngineConfig) -> TextEngine:
         if draft.config.max_position_embeddings < plan.max_model_len:
             raise ValueError(f"draft model context ({draft.config.max_position_embeddings}) is shorter than "
                              f"max_model_len ({plan.max_model_len})")
-        draft_cache = draft.new_cache(plan.num_blocks, plan.block_size, plan.dtype)
+        graphs = use_cuda_graphs(config, draft)  # its decode passes as CUDA graphs, as the target's
+        draft_cache = draft.new_cache(plan.num_blocks + int(graphs), plan.block_size, plan.dtype)  # + scratch
+        max_blocks = -(-plan.max_model_len // plan.block_size)
+        static = None
+        if graphs:
+            static = StaticDecode(draft, draft_cache, config.max_num_seqs, max_blocks, capture=True)
         proposer = DraftProposer(draft, draft_cache,
                                  KVCacheManager(plan.num_blocks, plan.block_size, plan.max_model_len,
-                                                enable_prefix_caching=False), max_prefill)
+                                                enable_prefix_caching=False), max_prefill, static)
     engine = EngineCore(model, num_blocks=plan.num_blocks, block_size=plan.block_size,
                         max_model_len=plan.max_model_len, max_num_seqs=config.max_num_seqs,
                         max_prefill_tokens=max_prefill, max_num_batched_tokens=max_batched, eos_token_ids=eos,

@@ -271,7 +271,8 @@ class EngineCore:
            become findable, and blocks reserved for rejected proposals go back.
         3. The sequences that stopped are finished and their blocks freed (after the commit,
            so the blocks they filled are cached first).
-        4. The proposer forgets whoever no longer runs (finished or preempted).
+        4. The runner (its kept penalty counts) and the proposer forget whoever no longer runs
+           (finished or preempted).
 
         Returns one EngineOutput per appended token, plus one for a token refused as non-finite.
         """
@@ -286,6 +287,7 @@ class EngineCore:
         for out in outputs:
             if out.finish_reason is not None:
                 self.scheduler.finish(out.seq, out.finish_reason, out.error)
+        self.runner.retain(self.scheduler.running)
         if self.spec is not None:
             self.proposer.retain(self.scheduler.running)
         return outputs

@@ -30,11 +30,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from worker.engine.input_batch import BatchBuilder
 from worker.engine.kv_manager import KVCacheManager
-from worker.engine.sampling import Sampler, SamplingRow
+from worker.engine.model_runner import ModelRunner, Query
+from worker.engine.sampling import SamplingRow
 from worker.engine.sequence import Sequence
 from worker.model.llama import KVCache, LlamaModel
+from worker.model.static_decode import StaticDecode
 
 
 @dataclass
@@ -54,18 +55,20 @@ class _Job:
 
 class DraftProposer:
     def __init__(self, model: LlamaModel, cache: KVCache, kv: KVCacheManager,
-                 max_prefill_tokens: int) -> None:
-        self.model = model
-        self.cache = cache
+                 max_prefill_tokens: int, static: StaticDecode | None = None) -> None:
+        """static: the draft's decode passes through its buffers (CUDA graphs), as the target's."""
+        # The draft's passes run as the target's steps do (persistent inputs and CUDA graphs on
+        # CUDA, penalty counts kept per request), through a model runner of the draft's own.
+        self.runner = ModelRunner(model, cache, kv, static=static)
         self.kv = kv
         self.max_prefill_tokens = max_prefill_tokens
-        self.sampler = Sampler(model.greedy_argmax)
         self._cached: dict[str, _Cached] = {}
 
     def retain(self, request_ids: Iterable[str]) -> None:
         keep = set(request_ids)
         for request_id in [r for r in self._cached if r not in keep]:
             self.release(request_id)
+        self.runner.retain(keep)
 
     def release(self, request_id: str) -> None:
         self._cached.pop(request_id, None)
@@ -114,10 +117,8 @@ class DraftProposer:
         inputs (all but its last draft) in the cache."""
         for j in range(max(1, *(job.k for job in jobs))):
             active = [job for job in jobs if job.k > j or j == 0]
-            batch = BatchBuilder(self.kv.block_size, self.model.device)
-            for job in active:
-                batch.add(self.kv.block_table(job.seq.request_id), job.inputs, job.position, int(job.k > 0))
-            logits = self.model.forward(batch.build(num_prefills=len(active) if j == 0 else 0), self.cache)
+            queries = [Query(job.seq.request_id, job.inputs, job.position, int(job.k > 0)) for job in active]
+            logits = self.runner.forward(queries, num_prefills=len(active) if j == 0 else 0)  # (R, V)
             for job in active:
                 self._cached[job.seq.request_id].token_ids.extend(job.inputs)
                 job.position += len(job.inputs)
@@ -125,8 +126,9 @@ class DraftProposer:
             if not drafting:
                 return
             rows = [SamplingRow(job.seq.params, job.seq.seed, job.seq.prompt_ids,
-                                job.seq.output_ids + job.drafts) for job in drafting]
-            out = self.sampler.sample(logits, rows, self.model.device)
+                                job.seq.output_ids + job.drafts, owner=job.seq,
+                                num_accepted=len(job.seq.output_ids)) for job in drafting]
+            out = self.runner.sampler.sample(logits, rows, self.runner.device)
             for job, token_id in zip(drafting, out.token_ids.tolist(), strict=True):
                 job.inputs = [token_id]
                 job.drafts.append(token_id)

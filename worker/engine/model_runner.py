@@ -27,6 +27,7 @@ decode's proposal rows the masks of its matcher advanced through them).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -36,11 +37,24 @@ from worker.engine.adapters import AdapterRegistry
 from worker.engine.grammar import apply_bitmask, fill_masks
 from worker.engine.input_batch import BatchBuilder, InputBatch
 from worker.engine.kv_manager import KVCacheManager
+from worker.engine.penalties import PenaltyCounts
 from worker.engine.sampling import Sampler, SamplerOutput, SamplingRow
 from worker.engine.sequence import PrefillChunk, Sequence, sampled_sequences
 from worker.model.llama import ForwardBatch, KVCache, LlamaModel
 from worker.model.lora import LoraAdapter
 from worker.model.static_decode import StaticDecode
+
+
+@dataclass
+class Query:
+    """One sequence's part of a step: `tokens` at positions start.., logits for the last
+    `num_logits` of them, through LoRA adapter `adapter` ("" = the base model)."""
+
+    request_id: str
+    tokens: list[int]
+    start: int
+    num_logits: int
+    adapter: str = ""
 
 
 @dataclass
@@ -67,7 +81,8 @@ class ModelRunner:
         self.kv = kv
         self.adapters = adapters  # None: LoRA is off
         self.device = model.device
-        self.sampler = Sampler(model.greedy_argmax)
+        # Penalty counts kept per request across steps (penalties.py): a step adds its new tokens
+        self.sampler = Sampler(model.greedy_argmax, PenaltyCounts(model.config.vocab_size, model.device))
         if persistent_inputs is None:
             persistent_inputs = model.device.type == "cuda"
         self.inputs = InputBatch(model.device) if persistent_inputs else None
@@ -83,11 +98,12 @@ class ModelRunner:
         seqs = sampled_sequences(prefills, decodes)
         drafts: list[list[int]] = [[] for c in prefills if c.is_last] + [s.spec.draft_ids for s in decodes]
         masks = self._fill_masks(seqs, drafts)  # on the mask thread while the model computes
-        logits = self._forward(prefills, decodes)  # (R, V)
+        logits = self.forward(self._queries(prefills, decodes), len(prefills))  # (R, V)
         if not seqs:
             return []  # only partial prompt chunks ran
         rows = [SamplingRow(params=s.params, seed=s.seed, prompt_token_ids=s.prompt_ids,
-                            output_token_ids=s.output_ids + draft[:j])
+                            output_token_ids=s.output_ids + draft[:j], owner=s,
+                            num_accepted=len(s.output_ids))
                 for s, draft in zip(seqs, drafts, strict=True) for j in range(1 + len(draft))]
         if masks is not None:
             start = time.perf_counter()
@@ -101,6 +117,11 @@ class ModelRunner:
             out.append(flat[i:i + 1 + len(draft)])
             i += 1 + len(draft)
         return out
+
+    def retain(self, request_ids: Iterable[str]) -> None:
+        """Forget the per-request state of requests not in `request_ids` (finished or preempted)."""
+        assert self.sampler.kept is not None
+        self.sampler.kept.retain(request_ids)
 
     def _fill_masks(self, seqs: list[Sequence], drafts: list[list[int]],
                     ) -> Future[tuple[torch.Tensor, list[int]]] | None:
@@ -122,38 +143,43 @@ class ModelRunner:
             return masks
         return self._mask_thread.submit(fill)
 
-    def _forward(self, prefills: list[PrefillChunk], decodes: list[Sequence]) -> torch.Tensor:
-        batch, adapters = self._rows(prefills, decodes)
-        if self.static is not None and not prefills and not adapters:
+    def forward(self, queries: list[Query], num_prefills: int) -> torch.Tensor:
+        """Logits (R, V) of the queries' logit rows, in order. The first num_prefills queries are
+        prompt chunks; a step of decodes alone (each query its last token and its proposals)
+        runs through the static buffers when there are any (CUDA graphs), any other step in
+        InputBatch's buffers (on CUDA) or in new tensors. The draft proposer's passes come here
+        too, through a runner of its own."""
+        batch, adapters = self._batch(queries)
+        if self.static is not None and num_prefills == 0 and not adapters:
             return self.static.run(batch.ids, batch.positions, batch.slots, batch.row_tables())
         if self.inputs is not None:
-            return self.model.forward(self.inputs.build(batch, len(prefills), adapters), self.cache)
-        return self.model.forward(batch.build(num_prefills=len(prefills), adapters=adapters), self.cache)
+            return self.model.forward(self.inputs.build(batch, num_prefills, adapters), self.cache)
+        return self.model.forward(batch.build(num_prefills=num_prefills, adapters=adapters), self.cache)
 
     def prepare(self, prefills: list[PrefillChunk], decodes: list[Sequence]) -> ForwardBatch:
         """The flattened batch: every chunk's tokens, then each decode's last token and its
         proposals, one row each (in new tensors, where a CUDA step's are views of InputBatch's)."""
-        batch, adapters = self._rows(prefills, decodes)
+        batch, adapters = self._batch(self._queries(prefills, decodes))
         return batch.build(num_prefills=len(prefills), adapters=adapters)
 
-    def _rows(self, prefills: list[PrefillChunk], decodes: list[Sequence],
-              ) -> tuple[BatchBuilder, tuple[LoraAdapter, ...]]:
+    @staticmethod
+    def _queries(prefills: list[PrefillChunk], decodes: list[Sequence]) -> list[Query]:
+        """Each chunk's tokens (logits at a prompt's last), then each decode: its last token and
+        the proposals it verifies, logits at every one."""
+        queries = [Query(c.seq.request_id, c.seq.prefill_ids[c.start:c.start + c.num_tokens], c.start,
+                         int(c.is_last), c.seq.adapter) for c in prefills]
+        for s in decodes:
+            tokens = s.output_ids[-1:] + s.spec.draft_ids
+            queries.append(Query(s.request_id, tokens, s.num_tokens - 1, len(tokens), s.adapter))
+        return queries
+
+    def _batch(self, queries: list[Query]) -> tuple[BatchBuilder, tuple[LoraAdapter, ...]]:
         batch = BatchBuilder(self.kv.block_size, self.device)
         slots: dict[str, int] = {}  # adapter name -> its slot in this step
-
-        def slot(seq: Sequence) -> int:
-            return slots.setdefault(seq.adapter, len(slots)) if seq.adapter else -1
-
-        def add(seq: Sequence, tokens: list[int], start: int, num_logits: int) -> None:
-            rid = seq.request_id
-            batch.add(self.kv.block_table(rid), tokens, start, num_logits, slot(seq), rid,
-                      self.kv.table_version(rid))
-
-        for c in prefills:
-            add(c.seq, c.seq.prefill_ids[c.start:c.start + c.num_tokens], c.start, int(c.is_last))
-        for s in decodes:  # one query: the last token, then the proposals it verifies (if any)
-            tokens = s.output_ids[-1:] + s.spec.draft_ids
-            add(s, tokens, s.num_tokens - 1, len(tokens))
+        for q in queries:
+            slot = slots.setdefault(q.adapter, len(slots)) if q.adapter else -1
+            batch.add(self.kv.block_table(q.request_id), q.tokens, q.start, q.num_logits, slot, q.request_id,
+                      self.kv.table_version(q.request_id))
         if slots and self.adapters is None:
             raise ValueError("a sequence names a LoRA adapter but this engine has LoRA off")
         adapters = tuple(self.adapters.get(name) for name in slots) if self.adapters else ()

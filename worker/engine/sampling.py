@@ -15,6 +15,10 @@ Logprobs are `log_softmax` of the *raw* logits, before penalties, temperature an
 (vLLM v1's default): they describe the model's distribution, are comparable between requests
 with different sampling settings, and the chosen token never reports -inf.
 
+Penalty counts: built per step from each row's whole output (`_token_counts`), or kept per
+request across steps and updated with each step's accepted tokens (`PenaltyCounts`,
+penalties.py: what the model runner uses).
+
 Host syncs: none here; the caller syncs once with `.tolist()` on the output.
 """
 
@@ -23,11 +27,16 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from protos.params import SamplingParams
+from worker.engine.penalties import PenaltyCounts
+
+if TYPE_CHECKING:
+    from worker.engine.sequence import Sequence as EngineSequence
 
 _MASK32 = 0xFFFF_FFFF
 # Arbitrary odd 32-bit keys that separate the hashed fields from each other.
@@ -44,6 +53,15 @@ class SamplingRow:
     seed: int  # the resolved seed: params.seed, or one the worker drew and reports
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]  # generated so far; len == the step being sampled
+    # The request these rows sample for, whose penalty counts a PenaltyCounts keeps across
+    # steps (None: counted afresh from the lists), and how many leading output_token_ids are
+    # its accepted output (the rest: proposals it verifies or drafts; -1: all of them).
+    owner: EngineSequence | None = None
+    num_accepted: int = -1
+
+    def __post_init__(self) -> None:
+        if self.num_accepted < 0:
+            self.num_accepted = len(self.output_token_ids)
 
 
 @dataclass
@@ -85,12 +103,14 @@ def _has_penalty(p: SamplingParams) -> bool:
 
 
 def build_sampling_batch(
-    rows: Sequence[SamplingRow], vocab_size: int, device: torch.device | str
+    rows: Sequence[SamplingRow], vocab_size: int, device: torch.device | str,
+    kept: PenaltyCounts | None = None,
 ) -> SamplingBatch:
     """Gather the per-request parameters into tensors (two small host→device copies + token counts).
 
     On CUDA the two are staged in pinned memory and copied without blocking the host: a pageable
-    copy waits for the GPU to drain the step's queued work."""
+    copy waits for the GPU to drain the step's queued work. kept: the penalty counts kept per
+    request (every row then names its owner); None: counted from the rows' lists."""
     params = [row.params for row in rows]
     pin = torch.device(device).type == "cuda"
     floats = torch.tensor(
@@ -113,10 +133,12 @@ def build_sampling_batch(
     enable_repetition = any(p.repetition_penalty != 1.0 for p in params)
     enable_penalties = any(_has_penalty(p) for p in params)
     output_counts = prompt_mask = None
-    if enable_penalties:
+    if enable_penalties and kept is not None:
+        output_counts, prompt_mask = kept.gather(rows, enable_repetition)
+    elif enable_penalties:
         output_counts = _token_counts([row.output_token_ids for row in rows], vocab_size, device)
-    if enable_repetition:
-        prompt_mask = _token_counts([row.prompt_token_ids for row in rows], vocab_size, device) > 0
+        if enable_repetition:
+            prompt_mask = _token_counts([row.prompt_token_ids for row in rows], vocab_size, device) > 0
     requested = [p.num_logprobs for p in params if p.num_logprobs is not None]
     return SamplingBatch(
         temperatures=float_cols[0],
@@ -274,15 +296,18 @@ def logits_to_probs(logits: Tensor, batch: SamplingBatch) -> Tensor:
 
 
 class Sampler:
-    """Turns a step's logits into one token per row. Stateless: all randomness comes from the batch.
+    """Turns a step's logits into one token per row. All randomness comes from the batch; the
+    one state is the penalty counts kept per request (`kept`, None: counted afresh each step).
 
     greedy_argmax: a one-pass (ids, is_finite) of fp32 CPU rows (the C kernel in
     worker/model/kernels/cpu.c), used when every row is greedy with no penalties and no
     logprobs; it gives what the torch path gives, in ~0.02 ms instead of ~0.16 ms for one row
     of SmolLM2's 49152 logits (bench-kernel-limits' host overhead per batch-1 step)."""
 
-    def __init__(self, greedy_argmax: Callable[[Tensor], tuple[Tensor, Tensor]] | None = None) -> None:
+    def __init__(self, greedy_argmax: Callable[[Tensor], tuple[Tensor, Tensor]] | None = None,
+                 kept: PenaltyCounts | None = None) -> None:
         self.greedy_argmax = greedy_argmax
+        self.kept = kept
 
     def sample(self, logits: Tensor, rows: Sequence[SamplingRow], device: torch.device | str,
                ) -> SamplerOutput:
@@ -294,7 +319,7 @@ class Sampler:
                               any(_has_penalty(p) for p in params),
                               any(p.num_logprobs is not None for p in params)):
             return self._argmax(logits)
-        return self(logits, build_sampling_batch(rows, logits.shape[-1], device))
+        return self(logits, build_sampling_batch(rows, logits.shape[-1], device, self.kept))
 
     def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
         if self._argmax_alone(logits, batch.is_all_greedy, batch.enable_penalties,
