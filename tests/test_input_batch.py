@@ -13,6 +13,7 @@ from protos.params import SamplingParams
 from tests.factories import greedy, make_engine, make_hf_model, make_prompts, ours_from_hf, run_to_completion
 from worker.engine.input_batch import BatchBuilder, InputBatch
 from worker.engine.kv_manager import KVCacheManager
+from worker.engine.sampling import ParamStaging, SamplingRow, build_sampling_batch
 from worker.model.attention import ForwardBatch
 
 BLOCK = 4
@@ -148,9 +149,32 @@ def test_an_engine_on_the_persistent_batch_answers_as_on_fresh_tensors(native: b
                              max_prefill_tokens=16, num_speculative_tokens=2)
         if persistent:
             engine.runner.inputs = InputBatch(CPU)
+            engine.runner.sampler.staging = ParamStaging.on(CPU)
         for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
             engine.add_request(f"r{i}", p, sp)
         results.append(run_to_completion(engine))
         engine.kv.check()
     assert engine.scheduler.num_preemptions > 0 and engine.runner.inputs is not None
+    staging = engine.runner.sampler.staging
+    assert staging is not None and staging.ints.num_allocations >= 1
     assert results[1] == results[0]
+
+
+def test_sampling_parameters_staged_in_buffers_allocated_once_equal_new_tensors() -> None:
+    """The sampler's columns through ParamStaging (CUDA's path) are the fresh tensors' values, for
+    batches that grow and shrink; once the largest batch was seen nothing is allocated."""
+    rng = random.Random(0)
+    staging = ParamStaging.on(CPU)
+    for step in range(60):
+        n = rng.randrange(0, 40) if step < 30 else rng.randrange(0, 33)
+        rows = [SamplingRow(SamplingParams(temperature=rng.random(), top_k=rng.randrange(5),
+                                           top_p=rng.random(), min_p=rng.random() / 2),
+                            rng.randrange(2**64), [], list(range(rng.randrange(9)))) for _ in range(n)]
+        if step == 30:
+            allocated = (staging.floats.num_allocations, staging.ints.num_allocations)
+        got = build_sampling_batch(rows, 50, CPU, staging=staging)
+        want = build_sampling_batch(rows, 50, CPU)
+        for name in ("temperatures", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty", "seeds", "steps"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert (staging.floats.num_allocations, staging.ints.num_allocations) == allocated

@@ -124,6 +124,29 @@ class _Buffer:
         return views[0]
 
 
+class StagedRows:
+    """Rows of `width` values in buffers allocated once (grown by doubling): the sampler's
+    per-step parameters on CUDA, as the step's inputs above (pinned staging, one non-blocking
+    copy; the views are valid until the next `stage`)."""
+
+    def __init__(self, width: int, dtype: torch.dtype, device: torch.device, rows: int = 16) -> None:
+        self.width, self.dtype, self.device = width, dtype, device
+        self.num_allocations = 0
+        self._alloc(rows)
+
+    def _alloc(self, rows: int) -> None:
+        self.num_allocations += 1
+        self._rows, self._buffer = rows, _Buffer(rows * self.width, self.dtype, self.device)
+
+    def stage(self, values: Sequence[Sequence[float]] | Sequence[Sequence[int]]) -> torch.Tensor:
+        """(B, width) on the device: a view of the buffer."""
+        if len(values) > self._rows:
+            self._alloc(_grown(self._rows, len(values)))
+        if not values:
+            return torch.zeros(0, self.width, dtype=self.dtype, device=self.device)
+        return self._buffer.stage(np.asarray(values), (len(values), self.width))
+
+
 @dataclass
 class _Row:
     index: int  # its row in the persistent tables

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from protos.params import SamplingParams
+from worker.engine.input_batch import StagedRows
 from worker.engine.penalties import PenaltyCounts
 
 if TYPE_CHECKING:
@@ -102,33 +103,42 @@ def _has_penalty(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
+@dataclass
+class ParamStaging:
+    """Buffers allocated once for a step's parameter columns (the sampler's on CUDA)."""
+
+    floats: StagedRows  # (B, 6) float32
+    ints: StagedRows  # (B, 3) int64
+
+    @classmethod
+    def on(cls, device: torch.device) -> ParamStaging:
+        return cls(StagedRows(6, torch.float32, device), StagedRows(3, torch.int64, device))
+
+
 def build_sampling_batch(
     rows: Sequence[SamplingRow], vocab_size: int, device: torch.device | str,
-    kept: PenaltyCounts | None = None,
+    kept: PenaltyCounts | None = None, staging: ParamStaging | None = None,
 ) -> SamplingBatch:
     """Gather the per-request parameters into tensors (two small host→device copies + token counts).
 
     On CUDA the two are staged in pinned memory and copied without blocking the host: a pageable
-    copy waits for the GPU to drain the step's queued work. kept: the penalty counts kept per
-    request (every row then names its owner); None: counted from the rows' lists."""
+    copy waits for the GPU to drain the step's queued work; with `staging` into buffers allocated
+    once. kept: the penalty counts kept per request (every row then names its owner); None:
+    counted from the rows' lists."""
     params = [row.params for row in rows]
-    pin = torch.device(device).type == "cuda"
-    floats = torch.tensor(
-        [
-            [p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty]
-            for p in params
-        ],
-        dtype=torch.float32,
-        pin_memory=pin,
-    ).reshape(len(rows), 6)  # (B, 6); reshape keeps the shape when B == 0
-    ints = torch.tensor(
-        [[p.top_k, _as_int64(row.seed), len(row.output_token_ids)]
-         for p, row in zip(params, rows, strict=True)],
-        dtype=torch.int64,
-        pin_memory=pin,
-    ).reshape(len(rows), 3)  # (B, 3)
-    float_cols = floats.to(device, non_blocking=pin).unbind(1)  # (B,) each
-    int_cols = ints.to(device, non_blocking=pin).unbind(1)  # (B,) each
+    float_rows = [[p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
+                   p.frequency_penalty] for p in params]
+    int_rows = [[p.top_k, _as_int64(row.seed), len(row.output_token_ids)]
+                for p, row in zip(params, rows, strict=True)]
+    if staging is not None:
+        floats, ints = staging.floats.stage(float_rows), staging.ints.stage(int_rows)  # (B, 6), (B, 3)
+    else:
+        pin = torch.device(device).type == "cuda"
+        # reshape keeps the shape when B == 0
+        floats = torch.tensor(float_rows, dtype=torch.float32, pin_memory=pin).reshape(len(rows), 6)
+        ints = torch.tensor(int_rows, dtype=torch.int64, pin_memory=pin).reshape(len(rows), 3)
+        floats, ints = floats.to(device, non_blocking=pin), ints.to(device, non_blocking=pin)
+    float_cols, int_cols = floats.unbind(1), ints.unbind(1)  # (B,) each
 
     enable_repetition = any(p.repetition_penalty != 1.0 for p in params)
     enable_penalties = any(_has_penalty(p) for p in params)
@@ -305,9 +315,10 @@ class Sampler:
     of SmolLM2's 49152 logits (bench-kernel-limits' host overhead per batch-1 step)."""
 
     def __init__(self, greedy_argmax: Callable[[Tensor], tuple[Tensor, Tensor]] | None = None,
-                 kept: PenaltyCounts | None = None) -> None:
+                 kept: PenaltyCounts | None = None, staging: ParamStaging | None = None) -> None:
         self.greedy_argmax = greedy_argmax
         self.kept = kept
+        self.staging = staging  # None: the parameters in new tensors each step
 
     def sample(self, logits: Tensor, rows: Sequence[SamplingRow], device: torch.device | str,
                ) -> SamplerOutput:
@@ -319,7 +330,7 @@ class Sampler:
                               any(_has_penalty(p) for p in params),
                               any(p.num_logprobs is not None for p in params)):
             return self._argmax(logits)
-        return self(logits, build_sampling_batch(rows, logits.shape[-1], device, self.kept))
+        return self(logits, build_sampling_batch(rows, logits.shape[-1], device, self.kept, self.staging))
 
     def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
         if self._argmax_alone(logits, batch.is_all_greedy, batch.enable_penalties,
