@@ -10,7 +10,9 @@ tiny shapes on CPU (tests/test_bench_gpu.py), so it is known to run, not known t
      ffn, 128256 vocab) in bf16: decode tok/s at batch 1, 16, 64 and 256 (128-token prompts,
      64 steps), each with and without CUDA graphs, and each decode's share of the HBM roofline
      (weights + the K/V it reads, per step, over the step time, against the device's peak);
-  3. 2,048-token prefill tok/s on the 8B shape.
+  3. 2,048-token prefill tok/s on the 8B shape;
+  4. the sampler's race fused into one compiled kernel against the eager race, 256 rows of the
+     8B vocabulary: tokens that differ (expected 0) and ms per call.
 Prints a table, then one JSON line; --record keeps it in benchmarks/results/gpu.json.
 
     python benchmarks/gpu.py [--record] [--smoke] [--batches 1,16,64,256]
@@ -32,6 +34,7 @@ import torch  # noqa: E402
 from benchmarks.results import add_record_arg, emit  # noqa: E402
 from protos.params import SamplingParams  # noqa: E402
 from worker.engine.core import EngineCore  # noqa: E402
+from worker.engine.sampling import fused_exponential_race, sample_exponential_race  # noqa: E402
 from worker.model.config import ModelConfig  # noqa: E402
 from worker.model.llama import LlamaModel  # noqa: E402
 
@@ -146,6 +149,28 @@ def decode_run(model: LlamaModel, batch: int, prompt_len: int, steps: int, graph
     step_bytes = weight_bytes(model) + batch * mean_context * kv_per_token
     step_s = seconds / max(n / batch, 1)
     return {"tok_s": n / seconds, "step_ms": step_s * 1000, "bytes_per_s": step_bytes / step_s}
+
+
+def sampler_run(device: torch.device, rows: int, vocab: int) -> dict[str, Any]:
+    """The fused race (one compiled kernel) against the eager one on the same probabilities:
+    tokens that differ (expected 0) and each one's time per call."""
+    gen = torch.Generator(device).manual_seed(0)
+    probs = torch.rand(rows, vocab, device=device, generator=gen)  # (B, V)
+    seeds = torch.randint(0, 2**62, (rows,), device=device, generator=gen)  # (B,)
+    steps = torch.arange(rows, device=device)  # (B,)
+    fused = fused_exponential_race()
+    mismatches = int((fused(probs, seeds, steps) != sample_exponential_race(probs, seeds, steps)).sum())
+
+    def ms(race: Any) -> float:
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(10):
+            race(probs, seeds, steps)
+        sync(device)
+        return (time.perf_counter() - start) * 100
+
+    return {"sampler_rows": rows, "sampler_vocab": vocab, "sampler_mismatches": mismatches,
+            "sampler_eager_ms": ms(sample_exponential_race), "sampler_fused_ms": ms(fused)}
 
 
 def prefill_run(model: LlamaModel, num_tokens: int) -> float:
@@ -303,6 +328,10 @@ def main(argv: list[str] | None = None) -> int:
     result["decode"] = rows
     result["prefill_tokens"] = 32 if smoke else 2048
     result["prefill_tok_s"] = prefill_run(model, result["prefill_tokens"])
+    result |= sampler_run(device, 8 if smoke else 256, (TINY if smoke else EIGHT_B).vocab_size)
+    print(f"sampler {result['sampler_rows']} x {result['sampler_vocab']}: eager "
+          f"{result['sampler_eager_ms']:.2f} ms, fused {result['sampler_fused_ms']:.2f} ms, "
+          f"{result['sampler_mismatches']} tokens differ", file=sys.stderr)
     result["seconds"] = time.perf_counter() - started
     print(f"{'batch':>6} {'static':>6} {'tok/s':>10} {'ms/step':>8} {'roofline':>8}")
     for r in rows:

@@ -22,6 +22,7 @@ def test_the_gpu_bench_runs_its_whole_path_on_cpu_with_smoke() -> None:
                                                                             (2, True)]
     assert all(r["tok_s"] > 0 and r["cuda_graphs"] is False for r in result["decode"])
     assert result["prefill_tok_s"] > 0 and result["attention_backend"] == "torch"
+    assert result["sampler_mismatches"] == 0 and result["sampler_fused_ms"] > 0
 
 
 def test_without_a_gpu_the_full_run_says_so() -> None:

@@ -362,3 +362,21 @@ def test_logprob_outputs_follow_the_request(params: list[SamplingParams], expect
     out = Sampler()(torch.zeros(1, 10), make_batch(params, 10))
     assert (out.logprobs is None) == (expected_k is None)
     assert (None if out.top_ids is None else out.top_ids.shape[1]) == (expected_k or None)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit's, from the compiler's imports
+def test_the_fused_race_draws_exactly_the_eager_races_tokens() -> None:
+    """CUDA's sampler compiles the noise, the division and the argmax into one kernel
+    (fused_exponential_race); here it compiles for the CPU (~30 s, once) and must draw the eager
+    race's tokens for every row, at batch sizes it was not compiled for too (dynamic shapes),
+    seeds of all 64 bits included."""
+    fused, eager = Sampler(fused=True), Sampler()
+    assert fused.race is not eager.race
+    gen = torch.Generator().manual_seed(0)
+    for rows in (5, 1, 37):
+        logits = torch.randn(rows, 1000, generator=gen) * 3  # (B, V)
+        params = [SamplingParams(temperature=0.5 + i % 3, top_k=(0, 20, 0)[i % 3],
+                                 min_p=(0.0, 0.0, 0.05)[i % 3]) for i in range(rows)]
+        seeds = [int(torch.randint(0, 2**62, (1,), generator=gen)) * (1 + i % 3) for i in range(rows)]
+        batch = make_batch(params, 1000, seeds=seeds, steps=[i * 7 for i in range(rows)])
+        assert torch.equal(fused(logits, batch).token_ids, eager(logits, batch).token_ids), rows

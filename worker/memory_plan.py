@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from worker.engine.sampling import fused_exponential_race
 from worker.model.attention import ForwardBatch
 from worker.model.llama import LlamaModel
 
@@ -67,14 +68,17 @@ class WorstStep:
 
 def measure_peak_bytes(llama: LlamaModel, step: WorstStep) -> int:
     """CUDA: the allocator's peak above what was allocated before, over one forward of `step`
-    and a sampler-sized softmax over its logits."""
+    and a sampler-sized softmax and race over its logits."""
     device = llama.device
     cache = llama.new_cache(step.cache_blocks, step.block_size)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
     logits = llama.forward(step.batch(device), cache)  # (R, V) float32
-    torch.softmax(logits, dim=-1)  # the sampler's widest temporary
+    probs = torch.softmax(logits, dim=-1)  # (R, V): the sampler's widest temporary
+    rows = torch.arange(probs.shape[0], device=device)  # (R,) as seeds and steps
+    # the sampler's fused race, compiled here rather than at the first sampled request (~30 s)
+    fused_exponential_race()(probs, rows, rows)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before
     del cache, logits

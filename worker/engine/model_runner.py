@@ -86,9 +86,11 @@ class ModelRunner:
             persistent_inputs = model.device.type == "cuda"
         self.inputs = InputBatch(model.device) if persistent_inputs else None
         # Penalty counts kept per request across steps (penalties.py): a step adds its new tokens.
-        # The sampling parameters in buffers allocated once where the step's inputs are.
+        # The sampling parameters in buffers allocated once where the step's inputs are; on CUDA
+        # the noise and the race fused into one kernel.
         self.sampler = Sampler(model.greedy_argmax, PenaltyCounts(model.config.vocab_size, model.device),
-                               ParamStaging.on(model.device) if persistent_inputs else None)
+                               ParamStaging.on(model.device) if persistent_inputs else None,
+                               fused=model.device.type == "cuda")
         self.mask_seconds = 0.0  # what masking the constrained rows took in the last step
         # Grammar masks are filled here while the model computes: they depend only on the tokens
         # already accepted (xgrammar releases the GIL).

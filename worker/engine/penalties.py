@@ -25,13 +25,28 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from worker.engine.sampling import SamplingRow
+
+class Owner(Protocol):
+    @property
+    def request_id(self) -> str: ...
+
+
+class Row(Protocol):
+    """What a sampled row gives (sampling.SamplingRow)."""
+
+    @property
+    def owner(self) -> Owner | None: ...
+    @property
+    def prompt_token_ids(self) -> Sequence[int]: ...
+    @property
+    def output_token_ids(self) -> Sequence[int]: ...
+    @property
+    def num_accepted(self) -> int: ...
 
 
 @dataclass
@@ -61,10 +76,10 @@ class PenaltyCounts:
     def num_rows(self) -> int:
         return len(self._slots)
 
-    def gather(self, rows: Sequence[SamplingRow], repetition: bool) -> tuple[Tensor, Tensor | None]:
+    def gather(self, rows: Sequence[Row], repetition: bool) -> tuple[Tensor, Tensor | None]:
         """(output counts (B, V) float32, prompt mask (B, V) bool or None unless `repetition`)
         of each row's history: its owner's kept counts brought up to its accepted output, plus
-        its proposals. Every row must have an owner (SamplingRow.owner)."""
+        its proposals. Every row must have an owner (sampling.SamplingRow.owner)."""
         indices = [self._sync(row) for row in rows]
         index = self._to_device(indices)  # (B,)
         counts = self.counts.index_select(0, index)  # (B, V): a copy, proposals are added to it
@@ -77,7 +92,7 @@ class PenaltyCounts:
 
     # -- kept rows ------------------------------------------------------------------------------
 
-    def _sync(self, row: SamplingRow) -> int:
+    def _sync(self, row: Row) -> int:
         """The owner's kept row, its counts brought up to the row's accepted output."""
         assert row.owner is not None, "rows sampled with kept penalty counts name their request"
         request_id, accepted = row.owner.request_id, row.num_accepted
