@@ -16,6 +16,7 @@ from worker.engine.stopping import StoppingCriteria
 
 VOCAB = 37
 PENALTY = SamplingParams(temperature=0.7, repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2)
+NONE = SamplingParams(temperature=0.7)
 
 
 def make_seq(request_id: str, rng: random.Random, params: SamplingParams = PENALTY) -> Sequence:
@@ -32,22 +33,26 @@ def rows_of(seq: Sequence, drafts: list[int]) -> list[SamplingRow]:
 
 
 def expected(rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
-    return (_token_counts([r.output_token_ids for r in rows], VOCAB, "cpu"),
-            _token_counts([r.prompt_token_ids for r in rows], VOCAB, "cpu") > 0)
+    """The histogram of each row with a penalty; zeros for the others (they share the zero row)."""
+    def counted(ids: list[int], row: SamplingRow) -> list[int]:
+        return ids if row.params != NONE else []
+    return (_token_counts([counted(list(r.output_token_ids), r) for r in rows], VOCAB, "cpu"),
+            _token_counts([counted(list(r.prompt_token_ids), r) for r in rows], VOCAB, "cpu") > 0)
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_kept_counts_equal_the_histogram_through_joins_growth_proposals_and_leaves(seed: int) -> None:
-    """Random steps: requests join, accept 0-3 tokens, verify proposals, skip steps, leave and
-    come back under the same id as a new request (a resume: a new owner, a new output): every
-    row's counts and prompt mask equal the histogram of its lists."""
+    """Random steps: requests with and without penalties join, accept 0-3 tokens, verify
+    proposals, skip steps, leave and come back under the same id as a new request (a resume: a
+    new owner, a new output): every row's counts and prompt mask equal the histogram of its
+    lists (zeros without a penalty)."""
     rng = random.Random(seed)
     kept = PenaltyCounts(VOCAB, "cpu", capacity=1)
     live: dict[str, Sequence] = {}
     for _ in range(80):
         if len(live) < 6 and rng.random() < 0.4:
             rid = f"r{rng.randrange(8)}"
-            live[rid] = make_seq(rid, rng)
+            live[rid] = make_seq(rid, rng, rng.choice([PENALTY, NONE]))
         if live and rng.random() < 0.15:
             live.pop(rng.choice(sorted(live)))
         for seq in live.values():
@@ -76,6 +81,17 @@ def test_a_step_adds_only_its_new_tokens() -> None:
         seq.output_ids.append(rng.randrange(VOCAB))
         kept.gather(rows_of(seq, [1, 2]), repetition=True)
     assert kept.num_counted_tokens == prompt_ids + 200
+
+
+def test_requests_without_a_penalty_hold_no_row() -> None:
+    kept = PenaltyCounts(VOCAB, "cpu", capacity=1)
+    rng = random.Random(3)
+    plain = [make_seq(f"p{i}", rng, NONE) for i in range(5)]
+    for seq in plain:
+        seq.output_ids = [1, 2, 3]
+    counts, _ = kept.gather([row for s in plain for row in rows_of(s, [4])], repetition=False)
+    assert kept.num_rows == 0 and kept.num_counted_tokens == 0 and not counts.any()
+    assert kept.counts.shape[0] == 2  # the zero row and the one of its capacity: nothing grew
 
 
 def test_proposals_never_reach_the_kept_state() -> None:
@@ -107,3 +123,11 @@ def test_a_sampler_with_kept_counts_draws_what_the_fresh_batch_draws() -> None:
         for s in seqs:  # each accepts the token of its first row
             s.output_ids.append(int(got[i]))
             i += len([r for r in rows if r.owner is s])
+
+
+def test_bytes_per_request_is_what_a_kept_row_takes() -> None:
+    """What the CUDA memory plan reserves per request (max_num_seqs + 1 rows) is a row's size."""
+    kept = PenaltyCounts(VOCAB, "cpu", capacity=3)
+    rows = kept.counts.shape[0]
+    assert rows == 4 and kept.prompt.shape[0] == rows
+    assert kept.counts.nbytes + kept.prompt.nbytes == rows * PenaltyCounts.bytes_per_request(VOCAB)

@@ -14,6 +14,7 @@ from worker.engine.core import EngineCore
 from worker.engine.draft import DraftProposer
 from worker.engine.grammar import GrammarCompiler, xgr
 from worker.engine.kv_manager import KVCacheManager
+from worker.engine.penalties import PenaltyCounts
 from worker.engine.text_engine import TextEngine
 from worker.memory_plan import MemoryBudget, WorstStep, kv_blocks, measure_peak_bytes
 from worker.model.config import ModelConfig
@@ -110,7 +111,8 @@ def build_text_engine(config: EngineConfig) -> TextEngine:
             static = StaticDecode(draft, draft_cache, config.max_num_seqs, max_blocks, capture=True)
         proposer = DraftProposer(draft, draft_cache,
                                  KVCacheManager(plan.num_blocks, plan.block_size, plan.max_model_len,
-                                                enable_prefix_caching=False), max_prefill, static)
+                                                enable_prefix_caching=False), max_prefill, static,
+                                 config.max_num_seqs)
     engine = EngineCore(model, num_blocks=plan.num_blocks, block_size=plan.block_size,
                         max_model_len=plan.max_model_len, max_num_seqs=config.max_num_seqs,
                         max_prefill_tokens=max_prefill, max_num_batched_tokens=max_batched, eos_token_ids=eos,
@@ -187,7 +189,10 @@ def plan_kv_cache(config: EngineConfig, model: ModelConfig, device: torch.device
             raise ValueError(f"kv_cache_memory_mb ({config.kv_cache_memory_mb}) cannot hold one KV block "
                              f"of {bs} tokens ({block_bytes / 2**20:.2f} MB)")
     elif device.type == "cuda" and llama is not None:
-        num_blocks = _plan_by_worst_step(config, llama, max_len, block_bytes, blocks_per_seq)
+        # the kept penalty counts, allocated whole on CUDA after this plan (the target's, the draft's)
+        state = sum((config.max_num_seqs + 1) * PenaltyCounts.bytes_per_request(m.vocab_size)
+                    for m in (model, draft) if m is not None)
+        num_blocks = _plan_by_worst_step(config, llama, max_len, block_bytes, blocks_per_seq, state)
     else:
         budget = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * DEFAULT_CPU_KV_SHARE)
         num_blocks = max(blocks_per_seq, min(budget // block_bytes, config.max_num_seqs * blocks_per_seq))
@@ -195,8 +200,9 @@ def plan_kv_cache(config: EngineConfig, model: ModelConfig, device: torch.device
 
 
 def _plan_by_worst_step(config: EngineConfig, llama: LlamaModel, max_len: int, block_bytes: int,
-                        blocks_per_seq: int) -> int:
-    """CUDA: run the worst step, then size the pool beside it (worker/memory_plan.py)."""
+                        blocks_per_seq: int, state_bytes: int) -> int:
+    """CUDA: run the worst step, then size the pool beside it and `state_bytes` the engine
+    allocates later (worker/memory_plan.py)."""
     device = llama.device
     free, total = torch.cuda.mem_get_info(device)
     rows_per_seq = 1 + (config.num_speculative_tokens if config.speculative != "none" else 0)
@@ -205,10 +211,11 @@ def _plan_by_worst_step(config: EngineConfig, llama: LlamaModel, max_len: int, b
     if max_batched is not None:  # the shared budget bounds both
         num_decodes, max_prefill = min(num_decodes, max_batched), min(max_prefill, max_batched)
     step = WorstStep(num_decodes, max_len, max_prefill, config.block_size)
-    peak = measure_peak_bytes(llama, step)
+    peak = measure_peak_bytes(llama, step) + state_bytes
     budget = MemoryBudget(total, total - free, peak, config.gpu_memory_utilization)
     num_blocks = kv_blocks(budget, block_bytes, blocks_per_seq, config.max_num_seqs)
-    log.info("worst step (%d decode rows at %d tokens + %d prefill tokens) peaks at %.0f MB; %d KV blocks "
-             "fit in %.0f%% of %.0f MB", step.num_decodes, max_len, step.num_prefill_tokens, peak / 2**20,
-             num_blocks, config.gpu_memory_utilization * 100, total / 2**20)
+    log.info("worst step (%d decode rows at %d tokens + %d prefill tokens) peaks at %.0f MB with the "
+             "sampler's state (%.0f MB); %d KV blocks fit in %.0f%% of %.0f MB", step.num_decodes, max_len,
+             step.num_prefill_tokens, peak / 2**20, state_bytes / 2**20, num_blocks,
+             config.gpu_memory_utilization * 100, total / 2**20)
     return num_blocks

@@ -89,7 +89,7 @@ def measure_peak_bytes(llama: LlamaModel, step: WorstStep) -> int:
 class MemoryBudget:
     total_bytes: int  # the device's memory
     used_bytes: int  # in use before the warm-up: weights, CUDA context, other processes
-    peak_step_bytes: int  # the worst step's activations (measure_peak_bytes)
+    peak_step_bytes: int  # the worst step's activations (measure_peak_bytes) and the sampler's state
     utilization: float  # the share of total_bytes this worker may use (--gpu-memory-utilization)
 
 
@@ -105,7 +105,7 @@ def kv_blocks(budget: MemoryBudget, block_bytes: int, blocks_per_seq: int, max_n
         raise ValueError(
             f"the KV cache does not fit: {budget.utilization:.0%} of {budget.total_bytes / mb:,.0f} MB, "
             f"less {budget.used_bytes / mb:,.0f} MB in use (weights, CUDA context) and "
-            f"{budget.peak_step_bytes / mb:,.0f} MB for the worst step's activations, leaves "
+            f"{budget.peak_step_bytes / mb:,.0f} MB for the worst step and the sampler's state, leaves "
             f"{max(free, 0) / mb:,.0f} MB: {num_blocks} blocks, and one sequence of max_model_len needs "
             f"{blocks_per_seq} ({blocks_per_seq * block_bytes / mb:,.0f} MB). "
             "Lower --max-num-seqs, --max-num-batched-tokens or --max-prefill-tokens (the worst step), "

@@ -94,7 +94,7 @@ class EngineCore:
         static = (StaticDecode(model, cache, max_num_seqs * (1 + num_speculative_tokens),
                                -(-max_model_len // block_size), capture=cuda_graphs)
                   if static_decode else None)
-        self.runner = ModelRunner(model, cache, self.kv, self.adapters, static)
+        self.runner = ModelRunner(model, cache, self.kv, self.adapters, static, max_num_seqs=max_num_seqs)
         self.num_step_prefill_tokens = self.num_step_decode_tokens = 0  # what the last step computed
         # None: no speculation. Counts since start: verified runs, proposed and accepted tokens.
         self.spec = SpeculationPolicy(num_speculative_tokens) if num_speculative_tokens > 0 else None

@@ -55,11 +55,11 @@ class _Job:
 
 class DraftProposer:
     def __init__(self, model: LlamaModel, cache: KVCache, kv: KVCacheManager,
-                 max_prefill_tokens: int, static: StaticDecode | None = None) -> None:
+                 max_prefill_tokens: int, static: StaticDecode | None = None, max_num_seqs: int = 4) -> None:
         """static: the draft's decode passes through its buffers (CUDA graphs), as the target's."""
         # The draft's passes run as the target's steps do (persistent inputs and CUDA graphs on
         # CUDA, penalty counts kept per request), through a model runner of the draft's own.
-        self.runner = ModelRunner(model, cache, kv, static=static)
+        self.runner = ModelRunner(model, cache, kv, static=static, max_num_seqs=max_num_seqs)
         self.kv = kv
         self.max_prefill_tokens = max_prefill_tokens
         self._cached: dict[str, _Cached] = {}

@@ -68,10 +68,11 @@ class SampledToken:
 class ModelRunner:
     def __init__(self, model: LlamaModel, cache: KVCache, kv: KVCacheManager,
                  adapters: AdapterRegistry | None = None, static: StaticDecode | None = None,
-                 persistent_inputs: bool | None = None) -> None:
+                 persistent_inputs: bool | None = None, max_num_seqs: int = 4) -> None:
         """static: decode-only steps through its buffers (CUDA graphs), else every step dynamic.
         persistent_inputs: a dynamic step's tensors in InputBatch's buffers, and the sampling
-        parameters in buffers of their own (default: on CUDA).
+        parameters in buffers of their own (default: on CUDA). max_num_seqs: the most requests a
+        step runs (sizes the kept penalty counts on CUDA).
         On CPU the step's fresh tensors cost less: in a SmolLM2 batch-1 step, after the forward
         has streamed the weights through the caches, InputBatch.build took 73-82 us and the list
         builder's torch.tensor calls 34 (2-core Zen 4, 2026-12-06; 12.5 vs 23 us back to back),
@@ -88,9 +89,12 @@ class ModelRunner:
         # Penalty counts kept per request across steps (penalties.py): a step adds its new tokens.
         # The sampling parameters in buffers allocated once where the step's inputs are; on CUDA
         # the noise and the race fused into one kernel.
-        self.sampler = Sampler(model.greedy_argmax, PenaltyCounts(model.config.vocab_size, model.device),
-                               ParamStaging.on(model.device) if persistent_inputs else None,
-                               fused=model.device.type == "cuda")
+        # On CUDA the penalty counts are allocated whole (max_num_seqs rows: the memory plan counts
+        # them), elsewhere grown as requests with penalties come.
+        cuda = model.device.type == "cuda"
+        kept = PenaltyCounts(model.config.vocab_size, model.device, max_num_seqs if cuda else 4)
+        staging = ParamStaging.on(model.device) if persistent_inputs else None
+        self.sampler = Sampler(model.greedy_argmax, kept, staging, fused=cuda)
         self.mask_seconds = 0.0  # what masking the constrained rows took in the last step
         # Grammar masks are filled here while the model computes: they depend only on the tokens
         # already accepted (xgrammar releases the GIL).

@@ -15,6 +15,11 @@ A row that samples after proposals (a speculative verify, a draft pass) extends 
 accepted output by proposals: its counts are the request's plus those tokens, added to the
 step's gathered copy, never to the kept state (a rejection then needs no rollback).
 
+Rows without a penalty share row 0, kept all zeros (a zero count changes no logit), so a
+request without penalties costs nothing here. The tensors grow by doubling from `capacity`
+requests; the model runner sizes them up front on CUDA (max_num_seqs), and the memory plan
+counts them (`bytes_per_request`).
+
 A kept row belongs to one `Sequence` object (the owner) and counts its first `counted` output
 tokens; an owner's output only grows (tokens are appended in one place, EngineCore._append). A
 different owner under the same request id (a request that left and came back, a resume) gets a
@@ -30,6 +35,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from protos.params import SamplingParams
+
 
 class Owner(Protocol):
     @property
@@ -39,6 +46,8 @@ class Owner(Protocol):
 class Row(Protocol):
     """What a sampled row gives (sampling.SamplingRow)."""
 
+    @property
+    def params(self) -> SamplingParams: ...
     @property
     def owner(self) -> Owner | None: ...
     @property
@@ -56,15 +65,26 @@ class _Slot:
     counted: int  # leading output tokens added to the row
 
 
+def has_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
 class PenaltyCounts:
     def __init__(self, vocab_size: int, device: torch.device | str, capacity: int = 4) -> None:
+        """capacity: requests with penalties before the tensors first grow."""
         self.vocab_size, self.device = vocab_size, torch.device(device)
         self._slots: dict[str, _Slot] = {}
         self._free: list[int] = []
-        self.counts = torch.zeros(0, vocab_size, dtype=torch.float32, device=self.device)  # (N, V)
-        self.prompt = torch.zeros(0, vocab_size, dtype=torch.bool, device=self.device)  # (N, V)
-        self._grow(capacity)
+        # row 0: the zeros of every row without a penalty
+        self.counts = torch.zeros(1, vocab_size, dtype=torch.float32, device=self.device)  # (1 + N, V)
+        self.prompt = torch.zeros(1, vocab_size, dtype=torch.bool, device=self.device)  # (1 + N, V)
+        self._grow(1 + capacity)
         self.num_counted_tokens = 0  # ids added to kept rows (prompt and output): tests and stats
+
+    @staticmethod
+    def bytes_per_request(vocab_size: int) -> int:
+        """Device bytes one request's kept row takes: counts (float32) and prompt mask (bool)."""
+        return vocab_size * (4 + 1)
 
     def retain(self, request_ids: Iterable[str]) -> None:
         """Free the rows of requests not in `request_ids` (they finished or were preempted)."""
@@ -74,16 +94,17 @@ class PenaltyCounts:
 
     @property
     def num_rows(self) -> int:
+        """Requests with a kept row."""
         return len(self._slots)
 
     def gather(self, rows: Sequence[Row], repetition: bool) -> tuple[Tensor, Tensor | None]:
         """(output counts (B, V) float32, prompt mask (B, V) bool or None unless `repetition`)
         of each row's history: its owner's kept counts brought up to its accepted output, plus
         its proposals. Every row must have an owner (sampling.SamplingRow.owner)."""
-        indices = [self._sync(row) for row in rows]
+        indices = [self._sync(row) if has_penalty(row.params) else 0 for row in rows]
         index = self._to_device(indices)  # (B,)
         counts = self.counts.index_select(0, index)  # (B, V): a copy, proposals are added to it
-        proposals = [(r, t) for r, row in enumerate(rows)
+        proposals = [(r, t) for r, row in enumerate(rows) if indices[r]
                      for t in row.output_token_ids[row.num_accepted:] if 0 <= t < self.vocab_size]
         if proposals:
             flat = self._to_device([r * self.vocab_size + t for r, t in proposals])

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from protos.params import SamplingParams
 from worker.engine.input_batch import StagedRows
-from worker.engine.penalties import PenaltyCounts
+from worker.engine.penalties import PenaltyCounts, has_penalty
 
 if TYPE_CHECKING:
     from worker.engine.sequence import Sequence as EngineSequence
@@ -100,10 +100,6 @@ class SamplerOutput:
     is_finite: Tensor  # (B,) bool; False: the row's logits had NaN/+inf (or were all -inf), fail it
 
 
-def _has_penalty(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-
-
 @dataclass
 class ParamStaging:
     """Buffers allocated once for a step's parameter columns (the sampler's on CUDA)."""
@@ -142,7 +138,7 @@ def build_sampling_batch(
     float_cols, int_cols = floats.unbind(1), ints.unbind(1)  # (B,) each
 
     enable_repetition = any(p.repetition_penalty != 1.0 for p in params)
-    enable_penalties = any(_has_penalty(p) for p in params)
+    enable_penalties = any(has_penalty(p) for p in params)
     output_counts = prompt_mask = None
     if enable_penalties and kept is not None:
         output_counts, prompt_mask = kept.gather(rows, enable_repetition)
@@ -342,7 +338,7 @@ class Sampler:
         0.33 ms host work (2-core AVX2 EPYC, 2026-12-06), more than the argmax itself."""
         params = [row.params for row in rows]
         if self._argmax_alone(logits, all(p.is_greedy for p in params),
-                              any(_has_penalty(p) for p in params),
+                              any(has_penalty(p) for p in params),
                               any(p.num_logprobs is not None for p in params)):
             return self._argmax(logits)
         return self(logits, build_sampling_batch(rows, logits.shape[-1], device, self.kept, self.staging))
