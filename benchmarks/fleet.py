@@ -106,8 +106,9 @@ class Load:
     """S streams kept open over the gateways; chunk timings and token checks."""
 
     def __init__(self, stubs: list[Any], num_streams: int, output_len: int, seed_base: int,
-                 call_timeout_s: float) -> None:
+                 call_timeout_s: float, stream_interval: int = 1) -> None:
         self.stubs, self.num_streams, self.output_len = stubs, num_streams, output_len
+        self.stream_interval = stream_interval  # > 1: a chunk's gap is that many steps, no ITL kept
         self.seed_base, self.call_timeout_s = seed_base, call_timeout_s
         self.is_stopping = self.is_measuring = False
         self.window_start = math.inf
@@ -136,7 +137,8 @@ class Load:
                 self.errors.add(check)
 
     async def stream(self, stub: Any, slot: int, check: StreamCheck) -> None:
-        request = build_request(PROMPT, max_tokens=self.output_len, seed=check.seed, ignore_eos=True)
+        request = build_request(PROMPT, max_tokens=self.output_len, seed=check.seed, ignore_eos=True,
+                                stream_interval=self.stream_interval if self.stream_interval > 1 else None)
         sent = time.perf_counter()
         last: float | None = None
         async for response in stub.Generate(request, timeout=self.call_timeout_s):
@@ -149,7 +151,7 @@ class Load:
                 self.num_tokens += len(chunk.token_ids)
                 if last is None and sent >= self.window_start:
                     self.ttfts_s.append(now - sent)
-                elif last is not None and last >= self.window_start:
+                elif last is not None and last >= self.window_start and self.stream_interval == 1:
                     self.gaps_s.append(now - last)
             if last is None:
                 self.opened.add(slot)
@@ -183,7 +185,7 @@ async def drive(fleet: Fleet, client: redis.Redis, result: PointResult, args: ar
     channels = [grpc.aio.insecure_channel(t) for t in fleet.targets]
     stubs = [generate_pb2_grpc.TokenRelayStub(c) for c in channels]
     call_timeout = MAX_WARMUP_S + args.window_s + 60
-    load = Load(stubs, result.num_streams, result.output_len, seed_base, call_timeout)
+    load = Load(stubs, result.num_streams, result.output_len, seed_base, call_timeout, args.stream_interval)
     tasks = [asyncio.ensure_future(load.slot(i)) for i in range(result.num_streams)]
     try:
         await watch(fleet, args.warmup_s, until=lambda: len(load.opened) == result.num_streams)
@@ -294,6 +296,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--commands", action="store_true",
                    help="print each Redis command's calls per token over each window (to stderr)")
     p.add_argument("--keep-logs", action="store_true", help="keep the children's logs (kept on a crash)")
+    p.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                   help="tokens per chunk (GenerateRequest.stream_interval); > 1: the costs of fewer "
+                        "messages, no ITL, not recorded (the headline is 1 token a chunk)")
     add_record_arg(p)
     args = p.parse_args(argv)
     quick = args.quick
@@ -326,6 +331,7 @@ def summarize(rows: list[dict[str, Any]], shed: dict[str, Any], floor: dict[str,
     summary["date"] = datetime.now(UTC).isoformat(timespec="seconds")
     summary["config"] = {"gateways": args.gateways, "token_budget": args.token_budget,
                          "window_s": args.window_s, "warmup_s": args.warmup_s, "quick": args.quick,
+                         "stream_interval": args.stream_interval,
                          "redis": "REDIS_URL" if os.environ.get("REDIS_URL") else "embedded, AOF everysec"}
     summary["targets"] = evaluate_targets(summary)
     return summary
@@ -389,7 +395,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"TARGETS NOT MEASURED: {', '.join(unmeasured)}")
     if failed:
         print(f"TARGETS FAILED: {', '.join(failed)}")
-    emit("fleet", rounded(summary), args, smoke="--quick smoke run" if args.quick else None)
+    smoke = ("--quick smoke run" if args.quick else
+             f"--stream-interval {args.stream_interval} run" if args.stream_interval > 1 else None)
+    emit("fleet", rounded(summary), args, smoke=smoke)
     if is_crashed:
         return 2
     return 1 if summary["lost"] or summary["duplicated"] or summary["mismatched"] else 0

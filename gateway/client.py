@@ -179,6 +179,8 @@ def add_generation_args(p: argparse.ArgumentParser, *, with_model: bool = True) 
     g.add_argument("--seed", type=int, help="make sampling reproducible")
     g.add_argument("--stop", action="append", metavar="TEXT", help="stop at this text (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", default=None, help="keep going past end-of-sequence")
+    g.add_argument("--stream-interval", type=int, metavar="N",
+                   help="tokens per chunk after the first, in [0, 256] (default 1: every token at once)")
     f = p.add_argument_group("structured output (at most one; unset = free text)")
     x = f.add_mutually_exclusive_group()
     x.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid against this schema file")
@@ -214,7 +216,7 @@ def client_from_args(args: argparse.Namespace) -> TokenRelayClient:
 
 GENERATION_FLAGS = ("model", "adapter", "max_tokens", "temperature", "top_p", "top_k", "min_p",
                     "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop",
-                    "ignore_eos")
+                    "ignore_eos", "stream_interval")
 
 
 def generation_params(args: argparse.Namespace) -> dict[str, Any]:

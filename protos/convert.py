@@ -31,7 +31,7 @@ REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                     "presence_penalty", "frequency_penalty", "seed")
 _STOPPING_FIELDS = ("max_tokens", "ignore_eos")
-_TOP_LEVEL_FIELDS = ("logprobs", "top_logprobs", "truncate_prompt", "priority")
+_TOP_LEVEL_FIELDS = ("logprobs", "top_logprobs", "truncate_prompt", "priority", "stream_interval")
 _ROUTING_FIELDS = ("model", "adapter")  # which weights run it: the gateway's and the worker's, not sampling
 _FIELD_PATHS = {
     **{f: f"sampling.{f}" for f in _SAMPLING_FIELDS},

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_TOP_LOGPROBS = 20
+MAX_STREAM_INTERVAL = 256  # tokens per chunk: GenerateRequest.stream_interval
 MAX_SEED = 2**64 - 1  # the whole uint64 range of the proto field
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 # ResponseFormat (generate.proto): the kinds, and the caps that keep one format's compilation
@@ -105,6 +106,8 @@ class SamplingParams:
     # (protos/keys.py); the engine preempts the lowest priority first.
     priority: int = 0
     response_format: ResponseFormat | None = None  # structured output; None = free text
+    # GenerateRequest.stream_interval: tokens per chunk after the first (0 on the wire = 1)
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -129,6 +132,10 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must be >= 0, got {t}")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        if not 0 <= self.stream_interval <= MAX_STREAM_INTERVAL:
+            raise ValueError(f"stream_interval must be in [0, {MAX_STREAM_INTERVAL}], "
+                             f"got {self.stream_interval}")
+        object.__setattr__(self, "stream_interval", max(1, self.stream_interval))  # frozen: normalised once
 
     @property
     def is_greedy(self) -> bool:

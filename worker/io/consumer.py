@@ -381,16 +381,26 @@ class Consumer:
             tracked = self._running.get(out.request_id)
             if tracked is None:
                 continue
-            if (out.token_ids or out.text) and not tracked.is_handed_off:
-                chunk = chunk_to_pb(tracked.seq, out.token_ids, out.text, out.logprobs)
-                tracked.text_parts.append(out.text)
-                tracked.token_ids.extend(out.token_ids)
-                if not tracked.record.first_token_unix:
-                    tracked.record.first_token_unix = time.time()
-                    self._outbox.progress[tracked.request_id] = tracked.progress()
-                self._outbox.log(tracked.event(chunk=chunk))
+            if not tracked.is_handed_off:  # (a handed-off request's new owner writes its chunks)
+                if out.token_ids or out.text:
+                    tracked.hold(out.token_ids, out.text, out.logprobs)
+                if tracked.is_chunk_due() or (out.finished and (tracked.held_ids or tracked.held_text)):
+                    self._log_chunk(tracked)
             if out.finished:
                 self._finish(out, tracked)
+
+    def _log_chunk(self, tracked: Tracked) -> None:
+        """What the request generated since its last chunk, as its next chunk (stream_interval:
+        tokens held until a chunk is due; unlogged ones die with the worker and are generated
+        again by the next attempt, which resumes after the logged chunks)."""
+        token_ids, text, logprobs = tracked.take_held()
+        chunk = chunk_to_pb(tracked.seq, token_ids, text, logprobs)
+        tracked.text_parts.append(text)
+        tracked.token_ids.extend(token_ids)
+        if not tracked.record.first_token_unix:
+            tracked.record.first_token_unix = time.time()
+            self._outbox.progress[tracked.request_id] = tracked.progress()
+        self._outbox.log(tracked.event(chunk=chunk))
 
     def _finish(self, out: RequestOutput, tracked: Tracked) -> None:
         del self._running[out.request_id]

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from protos.keys import Keys
+from protos.params import Logprobs
 from protos.tokenrelay.v1 import queue_pb2
 
 DEFAULT_RESULT_TTL_S = 300.0  # for entries of gateways that did not say (QueuedRequest.result_ttl_s)
@@ -36,6 +37,10 @@ class Tracked:
     is_parking: bool = False
     # The CONSUMER span of this admission (worker/io/tracing.py); None with tracing off.
     span: Any = None
+    # Generated but not yet in a chunk (GenerateRequest.stream_interval): token ids, text, logprobs.
+    held_ids: list[int] = field(default_factory=list)
+    held_text: list[str] = field(default_factory=list)
+    held_logprobs: list[Logprobs] | None = None
 
     @classmethod
     def of(cls, keys: Keys, stream: str, entry_id: bytes, request: queue_pb2.QueuedRequest,
@@ -89,3 +94,22 @@ class Tracked:
 
     def progress(self) -> bytes:
         return self.record.SerializeToString()
+
+    def hold(self, token_ids: list[int], text: str, logprobs: list[Logprobs] | None) -> None:
+        """A step's new tokens, until the next chunk takes them."""
+        self.held_ids += token_ids
+        self.held_text.append(text)
+        if logprobs is not None:
+            self.held_logprobs = (self.held_logprobs or []) + logprobs
+
+    def is_chunk_due(self) -> bool:
+        """The first token goes at once (the time to the first token is not delayed); after it, a
+        chunk each time stream_interval tokens are held."""
+        interval = max(1, self.request.request.stream_interval)  # 0 (unset) = every step
+        return bool(self.held_ids or self.held_text) and (
+            not self.record.first_token_unix or len(self.held_ids) >= interval)
+
+    def take_held(self) -> tuple[list[int], str, list[Logprobs] | None]:
+        held = self.held_ids, "".join(self.held_text), self.held_logprobs
+        self.held_ids, self.held_text, self.held_logprobs = [], [], None
+        return held

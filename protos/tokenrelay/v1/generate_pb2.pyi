@@ -98,7 +98,7 @@ class ResponseFormat(_message.Message):
     def __init__(self, json_schema: _Optional[_Union[ResponseFormat.JsonSchema, _Mapping]] = ..., json_object: _Optional[_Union[ResponseFormat.JsonObject, _Mapping]] = ..., regex: _Optional[str] = ..., grammar: _Optional[str] = ..., choice: _Optional[_Union[ResponseFormat.Choice, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "chat", "request_id", "sampling", "stopping", "logprobs", "top_logprobs", "truncate_prompt", "priority", "resume_from_index", "cache_salt", "response_format", "model", "adapter")
+    __slots__ = ("prompt", "chat", "request_id", "sampling", "stopping", "logprobs", "top_logprobs", "truncate_prompt", "priority", "resume_from_index", "cache_salt", "response_format", "model", "adapter", "stream_interval")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,7 @@ class GenerateRequest(_message.Message):
     RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     chat: ChatMessages
     request_id: str
@@ -127,7 +128,8 @@ class GenerateRequest(_message.Message):
     response_format: ResponseFormat
     model: str
     adapter: str
-    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., request_id: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[StoppingParameters, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., truncate_prompt: _Optional[bool] = ..., priority: _Optional[int] = ..., resume_from_index: _Optional[int] = ..., cache_salt: _Optional[str] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., model: _Optional[str] = ..., adapter: _Optional[str] = ...) -> None: ...
+    stream_interval: int
+    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., request_id: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[StoppingParameters, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., truncate_prompt: _Optional[bool] = ..., priority: _Optional[int] = ..., resume_from_index: _Optional[int] = ..., cache_salt: _Optional[str] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., model: _Optional[str] = ..., adapter: _Optional[str] = ..., stream_interval: _Optional[int] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "text")
