@@ -72,6 +72,9 @@ class ChaosConfig:
     drain_s: float = 60.0  # in-flight streams get this long after the chaos phase
     ready_timeout_s: float = 180.0
     keep_logs: bool = False
+    # GenerateRequest.stream_interval: > 1 streams chunks of several tokens, whose boundaries after
+    # a resume need not be the reference's: the tokens are then compared in order, not by chunk
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         if self.minutes <= 0:
@@ -85,7 +88,7 @@ class ChaosConfig:
     def request(self, i: int, request_id: str) -> generate_pb2.GenerateRequest:
         return build_request(f"Tell me a story about {PROMPTS[i]}.", request_id=request_id,
                              max_tokens=self.max_tokens, temperature=0.8, seed=self.seed * 1000 + i,
-                             ignore_eos=True)
+                             ignore_eos=True, stream_interval=self.stream_interval)
 
 
 class FaultInjector:
@@ -262,12 +265,14 @@ def make_reference(stack: Stack, config: ChaosConfig) -> Reference:
         return list(pool.map(one, range(config.num_prompts)))
 
 
-def check(stream: Stream, reference: Reference) -> dict[str, int]:
-    """Duplicated tokens, gaps and mismatches (0 or 1) of one stream against its reference."""
+def check(stream: Stream, reference: Reference, by_chunk: bool = True) -> dict[str, int]:
+    """Duplicated tokens, gaps and mismatches (0 or 1) of one stream against its reference:
+    chunk by chunk, or (by_chunk False: chunks of several tokens) its tokens in order."""
     want_ids, want_text = reference[stream.prompt_index]
     seen: set[int] = set()
     duplicated = gaps = wrong = 0
     expected = 0  # the next index
+    got: list[int] = []
     for index, token_ids, _ in stream.chunks:
         if index in seen:
             duplicated += len(token_ids)
@@ -275,9 +280,13 @@ def check(stream: Stream, reference: Reference) -> dict[str, int]:
         seen.add(index)
         gaps += index != expected
         expected = max(expected, index + 1)
-        wrong += index >= len(want_ids) or token_ids != want_ids[index]
+        got += token_ids
+        wrong += by_chunk and (index >= len(want_ids) or token_ids != want_ids[index])
+    want = [t for ids in want_ids for t in ids]
+    wrong += not by_chunk and got != want[:len(got)]
     if stream.final_text is not None:
-        gaps += expected < len(want_ids)  # the final came before the last chunks
+        # the final came before the last chunks
+        gaps += expected < len(want_ids) if by_chunk else len(got) < len(want)
         wrong += stream.final_text != want_text or "".join(t for _, _, t in stream.chunks) != want_text
     return {"duplicated_tokens": duplicated, "gaps": gaps, "mismatches": int(wrong > 0)}
 
@@ -293,7 +302,7 @@ def summarize(streams: list[Stream], reference: Reference, injector: FaultInject
     totals: Counter[str] = Counter()
     failures: list[str] = []
     for s in streams:
-        counts = check(s, reference)
+        counts = check(s, reference, by_chunk=config.stream_interval == 1)
         totals.update(counts)
         is_done = s.final_text is not None and s.error is None
         totals["completed" if is_done else "lost"] += 1
@@ -309,7 +318,7 @@ def summarize(streams: list[Stream], reference: Reference, injector: FaultInject
               "stall_p50_s": percentile(stalls, 0.5), "stall_p99_s": percentile(stalls, 0.99),
               "stall_max_s": percentile(stalls, 1.0), "faults": {k: injector.faults[k] for k in FAULT_KINDS},
               "unexpected_exits": injector.num_unexpected_exits, "minutes": config.minutes,
-              "seed": config.seed}
+              "seed": config.seed, "stream_interval": config.stream_interval}
     return report, failures
 
 
@@ -358,8 +367,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="seeds the fault schedule and the sampling")
     p.add_argument("--json-out", type=Path, help="also write the JSON line here")
     p.add_argument("--keep-logs", action="store_true", help="keep the logs of a clean run too")
+    p.add_argument("--stream-interval", type=int, default=1, help="tokens per chunk (default 1)")
     args = p.parse_args(argv)
-    config = ChaosConfig(minutes=args.minutes, seed=args.seed, keep_logs=args.keep_logs)
+    config = ChaosConfig(minutes=args.minutes, seed=args.seed, keep_logs=args.keep_logs,
+                         stream_interval=args.stream_interval)
     work_dir = Path(tempfile.mkdtemp(prefix="tokenrelay-chaos-"))
     signal.signal(signal.SIGTERM, _interrupt)  # so the finally blocks stop the children
     try:

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.chaos import FAMILIES
+from tests.chaos import FAMILIES, Stream, check
 from tests.service import ROOT
 
 pytestmark = pytest.mark.slow
@@ -33,3 +33,20 @@ def test_a_minute_of_chaos_loses_duplicates_skips_and_changes_nothing() -> None:
     for family, kinds in FAMILIES.items():
         assert sum(report["faults"][k] for k in kinds) >= 1, f"no {family} fault: {report}"
     assert run.returncode == 0, run.returncode
+
+
+def test_chunks_of_several_tokens_are_checked_token_by_token() -> None:
+    """With stream_interval > 1 a resumed stream's chunk boundaries may differ from the
+    reference's; its tokens, in order, may not."""
+    reference = [([[1], [2, 3, 4], [5, 6]], "abcdef")]
+
+    def counts(chunks: list[tuple[int, list[int], str]], final: str | None = "abcdef",
+               by_chunk: bool = False) -> dict[str, int]:
+        return check(Stream("r", 0, 0.0, chunks, final), reference, by_chunk=by_chunk)
+
+    same = [(0, [1], "a"), (1, [2, 3], "bc"), (2, [4, 5, 6], "def")]
+    assert counts(same) == {"duplicated_tokens": 0, "gaps": 0, "mismatches": 0}
+    assert counts(same, by_chunk=True)["mismatches"] == 1  # by chunk, the boundaries differ
+    assert counts([(0, [1], "a"), (1, [2, 9], "bc"), (2, [4, 5, 6], "def")])["mismatches"] == 1
+    assert counts(same[:2] + [(1, [2, 3], "bc")] + same[2:])["duplicated_tokens"] == 2
+    assert counts(same[:2], final="abc")["gaps"] == 1  # the final came before the last tokens
