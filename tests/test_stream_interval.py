@@ -75,3 +75,14 @@ def test_the_interval_is_a_sampling_params_field_with_its_limit() -> None:
     assert SamplingParams(stream_interval=0).stream_interval == 1  # unset on the wire: every token
     with pytest.raises(ValueError, match=r"stream_interval must be in \[0, 256\], got -1"):
         SamplingParams(stream_interval=-1)
+
+
+def test_logprobs_stay_one_per_token_in_chunks_of_several(
+        make_gateway: Callable[..., GatewayThread], start_worker: Callable[..., WorkerThread]) -> None:
+    responses = stream(make_gateway, start_worker,
+                       build_request("hi", max_tokens=7, seed=5, stream_interval=3, top_logprobs=2))
+    chunks = [r.chunk for r in responses[:-1]]
+    assert [len(c.token_ids) for c in chunks] == [1, 3, 3]
+    for c in chunks:
+        assert [lp.chosen.token_id for lp in c.logprobs] == list(c.token_ids)
+        assert all(len(lp.top) == 2 for lp in c.logprobs)
