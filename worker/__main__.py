@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction,
                    default=None if graphs is None else graphs not in ("0", "false", "no"),
                    help="CUDA: capture decode steps as CUDA graphs per batch-size bucket at start-up "
-                        "(default on for CUDA, except with --attention-backend flashinfer or LoRA) "
+                        "(default on for CUDA, except with LoRA) "
                         "[env TOKENRELAY_CUDA_GRAPHS]")
     p.add_argument("--native-kernels", action=argparse.BooleanOptionalAction,
                    default=_env("TOKENRELAY_NATIVE_KERNELS", "1") not in ("0", "false", "no"),

@@ -133,7 +133,7 @@ def use_cuda_graphs(config: EngineConfig, model: LlamaModel) -> bool:
     """EngineConfig.cuda_graphs, or its default: on for CUDA where static decode steps can run."""
     if config.cuda_graphs is not None:
         return config.cuda_graphs
-    return model.device.type == "cuda" and model.attention.name != "flashinfer" and not model.is_lora_enabled
+    return model.device.type == "cuda" and not model.is_lora_enabled
 
 
 def build_grammar_compiler(tokenizer: Tokenizer, vocab_size: int,

@@ -33,7 +33,7 @@ class EngineConfig:
     kv_cache_memory_mb: int | None = None
     gpu_memory_utilization: float = 0.9  # the share of the GPU this worker may use
     # Decode steps as CUDA graphs per batch-size bucket (worker/model/static_decode.py). None: on
-    # for CUDA unless the attention backend is flashinfer (its graph plan is not built) or LoRA is on.
+    # for CUDA unless LoRA is on.
     cuda_graphs: bool | None = None
     # Tokens per KV block. 16 on every device: small enough that the last,
     # partly filled block of a sequence wastes little, large enough that a block

@@ -13,7 +13,8 @@ step's `ForwardBatch`. Three:
   old decode path gathered every row's blocks up to the longest row). A prompt chunk, a decode
   and a speculative verify are all one query of n tokens over its context. Layout (K, N, Bs, D).
 - `flashinfer` (worker/model/flashinfer_backend.py): FlashInfer's paged prefill kernel over
-  a block-major (N, K, Bs, D) cache (its HND layout). CUDA only; it has never run here.
+  a block-major (N, K, Bs, D) cache (its HND layout), its decode kernel in CUDA-graph mode for
+  static steps (planned by `plan_static`). CUDA only; it has never run here.
 Shapes: T new tokens, S sequences, H query heads, K kv heads, D head dim, N blocks of Bs.
 """
 
@@ -49,6 +50,10 @@ class AttentionBackend:
         """The step's metadata, once per step. all_rows_as_decodes: the C kernels' LoRA mode
         (every token attends as a decode row; see LlamaModel.enable_lora)."""
         return StepPlan(batch, write_index(batch, cache))
+
+    def plan_static(self, tables: torch.Tensor, lens: torch.Tensor, cache: KVCache) -> None:
+        """Host work of a static step (static_decode.py) before it runs or its CUDA graph replays,
+        from its host tables (B, M) and lengths (B,): none for backends that read the buffers."""
 
     def write(self, cache: KVCache, i: int, k: torch.Tensor, v: torch.Tensor, plan: StepPlan) -> None:
         """The step's new keys and values (T, K, D) into layer i's cache."""

@@ -12,8 +12,9 @@ step gives, for every bucket.
 Padding rows decode one token at position 0 through a scratch block: the cache's last block,
 which the engine keeps out of its pool, so a padding row's K/V never lands in a request's
 blocks. The attention backends read only device tensors for a static batch
-(`ForwardBatch.is_static`); FlashInfer's graph mode (its plan into fixed buffers before each
-replay) is not built, so with that backend decode steps run eagerly.
+(`ForwardBatch.is_static`); what a backend must do on the host first (FlashInfer's plan into
+its fixed buffers) it does in `plan_static`, called before every run or replay and before each
+capture.
 """
 
 from __future__ import annotations
@@ -41,8 +42,6 @@ class StaticDecode:
         the scratch block. capture: record a CUDA graph per bucket now."""
         if model.is_lora_enabled:
             raise ValueError("static decode steps do not carry LoRA adapters")
-        if model.attention.name == "flashinfer":
-            raise ValueError("static decode steps with FlashInfer need its CUDA-graph plan (not built)")
         if capture and model.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {model.device}")
         self.model, self.cache = model, cache
@@ -101,6 +100,7 @@ class StaticDecode:
         if self.model.device.type == "cuda":  # one non-blocking copy per buffer, from pinned memory
             for dev, host in self._pairs:
                 dev[:b].copy_(host[:b], non_blocking=True)
+        self.model.attention.plan_static(self._tables[:b], self._lens[:b], self.cache)
         graph = self.graphs.get(b)
         if graph is not None:
             graph.replay()
@@ -112,6 +112,7 @@ class StaticDecode:
         pool = None
         for b in sorted(self.buckets, reverse=True):
             batch = self.batch(b)
+            self.model.attention.plan_static(self._tables[:b], self._lens[:b], self.cache)  # the padding's
             side = torch.cuda.Stream(self.model.device)
             side.wait_stream(torch.cuda.current_stream(self.model.device))
             with torch.cuda.stream(side):  # the warm-up runs outside the capture, as torch requires
