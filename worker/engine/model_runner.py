@@ -86,11 +86,9 @@ class ModelRunner:
         if persistent_inputs is None:
             persistent_inputs = model.device.type == "cuda"
         self.inputs = InputBatch(model.device) if persistent_inputs else None
-        # Penalty counts kept per request across steps (penalties.py): a step adds its new tokens.
-        # The sampling parameters in buffers allocated once where the step's inputs are; on CUDA
-        # the noise and the race fused into one kernel.
-        # On CUDA the penalty counts are allocated whole (max_num_seqs rows: the memory plan counts
-        # them), elsewhere grown as requests with penalties come.
+        # Penalty counts kept per request across steps (penalties.py; on CUDA allocated whole,
+        # max_num_seqs rows, which the memory plan counts), the sampling parameters in buffers
+        # allocated once where the step's inputs are, and on CUDA the race fused into one kernel.
         cuda = model.device.type == "cuda"
         kept = PenaltyCounts(model.config.vocab_size, model.device, max_num_seqs if cuda else 4)
         staging = ParamStaging.on(model.device) if persistent_inputs else None

@@ -384,7 +384,7 @@ class Consumer:
             if not tracked.is_handed_off:  # (a handed-off request's new owner writes its chunks)
                 if out.token_ids or out.text:
                     tracked.hold(out.token_ids, out.text, out.logprobs)
-                if tracked.is_chunk_due() or (out.finished and (tracked.held_ids or tracked.held_text)):
+                if tracked.is_chunk_due(is_ending=out.finished):
                     self._log_chunk(tracked)
             if out.finished:
                 self._finish(out, tracked)

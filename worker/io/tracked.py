@@ -102,12 +102,13 @@ class Tracked:
         if logprobs is not None:
             self.held_logprobs = (self.held_logprobs or []) + logprobs
 
-    def is_chunk_due(self) -> bool:
-        """The first token goes at once (the time to the first token is not delayed); after it, a
-        chunk each time stream_interval tokens are held."""
+    def is_chunk_due(self, is_ending: bool) -> bool:
+        """Whether what is held goes out now: the first token at once (the time to the first
+        token is not delayed), then a chunk each time stream_interval tokens are held, and the
+        rest when the attempt ends."""
         interval = max(1, self.request.request.stream_interval)  # 0 (unset) = every step
         return bool(self.held_ids or self.held_text) and (
-            not self.record.first_token_unix or len(self.held_ids) >= interval)
+            is_ending or not self.record.first_token_unix or len(self.held_ids) >= interval)
 
     def take_held(self) -> tuple[list[int], str, list[Logprobs] | None]:
         held = self.held_ids, "".join(self.held_text), self.held_logprobs
