@@ -7,9 +7,9 @@ copy of all the output ids, O(prompt + output) per step, so a request's penalty 
 the square of its length. Here each request with a penalty keeps its row of counts (and its
 prompt mask) in tensors on the model's device, and a step adds only the tokens its requests
 accepted since the last one: O(new tokens) per step, one index_add for all requests. On CPU
-too: building a step's penalty inputs for 16 rows with 1,000-token outputs (V = 49,152) took
-~7.9 ms afresh and ~0.33 ms kept; 1 row: 0.30 -> 0.06 ms (2-core AMD EPYC Zen 4, 2026-12-07,
-medians of 20 steps, the test suite running beside it).
+too: building a step's penalty inputs for 16 rows (V = 49,152) took ~4.0 ms afresh and ~0.19 ms
+kept at 1,000-token outputs, 5.5 and 0.22 ms at 4,000; 1 row 0.28 and 0.06 ms (2-core AMD EPYC
+Zen 4, 2026-12-07, medians of 20 steps, both sides alternated twice, an idle machine).
 
 A row that samples after proposals (a speculative verify, a draft pass) extends its request's
 accepted output by proposals: its counts are the request's plus those tokens, added to the
@@ -101,42 +101,41 @@ class PenaltyCounts:
         """(output counts (B, V) float32, prompt mask (B, V) bool or None unless `repetition`)
         of each row's history: its owner's kept counts brought up to its accepted output, plus
         its proposals. Every row must have an owner (sampling.SamplingRow.owner)."""
-        indices = [self._sync(row) if has_penalty(row.params) else 0 for row in rows]
+        V = self.vocab_size
+        new: list[int] = []  # flat (row * V + id) of the accepted ids not yet counted
+        indices = [self._sync(row, new) if has_penalty(row.params) else 0 for row in rows]
+        self._add_ones(self.counts, new)  # every request's new tokens in one index_add
         index = self._to_device(indices)  # (B,)
         counts = self.counts.index_select(0, index)  # (B, V): a copy, proposals are added to it
-        proposals = [(r, t) for r, row in enumerate(rows) if indices[r]
-                     for t in row.output_token_ids[row.num_accepted:] if 0 <= t < self.vocab_size]
-        if proposals:
-            flat = self._to_device([r * self.vocab_size + t for r, t in proposals])
-            counts.view(-1).index_add_(0, flat, torch.ones(len(proposals), device=self.device))
+        self._add_ones(counts, [r * V + t for r, row in enumerate(rows) if indices[r]
+                                for t in row.output_token_ids[row.num_accepted:] if 0 <= t < V])
         return counts, self.prompt.index_select(0, index) if repetition else None
 
     # -- kept rows ------------------------------------------------------------------------------
 
-    def _sync(self, row: Row) -> int:
-        """The owner's kept row, its counts brought up to the row's accepted output."""
+    def _sync(self, row: Row, new: list[int]) -> int:
+        """The owner's kept row; the accepted ids it has not counted go to `new` (flat indices)."""
         assert row.owner is not None, "rows sampled with kept penalty counts name their request"
-        request_id, accepted = row.owner.request_id, row.num_accepted
+        request_id, accepted, V = row.owner.request_id, row.num_accepted, self.vocab_size
         slot = self._slots.get(request_id)
         if slot is None or slot.owner is not row.owner or slot.counted > accepted:
             if slot is not None:
                 self._free.append(self._slots.pop(request_id).index)
             slot = self._slots[request_id] = _Slot(row.owner, self._take(), 0)
-            self._add(self.prompt, slot.index, row.prompt_token_ids, value=True)
-        self._add(self.counts, slot.index, row.output_token_ids[slot.counted:accepted], value=1.0)
+            prompt = [slot.index * V + t for t in row.prompt_token_ids if 0 <= t < V]
+            if prompt:  # once per request
+                self.num_counted_tokens += len(prompt)
+                self.prompt.view(-1).index_fill_(0, self._to_device(prompt), True)
+        ids = [slot.index * V + t for t in row.output_token_ids[slot.counted:accepted] if 0 <= t < V]
+        self.num_counted_tokens += len(ids)
+        new += ids
         slot.counted = accepted
         return slot.index
 
-    def _add(self, target: Tensor, index: int, ids: Sequence[int], value: float | bool) -> None:
-        ids = [t for t in ids if 0 <= t < self.vocab_size]
-        if not ids:
-            return
-        self.num_counted_tokens += len(ids)
-        columns = self._to_device(ids)
-        if target.dtype == torch.bool:
-            target[index].index_fill_(0, columns, value)
-        else:
-            target[index].index_add_(0, columns, torch.full((len(ids),), float(value), device=self.device))
+    def _add_ones(self, target: Tensor, flat: list[int]) -> None:
+        """target.view(-1)[flat] += 1 (repeats add up)."""
+        if flat:
+            target.view(-1).index_add_(0, self._to_device(flat), torch.ones(len(flat), device=self.device))
 
     def _take(self) -> int:
         if not self._free:
