@@ -5,6 +5,7 @@ a GPU)."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -189,6 +190,17 @@ def test_flashinfer_page_metadata_names_exactly_each_rows_kv() -> None:
         assert k.shape[1] == context
         torch.testing.assert_close(k, want_k, rtol=0, atol=0)
         torch.testing.assert_close(v, want_v, rtol=0, atol=0)
+
+
+def test_flashinfer_page_metadata_reads_the_hosts_tables_when_the_step_has_them() -> None:
+    """The device's tables are not read back (that would wait for the GPU every step)."""
+    batch, _ = make_step(random.Random(3), [1, 2, 1], [5, 9, 14], num_prefills=0)
+    want = paged_kv_metadata(batch, BLOCK)
+    garbage = torch.full_like(batch.block_tables, 7)
+    on_host = dataclasses.replace(batch, block_tables=garbage, block_tables_host=batch.block_tables)
+    got = paged_kv_metadata(on_host, BLOCK)
+    for name in ("qo_indptr", "indptr", "indices", "last_page_len"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
 
 
 def test_backends_are_chosen_by_name_or_by_what_runs_here(kernels: NativeKernels) -> None:

@@ -74,6 +74,10 @@ def assert_same(got: ForwardBatch, want: ForwardBatch) -> None:
         if a is not None:
             assert a.dtype == b.dtype and torch.equal(a, b), name
     assert got.block_tables.is_contiguous()
+    for batch in (got, want):  # the host's copy FlashInfer plans from, without a device read
+        assert batch.block_tables_host is not None and batch.block_tables_host.device.type == "cpu"
+        assert batch.block_tables_host.dtype == torch.int32
+        assert torch.equal(batch.block_tables_host, batch.block_tables.cpu())
     assert (got.query_start_loc, got.context_lens_host, got.num_prefills) == (
         want.query_start_loc, want.context_lens_host, want.num_prefills)
 

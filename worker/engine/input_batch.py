@@ -86,14 +86,16 @@ class BatchBuilder:
         def tensor(values: list[int] | list[list[int]], dtype: torch.dtype = torch.int64) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=self.device)
 
+        tables = torch.tensor(padded, dtype=torch.int32)  # (S, M) on the host
         return ForwardBatch(
             input_ids=tensor(self.ids), positions=tensor(self.positions),  # (T,), (T,)
             slot_mapping=tensor(self.slots),  # (T,)
-            block_tables=tensor(padded, torch.int32),  # (S, M)
+            block_tables=tables.to(self.device),  # (S, M)
             context_lens=tensor(self.context_lens, torch.int32),  # (S,)
             query_start_loc=tuple(self.query_start), context_lens_host=tuple(self.context_lens),
             num_prefills=num_prefills, logits_indices=tensor(self.logits_indices),  # (R,)
             lora_slots=tensor(self.adapter_slots) if adapters else None, adapters=adapters,  # (T,)
+            block_tables_host=tables,
         )
 
 
@@ -228,9 +230,11 @@ class InputBatch:
         rows = self._sync_tables(step)
         token = {name: buf.stage(getattr(step, name), (len(getattr(step, name)),))
                  for name, buf in self._token.items()}
+        tables = self._tables[rows, :width]  # (S, M) on the host, 0-padded
         return ForwardBatch(
             input_ids=token["ids"], positions=token["positions"], slot_mapping=token["slots"],  # (T,) each
-            block_tables=self._step_tables.stage(self._tables[rows, :width], (s, width)),  # (S, M), 0-padded
+            block_tables=self._step_tables.stage(tables, (s, width)),  # (S, M)
+            block_tables_host=torch.from_numpy(tables),
             context_lens=self._lens.stage(step.context_lens, (s,)),  # (S,)
             query_start_loc=tuple(step.query_start), context_lens_host=tuple(step.context_lens),
             num_prefills=num_prefills, logits_indices=token["logits_indices"],  # (R,)

@@ -46,6 +46,10 @@ class ForwardBatch:
     # replays): query_start_loc and context_lens_host describe the capture, not this step, so
     # attention must read the device tensors only
     is_static: bool = False
+    # block_tables on the host when the step was built there (BatchBuilder, InputBatch): a backend
+    # that plans on the host (FlashInfer) reads it instead of copying the device's back, which
+    # would wait for the GPU every step
+    block_tables_host: torch.Tensor | None = None  # (S, M) int32
 
 
 

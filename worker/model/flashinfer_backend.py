@@ -58,7 +58,9 @@ def paged_kv_metadata(batch: ForwardBatch, block_size: int) -> PagedKVMetadata:
     """The step's pages: each sequence's first ceil(context / Bs) blocks of its block table, so
     the padding in the table (block 0) and blocks past a row's end are never named."""
     context = torch.tensor(batch.context_lens_host, dtype=torch.int32)  # (S,)
-    indptr, indices, last_page_len = pages_csr(batch.block_tables.to("cpu", torch.int32), context, block_size)
+    # the host's copy of the tables where the step has one: reading the device's back waits for the GPU
+    tables = batch.block_tables_host if batch.block_tables_host is not None else batch.block_tables.cpu()
+    indptr, indices, last_page_len = pages_csr(tables, context, block_size)
     qo_indptr = torch.tensor(batch.query_start_loc, dtype=torch.int32)
     return PagedKVMetadata(qo_indptr, indptr, indices, last_page_len)
 
