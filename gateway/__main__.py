@@ -164,6 +164,11 @@ def _add_limit_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-stop-token-ids", type=int, default=_env("TOKENRELAY_MAX_STOP_TOKEN_IDS",
                                                                   d.max_stop_token_ids),
                    help="stopping.stop_token_ids of a request [env TOKENRELAY_MAX_STOP_TOKEN_IDS]")
+    g.add_argument("--default-stream-interval", type=int, metavar="N",
+                   default=_env("TOKENRELAY_DEFAULT_STREAM_INTERVAL", d.default_stream_interval),
+                   help="tokens per chunk after the first for requests that set no stream_interval, in "
+                        "[0, 256]; 0 = every token at once. Fewer messages: less gateway and Redis CPU per "
+                        "token [env TOKENRELAY_DEFAULT_STREAM_INTERVAL]")
     g.add_argument("--max-queued-events", type=int, default=_env("TOKENRELAY_MAX_QUEUED_EVENTS",
                                                                  d.max_queued_events),
                    help="events queued in this gateway for one call; a call that reads slower than its "
@@ -194,6 +199,7 @@ def config_from_args(argv: list[str] | None = None) -> tuple[GatewayConfig, str]
             max_prompt_bytes=args.max_prompt_bytes, max_messages=args.max_messages,
             max_stop_strings=args.max_stop_strings, max_stop_token_ids=args.max_stop_token_ids,
             max_queued_events=args.max_queued_events, event_loop=args.event_loop,
+            default_stream_interval=args.default_stream_interval,
             routing=args.routing, route_max_wait_ms=args.route_max_wait_ms,
             sweep_interval_s=args.sweep_interval, worker_heartbeat_ttl_s=args.worker_heartbeat_ttl)
     except ValueError as e:

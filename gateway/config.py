@@ -10,6 +10,7 @@ from gateway.tls import check_server_files
 from protos.keys import DEFAULT_PREFIX, Keys, PriorityClass, check_model_name, check_name, default_instance_id
 from protos.logs import check_log_format
 from protos.metrics import check_metrics_options
+from protos.params import MAX_STREAM_INTERVAL
 from protos.redis_conn import DEFAULT_REDIS_URL, check_redis_url
 from protos.tracing import check_otlp_endpoint
 
@@ -135,6 +136,10 @@ class GatewayConfig:
     max_messages: int = RequestLimits.max_messages
     max_stop_strings: int = RequestLimits.max_stop_strings
     max_stop_token_ids: int = RequestLimits.max_stop_token_ids
+    # GenerateRequest.stream_interval of requests this gateway enqueues without one (vLLM's server-wide
+    # --stream-interval); 0 = one chunk a step. Not part of the request's digest: a resend through
+    # another gateway attaches all the same.
+    default_stream_interval: int = 0
 
     def __post_init__(self) -> None:
         Keys(self.key_prefix)  # validates the prefix
@@ -143,6 +148,9 @@ class GatewayConfig:
             raise ValueError(f"listen must be host:port, got {self.listen!r}")
         check_redis_url(self.redis_url)
         check_name("gateway_id", self.gateway_id)
+        if not 0 <= self.default_stream_interval <= MAX_STREAM_INTERVAL:
+            raise ValueError(f"default_stream_interval must be in [0, {MAX_STREAM_INTERVAL}], "
+                             f"got {self.default_stream_interval}")
         for model in (*self.models, *([self.default_model] if self.default_model else [])):
             check_model_name("model", model)
         for name in ("max_queue_depth", "retry_pushback_ms", "max_queued_events",

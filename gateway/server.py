@@ -261,6 +261,10 @@ class TokenRelayServicer(generate_pb2_grpc.TokenRelayServicer):
         queued.request.ClearField("resume_from_index")
         if not queued.request.sampling.HasField("seed"):  # used only if this call creates the request
             queued.request.sampling.seed = secrets.randbits(64)
+        if not queued.request.HasField("stream_interval") and self.config.default_stream_interval:
+            # the queued copy only: the caller's body (its digest) stays as sent, so a resend through a
+            # gateway with another default attaches to this generation
+            queued.request.stream_interval = self.config.default_stream_interval
         return queued
 
     async def GetServerInfo(self, request: generate_pb2.GetServerInfoRequest | MalformedRequest,  # noqa: N802
