@@ -45,7 +45,7 @@ lint: $(STAMP)
 
 # Also part of `make test` (its pytest run): kustomize render, kubernetes-validate, CRD schemas, yamllint.
 deploy-check: $(STAMP)  ## validate deploy/ offline (k8s overlays, KEDA/ServiceMonitor schemas, compose)
-	$(BIN)/python -m pytest -q -p no:logging tests/test_deploy_k8s.py tests/test_deploy_k8s_redis_users.py tests/test_redis_tls.py
+	$(BIN)/python -m pytest -q -p no:logging tests/test_deploy_k8s.py tests/test_deploy_k8s_security.py tests/test_deploy_k8s_redis_users.py tests/test_redis_tls.py
 
 bench-engine: $(STAMP)
 	$(BIN)/python benchmarks/engine.py --record

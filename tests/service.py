@@ -27,7 +27,8 @@ from gateway.sweeper import Sweeper
 from protos.keys import Keys
 from protos.tokenrelay.v1 import generate_pb2, generate_pb2_grpc
 from worker.config import DEFAULT_MODEL_NAME, WorkerConfig
-from worker.io.consumer import Consumer, TextEngineProtocol
+from worker.io.consumer import Consumer
+from worker.io.held import TextEngineProtocol
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,7 +1,7 @@
 """deploy/k8s's Redis users: the gateway's from its Secret, and one user per worker pod whose
 password its init container derives from the worker key (gateway/redis_acl.py). The Redis
 pod's and a worker pod's init commands run here, against a real Redis 7 (offline: the
-manifests come from tests/test_deploy_k8s.py's renderer)."""
+manifests come from tests/k8s_render.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import redis
 from gateway.redis_server import EmbeddedRedis
 from protos.keys import Keys
 from tests.acl_factories import NO_REDIS7, find_redis7
-from tests.test_deploy_k8s import DEPLOY, OVERLAYS, RENDERED, ROOT, container, env_of, find, worker_sets
+from tests.k8s_render import DEPLOY, OVERLAYS, RENDERED, ROOT, container, env_of, find, worker_sets
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
@@ -193,3 +194,14 @@ async def _failover(cluster: SentinelCluster) -> None:
     finally:
         sync.close()
         await aclient.aclose()
+
+
+def test_the_testcontainers_fixture_falls_through_at_once_without_docker(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from tests.conftest import _testcontainers_redis
+
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no-docker.sock")
+    start = time.monotonic()
+    with _testcontainers_redis() as container_url:
+        assert container_url is None
+    assert time.monotonic() - start < 3

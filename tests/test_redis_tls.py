@@ -27,7 +27,7 @@ import redis
 from gateway.redis_acl import worker_password
 from gateway.redis_server import free_port
 from protos.redis_conn import async_client, sync_client
-from tests.test_deploy_k8s import RENDERED, container, env_of, find, workloads, write_tls_files
+from tests.k8s_render import RENDERED, container, env_of, find, workloads, write_tls_files
 
 DOCS = RENDERED["cpu"]  # the overlays share the base's Redis
 START_TIMEOUT_S = 10.0

@@ -39,7 +39,7 @@ from worker.engine.config import (
 )
 
 if TYPE_CHECKING:
-    from worker.io.consumer import TextEngineProtocol
+    from worker.io.held import TextEngineProtocol
 
 
 def _env(name: str, default: object = None) -> str | None:

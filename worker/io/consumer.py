@@ -1,7 +1,8 @@
 """The worker's Redis side: claim requests, feed the engine, publish its tokens.
 
 One loop on one thread owns the engine (torch lives behind the
-`TextEngineProtocol`; this module imports none):
+`TextEngineProtocol`; this module imports none) and the requests it holds
+(worker/io/held.py: admission, chunks, finals, the round's writes):
 
     park what nobody follows, re-admit parked requests followed again ->
     claim what the engine can run now (worker/io/claim.py: forgotten
@@ -23,53 +24,32 @@ Redis was reachable is lost.
 
 from __future__ import annotations
 
-import heapq
 import logging
 import threading
 import time
-from typing import Any, Protocol
 
 import redis
 
-from protos.convert import chunk_to_pb, finish_reason_to_pb, params_from_pb, usage_to_pb
-from protos.keys import LogField
 from protos.metrics import MetricsServer
-from protos.params import FinishReason, PromptInput, SamplingParams
 from protos.redis_conn import Backoff
-from protos.tokenrelay.v1 import generate_pb2, queue_pb2
+from protos.tokenrelay.v1 import queue_pb2
 from protos.tracing import WORKER_SERVICE, Tracing
 from worker.config import WorkerConfig
-from worker.engine.outputs import Admitted, RequestOutput, Resume
 from worker.io.adapters import AdapterSync
 from worker.io.claim import Claimer, Owned, claim_capacity
+from worker.io.held import HeldRequests, TextEngineProtocol
 from worker.io.listener import AbortListener
 from worker.io.metrics import WorkerMetrics
-from worker.io.parking import POLL_INTERVAL_S, FollowCheck, ParkingLot
+from worker.io.parking import POLL_INTERVAL_S, FollowCheck
 from worker.io.pending import Claimed, other_workers_alive
 from worker.io.redis_io import Heartbeat as HeartbeatThread
-from worker.io.redis_io import Outbox, Publisher, connect, heartbeat_fields
+from worker.io.redis_io import Publisher, connect, heartbeat_fields
 from worker.io.tracing import RequestSpans
 from worker.io.tracked import Tracked
 
 log = logging.getLogger(__name__)
 
 ErrorCode = queue_pb2.ErrorCode
-
-
-class TextEngineProtocol(Protocol):
-    """What the consumer needs from `worker.engine.text_engine.TextEngine`."""
-
-    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams, *,
-                    arrival_time: float | None = None, resume: Resume | None = None,
-                    cache_scope: bytes = b"", adapter: str = "") -> Admitted: ...
-    @property
-    def adapters(self) -> tuple[str, ...]: ...
-    def load_adapter(self, name: str, path: str) -> None: ...
-    def unload_adapter(self, name: str) -> None: ...
-    def abort(self, request_id: str) -> None: ...
-    def step(self) -> list[RequestOutput]: ...
-    def has_unfinished(self) -> bool: ...
-    def stats(self) -> Any: ...
 
 
 class Consumer:
@@ -93,17 +73,14 @@ class Consumer:
         self._heartbeat = HeartbeatThread(self._client, config, on_fenced=self._on_fenced)
         self._aborts = AbortListener(self._client, config)
         self._adapters = AdapterSync(self._client, config, engine)
-        self._running: dict[str, Tracked] = {}
-        self._parked = ParkingLot(config.reattach_grace_s, config.max_parked)
-        self._outbox = Outbox()
         self._stopping = threading.Event()
         self._backoff = Backoff(config.max_backoff_s)
         self._claimer = Claimer(self._client, config)
         self._retry_claim_at = 0.0
         self._next_poll_at = 0.0  # a busy worker's next look at the streams
         self._follow_check = FollowCheck()
-        self._expiring: list[tuple[float, list[str]]] = []  # heap: (monotonic, log fields of a result)
-        self.num_finished = 0
+        self._held = HeldRequests(engine, config, self._spans, self._heartbeat, self._metrics)
+        self._running, self._parked = self._held.running, self._held.parked
 
     def stop(self) -> None:
         """Stop claiming; `run` finishes what runs (up to drain_timeout_s) and returns.
@@ -111,6 +88,11 @@ class Consumer:
         Safe to call from a signal handler or another thread.
         """
         self._stopping.set()
+
+    @property
+    def num_finished(self) -> int:
+        """Requests finished since start."""
+        return self._held.num_finished
 
     @property
     def is_stopping(self) -> bool:
@@ -146,9 +128,9 @@ class Consumer:
             # An engine bug: answer every caller and release the entries, then crash loudly.
             log.exception("worker failed; failing %d running requests", len(self._running))
             for tracked in self._running.values():
-                self._reject(tracked, ErrorCode.ERROR_CODE_INTERNAL, "the worker failed")
+                self._held.reject(tracked, ErrorCode.ERROR_CODE_INTERNAL, "the worker failed")
             self._running.clear()
-            self._publisher.submit(self._outbox)
+            self._publisher.submit(self._held.take_outbox())
             raise
         finally:
             self._aborts.close()
@@ -182,7 +164,7 @@ class Consumer:
             self._metrics.observe_step(time.perf_counter() - started, stats.num_step_prefill_tokens,
                                        stats.num_step_decode_tokens,
                                        getattr(stats, "grammar_mask_seconds", 0.0))
-        self._emit(outputs)
+        self._held.emit(outputs)
 
     def _redis_error(self) -> None:
         if self._metrics is not None:
@@ -208,7 +190,7 @@ class Consumer:
         self._finish_aborted()
         for tracked in self._parked.take_all():
             if not handoff:  # else left pending for another worker, which parks it in turn
-                self._end(tracked)
+                self._held.end(tracked)
         self._flush()
 
     def _drop_all(self) -> None:
@@ -221,7 +203,7 @@ class Consumer:
             self.engine.abort(key)
         self._finish_aborted()
         self._parked.take_all()
-        self._outbox = Outbox()
+        self._held.take_outbox()  # a fenced worker writes nothing more
 
     def _count_taken_over(self, n: int) -> None:
         if self._metrics is not None:
@@ -267,79 +249,21 @@ class Consumer:
     def _take(self, claimed: Claimed, owned: Owned | None, followed: dict[str, int]) -> None:
         qr = claimed.request
         if qr is None or owned is None:
-            return self._outbox.ack(claimed.stream, claimed.entry_id)  # unreadable: nobody to answer
+            return self._held.outbox.ack(claimed.stream, claimed.entry_id)  # unreadable: nobody to answer
         if owned.state == "busy":  # reconciliation looks again: its owner may finish it or be fenced
             log.warning("request %s is held by another live worker; left pending", qr.request_id)
             return None
         tracked = Tracked.of(self.keys, claimed.stream, claimed.entry_id, qr, owned.progress, owned.chunks)
         if owned.state != "own":  # its final is logged, or another attempt replaced it: done
-            return self._outbox.ack(claimed.stream, claimed.entry_id)
+            return self._held.outbox.ack(claimed.stream, claimed.entry_id)
         if owned.num_deliveries >= self.config.max_deliveries:
-            self._reject(tracked, ErrorCode.ERROR_CODE_UNAVAILABLE,
+            self._held.reject(tracked, ErrorCode.ERROR_CODE_UNAVAILABLE,
                          f"{owned.num_deliveries} workers stopped while running this request (limit "
                          "--max-deliveries); not trying again")
         elif not followed.get(tracked.channel):
-            self._park(tracked)  # its caller left while it was queued: compute nothing
+            self._held.park(tracked)  # its caller left while it was queued: compute nothing
         else:
-            self._admit(tracked)
-
-    def _admit(self, tracked: Tracked) -> None:
-        qr = tracked.request
-        self._spans.admitted(tracked)
-        if tracked.is_past_deadline(self._heartbeat.redis_now()):
-            return self._reject(tracked, ErrorCode.ERROR_CODE_DEADLINE_EXCEEDED,
-                                "the deadline passed while the request was queued")
-        if tracked.key in self._running or tracked.key in self._parked:  # this worker holds it already
-            log.error("entry %s of request %s claimed twice; ignoring the second claim", tracked.key,
-                      qr.request_id, extra=self._spans.log_fields(tracked))
-            return self._spans.left(tracked, "claimed twice")
-        progress = tracked.record if tracked.record.worker_id else None
-        resume = None if progress is None else Resume(tuple(tracked.token_ids), progress.seed,
-                                                      progress.first_token_unix)
-        adapter = qr.request.adapter
-        if adapter and adapter not in self.engine.adapters:  # unloaded since the gateway looked
-            return self._reject(tracked, ErrorCode.ERROR_CODE_NOT_FOUND,
-                                f"adapter {adapter!r} is not loaded on worker {self.config.worker_id} "
-                                f"(model {self.config.model_name}; loaded: "
-                                f"{', '.join(self.engine.adapters) or 'none'})")
-        try:
-            prompt, params = params_from_pb(qr.request)
-            admitted = self.engine.add_request(tracked.key, prompt, params,
-                                               arrival_time=qr.enqueued_unix or None, resume=resume,
-                                               cache_scope=qr.cache_scope, adapter=adapter)
-        except ValueError as e:  # bad field, or prompt + max_tokens longer than the context
-            return self._reject(tracked, ErrorCode.ERROR_CODE_INVALID_ARGUMENT, str(e))
-        except Exception as e:
-            log.exception("add_request failed for %s", qr.request_id, extra=self._spans.log_fields(tracked))
-            return self._reject(tracked, ErrorCode.ERROR_CODE_INTERNAL, f"worker error: {e}")
-        if (tracked.record.seed, tracked.record.worker_id) != (admitted.seed, self.config.worker_id):
-            tracked.record.seed, tracked.record.worker_id = admitted.seed, self.config.worker_id
-            self._outbox.progress[qr.request_id] = tracked.progress()
-        # billed once the worker knows it, even if the caller leaves; the gateways check this worker now
-        self._outbox.admitted[qr.request_id] = admitted.num_prompt_tokens
-        if admitted.text:
-            tracked.text_parts.append(admitted.text)
-        self._heartbeat.log_ttl_ms = max(self._heartbeat.log_ttl_ms, tracked.result_ttl_ms)
-        self._running[tracked.key] = tracked
-        log.debug("request %s: running entry %s", qr.request_id, tracked.key,
-                  extra=self._spans.log_fields(tracked))
-
-    def _reject(self, tracked: Tracked, code: queue_pb2.ErrorCode, message: str) -> None:
-        self._spans.failed(tracked, code, message)
-        self._outbox.publish(tracked.error_event(code, message))
-        self._end(tracked)
-
-    def _park(self, tracked: Tracked) -> None:
-        if not self._parked.park(tracked):
-            log.warning("request %s: %d requests parked already (--max-parked); abandoned",
-                        tracked.request_id, len(self._parked), extra=self._spans.log_fields(tracked))
-            self._end(tracked)
-
-    def _end(self, tracked: Tracked, final_seq: int | None = None) -> None:
-        """The attempt ended: release and acknowledge it; its log goes after the result TTL."""
-        self._outbox.end(tracked.request_id, tracked.record_key, tracked.stream, tracked.entry_id, final_seq)
-        fields = LogField.all_of(tracked.request_id, tracked.seq)
-        heapq.heappush(self._expiring, (time.monotonic() + tracked.result_ttl_ms / 1000, fields))
+            self._held.admit(tracked)
 
     # -- aborts and events -----------------------------------------------------------
 
@@ -370,64 +294,11 @@ class Consumer:
         for tracked in resumed:
             log.info("request %s is followed again: resuming it", tracked.request_id,
                      extra=self._spans.log_fields(tracked))
-            self._admit(tracked.again())
+            self._held.admit(tracked.again())
         for tracked in expired:
             log.info("request %s: nobody resumed it within %.1fs; abandoned", tracked.request_id,
                      self._parked.grace_s, extra=self._spans.log_fields(tracked))
-            self._end(tracked)
-
-    def _emit(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            tracked = self._running.get(out.request_id)
-            if tracked is None:
-                continue
-            if not tracked.is_handed_off:  # (a handed-off request's new owner writes its chunks)
-                if out.token_ids or out.text:
-                    tracked.hold(out.token_ids, out.text, out.logprobs)
-                if tracked.is_chunk_due(is_ending=out.finished):
-                    self._log_chunk(tracked)
-            if out.finished:
-                self._finish(out, tracked)
-
-    def _log_chunk(self, tracked: Tracked) -> None:
-        """What the request generated since its last chunk, as its next chunk (stream_interval:
-        tokens held until a chunk is due; unlogged ones die with the worker and are generated
-        again by the next attempt, which resumes after the logged chunks)."""
-        token_ids, text, logprobs = tracked.take_held()
-        chunk = chunk_to_pb(tracked.seq, token_ids, text, logprobs)
-        tracked.text_parts.append(text)
-        tracked.token_ids.extend(token_ids)
-        if not tracked.record.first_token_unix:
-            tracked.record.first_token_unix = time.time()
-            self._outbox.progress[tracked.request_id] = tracked.progress()
-        self._outbox.log(tracked.event(chunk=chunk))
-
-    def _finish(self, out: RequestOutput, tracked: Tracked) -> None:
-        del self._running[out.request_id]
-        if out.finish_reason is FinishReason.ABORT:
-            if tracked.is_handed_off:
-                return self._spans.left(tracked, "handed over")
-            if tracked.is_parking:
-                self._spans.left(tracked, "parked")
-                return self._park(tracked)
-        self.num_finished += 1
-        if tracked.error is not None and out.finish_reason is FinishReason.ABORT:
-            code, message = tracked.error
-            return self._reject(tracked, code, message)
-        if out.is_invalid_request:  # its format does not compile: a status, like a bad field
-            return self._reject(tracked, ErrorCode.ERROR_CODE_INVALID_ARGUMENT, out.error or "invalid format")
-        assert out.finish_reason is not None
-        final = generate_pb2.Final(finish_reason=finish_reason_to_pb(out.finish_reason),
-                                   text="".join(tracked.text_parts), error_message=out.error or "",
-                                   worker_id=self.config.worker_id)
-        if out.usage is not None:
-            final.usage.CopyFrom(usage_to_pb(out.usage))
-            if self._metrics is not None:
-                self._metrics.observe_finished(out.usage)
-        self._spans.finished(tracked, out)
-        event = tracked.event(final=final)
-        self._outbox.log(event)
-        self._end(tracked, final_seq=event.seq)
+            self._held.end(tracked)
 
     def _flush(self) -> None:
         stats = self.engine.stats()
@@ -436,10 +307,9 @@ class Consumer:
         if self._metrics is not None:
             self._metrics.update(stats, len(self._parked))
         now = time.monotonic()
-        while self._expiring and self._expiring[0][0] <= now:
-            self._outbox.drops += heapq.heappop(self._expiring)[1]
-        self._outbox.ends += self._publisher.take_left(now)  # ended; no gateway saw them held here yet
-        if self._outbox and not self.is_fenced:
-            self._outbox.room = max(0, stats.max_num_seqs - stats.num_running - stats.num_waiting)
-            self._publisher.submit(self._outbox)
-            self._outbox = Outbox()
+        self._held.expire(now)
+        outbox = self._held.outbox
+        outbox.ends += self._publisher.take_left(now)  # ended; no gateway saw them held here yet
+        if outbox and not self.is_fenced:
+            outbox.room = max(0, stats.max_num_seqs - stats.num_running - stats.num_waiting)
+            self._publisher.submit(self._held.take_outbox())
