@@ -20,6 +20,7 @@ import redis
 from gateway.config import GatewayConfig
 from gateway.redis_server import DEFAULT_MAXMEMORY, EVICTION_ARGS, PERSISTENCE_ARGS, EmbeddedRedis, free_port
 from protos.keys import Keys
+from tests.consumer_factories import Replies
 from tests.service import (
     GatewayThread,
     MetricsStack,
@@ -142,6 +143,14 @@ def make_gateway(redis_url: str, prefix: str) -> Iterator[Callable[..., GatewayT
     yield make
     for gateway in started:
         gateway.stop()
+
+
+@pytest.fixture
+def replies(client: redis.Redis) -> Iterator[Replies]:
+    """A caller's side without a gateway (tests/consumer_factories.py), closed after the test."""
+    r = Replies(client)
+    yield r
+    r.close()
 
 
 @pytest.fixture

@@ -15,9 +15,9 @@ from protos.convert import build_request
 from protos.keys import STREAM_DATA_FIELD, Keys
 from protos.params import ChatMessage, FinishReason, PromptInput, SamplingParams, Usage
 from protos.tokenrelay.v1 import queue_pb2
+from tests.consumer_factories import Replies
 from tests.factories import CountingEngine
 from tests.service import WorkerThread
-from tests.test_consumer import Replies
 from worker.config import DEFAULT_MODEL_NAME
 from worker.engine.kv_manager import KVCacheManager
 from worker.engine.outputs import Admitted

@@ -80,7 +80,7 @@ class Consumer:
         self._next_poll_at = 0.0  # a busy worker's next look at the streams
         self._follow_check = FollowCheck()
         self._held = HeldRequests(engine, config, self._spans, self._heartbeat, self._metrics)
-        self._running, self._parked = self._held.running, self._held.parked
+        self._running, self._parked = self._held.running, self._held.parked  # the same objects, not copies
 
     def stop(self) -> None:
         """Stop claiming; `run` finishes what runs (up to drain_timeout_s) and returns.
