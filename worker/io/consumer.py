@@ -258,14 +258,14 @@ class Consumer:
             return self._held.outbox.ack(claimed.stream, claimed.entry_id)
         if owned.num_deliveries >= self.config.max_deliveries:
             self._held.reject(tracked, ErrorCode.ERROR_CODE_UNAVAILABLE,
-                         f"{owned.num_deliveries} workers stopped while running this request (limit "
-                         "--max-deliveries); not trying again")
+                              f"{owned.num_deliveries} workers stopped while running this request (limit "
+                              "--max-deliveries); not trying again")
         elif not followed.get(tracked.channel):
             self._held.park(tracked)  # its caller left while it was queued: compute nothing
         else:
             self._held.admit(tracked)
 
-    # -- aborts and events -----------------------------------------------------------
+    # -- aborts and parked requests --------------------------------------------------
 
     def _apply_aborts(self) -> None:
         """Park what nobody follows (parking.FollowCheck); abort what passed its deadline."""
