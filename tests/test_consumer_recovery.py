@@ -61,16 +61,24 @@ def greedy_ids(engine: Any, prompt: str, max_tokens: int) -> tuple[list[int], st
     return ids, text
 
 
+def died_streaming(client: redis.Redis, keys: Keys, replies: Replies, engine: Any, consumer: str,
+                   num_streamed: int, max_tokens: int) -> tuple[list[int], str]:
+    """Request "r" (followed by `replies`) taken by `consumer`, which logged its first num_streamed
+    greedy tokens and died; the whole answer's (ids, text) as the reference engine gives them."""
+    ref_ids, ref_text = greedy_ids(engine, "Once upon a time", max_tokens)
+    replies.follow(keys, "r")
+    entry_id = enqueue(client, keys, "r", max_tokens=max_tokens, ignore_eos=True)
+    assert claim_as(client, keys, consumer) == entry_id
+    log_as(client, keys, consumer, "r", entry_id, ref_ids[:num_streamed], seed=3)
+    return ref_ids, ref_text
+
+
 @pytest.mark.slow
 def test_a_dead_workers_request_is_queued_again_and_resumed_without_a_gap(
         client: redis.Redis, prefix: str, replies: Replies, smollm_engine: Any,
         make_worker: Callable[..., WorkerThread], sweeper: SweeperThread) -> None:
     keys = Keys(prefix, DEFAULT_MODEL_NAME)
-    ref_ids, ref_text = greedy_ids(smollm_engine, "Once upon a time", 12)
-    replies.follow(keys, "r")
-    entry_id = enqueue(client, keys, "r", max_tokens=12, ignore_eos=True)
-    assert claim_as(client, keys, "ghost") == entry_id
-    log_as(client, keys, "ghost", "r", entry_id, ref_ids[:5], seed=3)  # it streamed 5 tokens, then died
+    ref_ids, ref_text = died_streaming(client, keys, replies, smollm_engine, "ghost", 5, max_tokens=12)
     worker = make_worker(**FAST_SWEEP)
     events = replies(1)["r"]
     assert [e.seq for e in events] == list(range(5, 5 + len(events)))  # continues at the next seq
@@ -175,12 +183,8 @@ def test_a_worker_restarted_under_the_same_id_resumes_what_its_earlier_run_left(
         client: redis.Redis, prefix: str, replies: Replies, smollm_engine: Any,
         make_worker: Callable[..., WorkerThread], sweeper: SweeperThread) -> None:
     keys = Keys(prefix, DEFAULT_MODEL_NAME)
-    ref_ids, _ = greedy_ids(smollm_engine, "Once upon a time", 10)
-    replies.follow(keys, "r")
-    entry_id = enqueue(client, keys, "r", max_tokens=10, ignore_eos=True)
-    earlier = "fixed-id.0ld0ne"  # the consumer of the earlier run: it took it, streamed 4, died
-    assert claim_as(client, keys, earlier) == entry_id
-    log_as(client, keys, earlier, "r", entry_id, ref_ids[:4], seed=3)
+    # the consumer of the earlier run ("fixed-id.0ld0ne") took it, streamed 4 tokens, died
+    ref_ids, _ = died_streaming(client, keys, replies, smollm_engine, "fixed-id.0ld0ne", 4, max_tokens=10)
     make_worker(worker_id="fixed-id")  # a new consumer: the earlier one is dead and swept
     events = replies(1)["r"]
     assert [e.seq for e in events] == list(range(4, 11))
